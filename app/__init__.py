@@ -1,0 +1,1 @@
+"""moechat.app"""

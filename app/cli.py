@@ -1,0 +1,64 @@
+"""The `moechat` command line."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+from collections.abc import Sequence
+
+from moechat import __version__
+
+from .paths import app_paths
+
+logger = logging.getLogger("moechat")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="moechat",
+        description="Chat with a local Mixture-of-Experts GGUF model whose experts live in host RAM.",
+    )
+    parser.add_argument("--version", action="version", version=f"moechat {__version__}")
+    parser.add_argument("--paths", action="store_true", help="print the config, data, cache and log directories")
+    parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    p_inspect = sub.add_parser("inspect", help="show what a GGUF model file holds")
+    p_inspect.add_argument("model", help="path to a .gguf file (the first shard of a split model)")
+    return parser
+
+
+def _fail(message: str) -> int:
+    # One line, no traceback: the message already names the file, place and cause.
+    print(f"moechat: error: {message}", file=sys.stderr)
+    return 2
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.WARNING,
+        format="%(levelname)s %(name)s: %(message)s",
+    )
+    if args.paths:
+        for name, path in app_paths().as_dict().items():
+            print(f"{name:<7} {path}")
+        return 0
+    try:
+        if args.command == "inspect":
+            from rich.console import Console
+
+            from .inspect_cmd import run_inspect
+
+            return run_inspect(args.model, Console())
+    except (ValueError, OSError) as e:
+        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+    except KeyboardInterrupt:
+        return 130
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""`moechat inspect MODEL.gguf`: what a model file holds, as a table."""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+
+from rich.console import Console
+from rich.table import Table
+
+from moechat.engine.config import ModelConfig
+from moechat.engine.gguf_file import GGUFFile
+from moechat.engine.model_file import open_model, quant_histogram
+
+_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
+
+
+def expert_bytes(gguf: GGUFFile) -> tuple[int, dict[int, int]]:
+    """Total bytes of expert weights, and bytes of one expert per layer."""
+    total = 0
+    per_layer: dict[int, int] = defaultdict(int)
+    for t in gguf.tensors.values():
+        m = _EXPERT_TENSOR.match(t.name)
+        if m:
+            total += t.n_bytes
+            per_layer[int(m.group(1))] += t.n_bytes // t.shape[0]
+    return total, dict(per_layer)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:,.1f} MiB"
+
+
+def summary_rows(gguf: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str]]:
+    total_exp, per_layer = expert_bytes(gguf)
+    hist = quant_histogram(gguf)
+    rows = [
+        ("file", f"{gguf.path.name} ({_mib(gguf.file_size)})"),
+        ("name", cfg.name),
+        ("architecture", cfg.arch),
+        ("layers", str(cfg.n_layers)),
+        ("embedding", str(cfg.n_embd)),
+        ("attention heads", f"{cfg.n_head} (kv {max(cfg.n_head_kv)}, head dim {cfg.head_dim})"),
+        ("context (trained)", str(cfg.n_ctx_train)),
+        ("vocabulary", str(cfg.n_vocab)),
+    ]
+    if cfg.is_moe:
+        one = max(per_layer.values()) if per_layer else 0
+        rows += [
+            ("experts", f"{cfg.n_expert} per layer, {cfg.n_expert_used} used per token, FFN {cfg.n_ff_exp}"),
+            ("shared experts", str(cfg.n_expert_shared)),
+            ("expert bytes", f"{_mib(total_exp)} total, {_mib(one)} per expert"),
+        ]
+    else:
+        rows.append(("experts", f"none (dense FFN {cfg.n_ff})"))
+    rows += [
+        ("quant types", ", ".join(f"{k} x{v}" for k, v in hist.most_common())),
+        ("tokenizer", str(gguf.metadata.get("tokenizer.ggml.model", "none"))),
+        ("chat template", "yes" if gguf.metadata.get("tokenizer.chat_template") else "no"),
+    ]
+    return rows
+
+
+def run_inspect(path: str, console: Console) -> int:
+    gguf, cfg = open_model(path)
+    with gguf:
+        table = Table(title=f"moechat inspect: {gguf.path.name}", show_header=False)
+        table.add_column("property", style="bold")
+        table.add_column("value")
+        for key, value in summary_rows(gguf, cfg):
+            table.add_row(key, value)
+        console.print(table)
+    return 0

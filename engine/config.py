@@ -1,0 +1,212 @@
+"""`ModelConfig`: the hyperparameters of a model, read from its GGUF metadata.
+
+Everything comes from `{arch}.*` keys (and, where the format has no key, from which tensors
+exist): never from a table of model names.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from .gguf_file import GGUFError, GGUFFile
+
+# Architectures whose blocks route tokens to experts, and dense ones we also read.
+MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss")
+DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
+SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(MOE_ARCHITECTURES + DENSE_ARCHITECTURES))
+
+# How each family turns router logits into expert weights (gguf's expert_gating_func values).
+GATING_SOFTMAX = 1
+GATING_SIGMOID = 2
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    kind: str = "none"  # none | linear | yarn
+    factor: float = 1.0
+    original_context: int = 0
+    yarn_beta_fast: float = 32.0
+    yarn_beta_slow: float = 1.0
+    yarn_ext_factor: float = -1.0  # < 0: derived from the factor, as llama.cpp does
+    yarn_attn_factor: float = 1.0
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    arch: str
+    name: str
+    n_layers: int
+    n_embd: int
+    n_vocab: int
+    n_ctx_train: int
+    n_head: int
+    n_head_kv: tuple[int, ...]  # per layer
+    head_dim: int  # key length
+    head_dim_v: int  # value length
+    n_ff: int  # dense FFN width (0 if none)
+    norm_eps: float
+    rope_theta: float
+    rope_dim: int
+    rope_scaling: RopeScaling
+    # Mixture of experts (n_expert == 0: dense).
+    n_expert: int = 0
+    n_expert_used: int = 0
+    n_ff_exp: int = 0
+    n_expert_shared: int = 0
+    n_ff_shexp: int = 0
+    expert_weights_norm: bool = False
+    expert_weights_scale: float = 1.0
+    expert_gating: int = GATING_SOFTMAX
+    # Attention details.
+    sliding_window: int = 0
+    swa_layers: tuple[bool, ...] = ()  # per layer: does it use the sliding window?
+    rope_theta_swa: float = 0.0  # 0: same as rope_theta
+    attn_softcap: float = 0.0
+    final_softcap: float = 0.0
+    extra: Mapping[str, Any] = field(default_factory=dict)
+
+    @property
+    def is_moe(self) -> bool:
+        return self.n_expert > 0
+
+    @property
+    def moe_layers(self) -> tuple[int, ...]:
+        return tuple(range(self.n_layers)) if self.is_moe else ()
+
+
+def _get(meta: Mapping[str, Any], path: str, key: str, default: Any = None, *, required: bool = False) -> Any:
+    value = meta.get(key, default)
+    if value is None and required:
+        raise GGUFError(f"{path}: key {key}: required for this architecture but missing")
+    return value
+
+
+def _int(meta: Mapping[str, Any], path: str, key: str, default: int | None = None) -> int:
+    value = _get(meta, path, key, default, required=default is None)
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise GGUFError(f"{path}: key {key}: expected an integer, got {type(value).__name__}")
+    value = int(value)
+    if value < 0:
+        raise GGUFError(f"{path}: key {key}: must not be negative, got {value}")
+    return value
+
+
+def _float(meta: Mapping[str, Any], path: str, key: str, default: float | None = None) -> float:
+    value = _get(meta, path, key, default, required=default is None)
+    if isinstance(value, (str, list, bool)):
+        raise GGUFError(f"{path}: key {key}: expected a number, got {type(value).__name__}")
+    return float(value)
+
+
+def _per_layer(meta: Mapping[str, Any], path: str, key: str, n_layers: int, default: int) -> tuple[int, ...]:
+    value = meta.get(key, default)
+    if isinstance(value, (int,)) and not isinstance(value, bool):
+        return (int(value),) * n_layers
+    try:
+        values = tuple(int(v) for v in value)
+    except TypeError:
+        raise GGUFError(f"{path}: key {key}: expected an integer or an array of integers") from None
+    if len(values) != n_layers:
+        raise GGUFError(f"{path}: key {key}: {len(values)} values for {n_layers} layers")
+    return values
+
+
+def model_config(gguf: GGUFFile) -> ModelConfig:
+    """Build the config of an opened file, or raise `GGUFError` naming the problem."""
+    meta, path = gguf.metadata, str(gguf.path)
+    arch = gguf.architecture
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise GGUFError(
+            f"{path}: unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
+        )
+    p = f"{arch}."
+    n_layers = _int(meta, path, p + "block_count")
+    n_embd = _int(meta, path, p + "embedding_length")
+    n_head = _int(meta, path, p + "attention.head_count")
+    if n_layers == 0 or n_embd == 0 or n_head == 0:
+        raise GGUFError(f"{path}: block_count, embedding_length and head_count must be positive")
+    n_head_kv = _per_layer(meta, path, p + "attention.head_count_kv", n_layers, n_head)
+    if any(h == 0 or n_head % h for h in n_head_kv):
+        raise GGUFError(f"{path}: key {p}attention.head_count_kv: {n_head_kv} does not divide {n_head} heads")
+    head_dim = _int(meta, path, p + "attention.key_length", n_embd // n_head)
+    head_dim_v = _int(meta, path, p + "attention.value_length", head_dim)
+    tokens = meta.get("tokenizer.ggml.tokens")
+    embd = gguf.tensors.get("token_embd.weight")
+    n_vocab = int(embd.shape[0]) if embd is not None else len(tokens or [])
+    n_vocab = _int(meta, path, p + "vocab_size", n_vocab)
+
+    n_expert = _int(meta, path, p + "expert_count", 0)
+    n_expert_used = _int(meta, path, p + "expert_used_count", 0)
+    if n_expert and not 0 < n_expert_used <= n_expert:
+        raise GGUFError(f"{path}: key {p}expert_used_count: {n_expert_used} not in 1..{n_expert}")
+    n_ff = meta.get(p + "feed_forward_length", 0)
+    n_ff = max(n_ff) if isinstance(n_ff, (list, tuple)) or hasattr(n_ff, "shape") else int(n_ff)
+
+    scaling_type = str(meta.get(p + "rope.scaling.type", "none"))
+    rope_scaling = RopeScaling(
+        kind=scaling_type,
+        factor=_float(meta, path, p + "rope.scaling.factor", 1.0),
+        original_context=_int(meta, path, p + "rope.scaling.original_context_length", 0),
+        yarn_beta_fast=_float(meta, path, p + "rope.scaling.yarn_beta_fast", 32.0),
+        yarn_beta_slow=_float(meta, path, p + "rope.scaling.yarn_beta_slow", 1.0),
+        yarn_ext_factor=_float(meta, path, p + "rope.scaling.yarn_ext_factor", -1.0),
+        yarn_attn_factor=_float(meta, path, p + "rope.scaling.yarn_attn_factor", 1.0),
+    )
+
+    # Families that the format leaves implicit: which layers slide, and the gating function.
+    sliding_window = _int(meta, path, p + "attention.sliding_window", 0)
+    swa_layers: tuple[bool, ...] = (False,) * n_layers
+    rope_theta_swa = 0.0
+    gating = GATING_SOFTMAX
+    weights_norm_default = False
+    if arch == "gemma3":
+        # Every sixth layer is global; the others slide and use a base frequency of 10k.
+        swa_layers = tuple((i + 1) % 6 != 0 for i in range(n_layers)) if sliding_window else swa_layers
+        rope_theta_swa = 10_000.0
+    elif arch == "gpt-oss":
+        swa_layers = tuple(i % 2 == 0 for i in range(n_layers)) if sliding_window else swa_layers
+        gating = 3  # softmax over the selected logits only
+    elif arch == "qwen3moe":
+        weights_norm_default = True
+    pattern = meta.get(p + "attention.sliding_window_pattern")
+    if pattern is not None and sliding_window:
+        if isinstance(pattern, (int,)) and not isinstance(pattern, bool):
+            swa_layers = tuple(int(pattern) > 0 and (i + 1) % int(pattern) != 0 for i in range(n_layers))
+        else:
+            swa_layers = tuple(bool(v) for v in pattern)[:n_layers]
+    gating = _int(meta, path, p + "expert_gating_func", gating)
+
+    default_eps = _float(meta, path, p + "attention.layer_norm_epsilon", 1e-5)
+    return ModelConfig(
+        arch=arch,
+        name=str(meta.get("general.name", gguf.path.stem)),
+        n_layers=n_layers,
+        n_embd=n_embd,
+        n_vocab=n_vocab,
+        n_ctx_train=_int(meta, path, p + "context_length", 4096),
+        n_head=n_head,
+        n_head_kv=n_head_kv,
+        head_dim=head_dim,
+        head_dim_v=head_dim_v,
+        n_ff=n_ff,
+        norm_eps=_float(meta, path, p + "attention.layer_norm_rms_epsilon", default_eps),
+        rope_theta=_float(meta, path, p + "rope.freq_base", 10_000.0),
+        rope_dim=_int(meta, path, p + "rope.dimension_count", head_dim),
+        rope_scaling=rope_scaling,
+        n_expert=n_expert,
+        n_expert_used=n_expert_used,
+        n_ff_exp=_int(meta, path, p + "expert_feed_forward_length", n_ff if n_expert else 0),
+        n_expert_shared=_int(meta, path, p + "expert_shared_count", 0),
+        n_ff_shexp=_int(meta, path, p + "expert_shared_feed_forward_length", 0),
+        expert_weights_norm=bool(meta.get(p + "expert_weights_norm", weights_norm_default)),
+        expert_weights_scale=_float(meta, path, p + "expert_weights_scale", 1.0),
+        expert_gating=gating,
+        sliding_window=sliding_window,
+        swa_layers=swa_layers,
+        rope_theta_swa=rope_theta_swa,
+        attn_softcap=_float(meta, path, p + "attn_logit_softcapping", 0.0),
+        final_softcap=_float(meta, path, p + "final_logit_softcapping", 0.0),
+    )

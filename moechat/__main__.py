@@ -1,0 +1,3 @@
+from moechat.app.cli import main
+
+raise SystemExit(main())
