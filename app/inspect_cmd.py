@@ -5,12 +5,11 @@ from __future__ import annotations
 import re
 from collections import defaultdict
 
-from rich.console import Console
-from rich.table import Table
-
 from moechat.engine.config import ModelConfig
 from moechat.engine.gguf_file import GGUFFile
 from moechat.engine.model_file import open_model, quant_histogram
+from rich.console import Console
+from rich.table import Table
 
 _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 

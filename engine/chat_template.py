@@ -51,9 +51,8 @@ class _BoundedSandbox(ImmutableSandboxedEnvironment):
                 raise SecurityError("exponent too large")
             return operator.pow(left, right)
         for seq, times in ((left, right), (right, left)):
-            if isinstance(seq, (str, list, tuple)) and isinstance(times, int):
-                if len(seq) * max(times, 0) > MAX_STRING_CHARS:
-                    raise SecurityError("repetition builds a value too large")
+            if isinstance(seq, (str, list, tuple)) and isinstance(times, int) and len(seq) * times > MAX_STRING_CHARS:
+                raise SecurityError("repetition builds a value too large")
         return operator.mul(left, right)
 
 
@@ -94,7 +93,7 @@ class ChatTemplate:
             raise ChatTemplateError(f"chat template ({self.origin}) blocked by the sandbox: {e}") from None
         except jinja2.TemplateError as e:
             raise ChatTemplateError(f"chat template ({self.origin}) failed: {e}") from None
-        except (TypeError, ValueError, AttributeError, KeyError, IndexError, RecursionError) as e:
+        except (Exception, RecursionError) as e:  # untrusted code: any failure is the template's
             raise ChatTemplateError(f"chat template ({self.origin}) failed: {type(e).__name__}: {e}") from None
         if len(out) > MAX_OUTPUT_CHARS:
             raise ChatTemplateError(f"chat template ({self.origin}) produced {len(out)} characters; too large")
@@ -116,8 +115,8 @@ def load_chat_template(
         except (OSError, UnicodeDecodeError) as e:
             raise ChatTemplateError(f"{path}: cannot read chat template: {e}") from None
         return ChatTemplate(source, str(path), bos_token, eos_token)
-    source = metadata.get("tokenizer.chat_template")
-    if isinstance(source, str) and source.strip():
-        return ChatTemplate(source, "gguf", bos_token, eos_token)
+    embedded = metadata.get("tokenizer.chat_template")
+    if isinstance(embedded, str) and embedded.strip():
+        return ChatTemplate(embedded, "gguf", bos_token, eos_token)
     logger.warning("the model has no chat template: using a plain 'User:/Assistant:' format")
     return ChatTemplate(PLAIN_TEMPLATE, "plain fallback", bos_token, eos_token)

@@ -119,9 +119,7 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     meta, path = gguf.metadata, str(gguf.path)
     arch = gguf.architecture
     if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(
-            f"{path}: unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})"
-        )
+        raise GGUFError(f"{path}: unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     p = f"{arch}."
     n_layers = _int(meta, path, p + "block_count")
     n_embd = _int(meta, path, p + "embedding_length")

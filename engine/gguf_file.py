@@ -69,6 +69,7 @@ _NUMPY_OF: dict[int, str] = {
     12: "<f8",
 }
 _STRING = 8
+_BAD_COUNT = "truncated file or bad count: "
 _ARRAY = 9
 
 
@@ -198,9 +199,13 @@ class _Shard:
         remaining = cur.size - cur.pos
         # A key/value takes >= 13 bytes and a tensor info >= 24: counts beyond that are lies.
         if n_kv * 13 > remaining:
-            raise cur.fail(f"metadata count {n_kv} cannot fit in the {remaining} bytes left", 16)
+            raise cur.fail(
+                f"truncated file or bad count: metadata count {n_kv} cannot fit in the {remaining} bytes left", 16
+            )
         if n_tensors * 24 > remaining:
-            raise cur.fail(f"tensor count {n_tensors} cannot fit in the {remaining} bytes left", 8)
+            raise cur.fail(
+                f"truncated file or bad count: tensor count {n_tensors} cannot fit in the {remaining} bytes left", 8
+            )
         for _ in range(n_kv):
             start = cur.pos
             key = cur.string("metadata key", MAX_KEY_LENGTH)
@@ -321,9 +326,7 @@ class GGUFFile(Mapping[str, TensorInfo]):
     def _check_split(self) -> None:
         declared = self.metadata.get("split.count")
         if declared is not None and int(declared) != len(self._shards):
-            raise GGUFError(
-                f"{self.path}: metadata split.count={declared} but {len(self._shards)} file(s) were found"
-            )
+            raise GGUFError(f"{self.path}: metadata split.count={declared} but {len(self._shards)} file(s) were found")
         expected = self.metadata.get("split.tensors.count")
         if expected is not None and int(expected) != len(self.tensors):
             raise GGUFError(

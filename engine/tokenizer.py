@@ -304,7 +304,7 @@ class Tokenizer:
         if not 0 <= tid < len(self.tokens):
             raise IndexError(f"token id {tid} outside the vocabulary of {len(self.tokens)}")
         text, kind = self.tokens[tid], self.types[tid]
-        if kind == CONTROL or kind == UNUSED:
+        if kind in (CONTROL, UNUSED):
             return text.encode("utf-8") if special else b""
         if kind == USER_DEFINED:
             return text.encode("utf-8")
@@ -350,9 +350,8 @@ class StreamDecoder:
 
 
 def _build_byte_bpe(tokens: Sequence[str], merges: Sequence[str], pre: str) -> Any:
-    from tokenizers import Regex
+    from tokenizers import Regex, models, pre_tokenizers
     from tokenizers import Tokenizer as HFTokenizer
-    from tokenizers import models, pre_tokenizers
 
     if pre not in PRE_TOKENIZERS:
         logger.warning("unknown pre-tokenizer '%s': using the GPT-2 default", pre)

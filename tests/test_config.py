@@ -1,0 +1,84 @@
+"""ModelConfig from GGUF metadata, for each architecture family."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from moechat.engine.config import GATING_SIGMOID, ModelConfig, model_config
+from moechat.engine.gguf_file import GGUFError, GGUFFile
+from testkit.ggufgen import Q, write_gguf
+
+
+def _config(tmp_path: Path, arch: str, **keys: object) -> ModelConfig:
+    meta = {
+        f"{arch}.block_count": 4,
+        f"{arch}.embedding_length": 256,
+        f"{arch}.attention.head_count": 8,
+        f"{arch}.attention.head_count_kv": 2,
+        f"{arch}.context_length": 4096,
+        **{f"{arch}.{k}": v for k, v in keys.items()},
+    }
+    embd = {"token_embd.weight": (np.zeros((100, 256), np.float32), Q.F32)}
+    path = write_gguf(tmp_path / f"{arch}.gguf", arch, meta, embd, template=None)
+    with GGUFFile(path) as f:
+        return model_config(f)
+
+
+def test_qwen3moe(tmp_path: Path) -> None:
+    c = _config(tmp_path, "qwen3moe", expert_count=128, expert_used_count=8, expert_feed_forward_length=768,
+                **{"attention.key_length": 128, "rope.freq_base": 1e6})  # fmt: skip
+    assert (c.n_layers, c.n_embd, c.n_head, c.n_head_kv[0], c.head_dim) == (4, 256, 8, 2, 128)
+    assert (c.n_expert, c.n_expert_used, c.n_ff_exp) == (128, 8, 768)
+    assert c.is_moe and c.moe_layers == (0, 1, 2, 3)
+    assert c.expert_weights_norm and c.rope_theta == 1e6 and c.n_vocab == 100
+
+
+def test_qwen2moe_shared_expert(tmp_path: Path) -> None:
+    c = _config(tmp_path, "qwen2moe", expert_count=60, expert_used_count=4, expert_feed_forward_length=1408,
+                expert_shared_feed_forward_length=5632, expert_shared_count=1)  # fmt: skip
+    assert (c.n_expert, c.n_expert_used, c.n_ff_exp, c.n_ff_shexp, c.n_expert_shared) == (60, 4, 1408, 5632, 1)
+    assert not c.expert_weights_norm
+
+
+def test_mixtral_is_llama_with_experts(tmp_path: Path) -> None:
+    c = _config(tmp_path, "llama", expert_count=8, expert_used_count=2, feed_forward_length=14336)
+    assert c.arch == "llama" and c.is_moe and c.n_ff_exp == 14336 and c.head_dim == 32
+
+
+def test_olmoe(tmp_path: Path) -> None:
+    c = _config(tmp_path, "olmoe", expert_count=64, expert_used_count=8, expert_feed_forward_length=1024)
+    assert (c.n_expert, c.n_expert_used, c.n_ff_exp) == (64, 8, 1024)
+
+
+def test_gpt_oss(tmp_path: Path) -> None:
+    c = _config(
+        tmp_path, "gpt-oss", expert_count=32, expert_used_count=4, expert_feed_forward_length=2880,
+        **{"attention.sliding_window": 128, "rope.scaling.type": "yarn", "rope.scaling.factor": 32.0,
+           "rope.scaling.original_context_length": 4096, "expert_gating_func": GATING_SIGMOID},
+    )  # fmt: skip
+    assert c.sliding_window == 128 and c.swa_layers == (True, False, True, False)
+    assert c.rope_scaling.kind == "yarn" and c.rope_scaling.factor == 32.0 and c.rope_scaling.original_context == 4096
+    assert c.expert_gating == GATING_SIGMOID
+
+
+def test_dense_gemma3_from_the_real_file(gemma_gguf: Path) -> None:
+    with GGUFFile(gemma_gguf) as f:
+        c = model_config(f)
+    assert (c.arch, c.n_layers, c.n_embd, c.n_ff, c.n_vocab) == ("gemma3", 18, 640, 2048, 262144)
+    assert not c.is_moe and c.head_dim == 256 and c.n_head_kv == (1,) * 18
+    assert c.sliding_window == 512 and c.swa_layers.count(False) == 3 and not c.swa_layers[5]
+
+
+@pytest.mark.parametrize(
+    ("keys", "message"),
+    [
+        ({"expert_count": 8, "expert_used_count": 9}, "expert_used_count: 9 not in 1..8"),
+        ({"attention.head_count_kv": 3}, "does not divide 8 heads"),
+        ({"attention.key_length": "wide"}, "expected an integer"),
+    ],
+)
+def test_bad_values(tmp_path: Path, keys: dict, message: str) -> None:
+    with pytest.raises(GGUFError, match=message):
+        _config(tmp_path, "qwen3moe", **keys)

@@ -1,0 +1,73 @@
+"""The install layout, the headless core's imports, and the basic CLI flags."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+
+def _py(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_one_import_root_and_no_generic_top_level_names(tmp_path: Path) -> None:
+    ok = _py("import moechat.engine, moechat.app, moechat.tuner, moechat.widgets; print('ok')", tmp_path)
+    assert ok.returncode == 0, ok.stderr
+    assert ok.stdout.strip() == "ok"
+    for generic in ("engine", "app", "tuner", "widgets"):
+        r = _py(f"import {generic}", tmp_path)
+        assert r.returncode != 0, f"'import {generic}' must fail outside the checkout"
+        assert "ModuleNotFoundError" in r.stderr
+
+
+def test_headless_core_imports_no_ui_libraries(tmp_path: Path) -> None:
+    code = (
+        "import sys, pkgutil, importlib\n"
+        "import moechat.engine, moechat.tuner\n"
+        "for pkg in (moechat.engine, moechat.tuner):\n"
+        "    for m in pkgutil.walk_packages(pkg.__path__, pkg.__name__ + '.'):\n"
+        "        importlib.import_module(m.name)\n"
+        "bad = sorted(n for n in sys.modules if n.split('.')[0] in ('textual', 'rich', 'plotext'))\n"
+        "print(len([n for n in sys.modules if n.startswith('moechat.engine.')]), bad)\n"
+    )
+    r = _py(code, tmp_path)
+    assert r.returncode == 0, r.stderr
+    count, bad = r.stdout.strip().split(" ", 1)
+    assert int(count) >= 6, "the walk must have imported the engine's modules"
+    assert bad == "[]"
+
+
+def _moechat(*args: str, cwd: Path, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "moechat", *args], cwd=cwd, capture_output=True, text=True, timeout=120, env=env
+    )
+
+
+def test_version_and_help(tmp_path: Path) -> None:
+    import moechat
+
+    r = _moechat("--version", cwd=tmp_path)
+    assert r.returncode == 0
+    assert r.stdout.strip() == f"moechat {moechat.__version__}"
+    r = _moechat("--help", cwd=tmp_path)
+    assert r.returncode == 0
+    assert "inspect" in r.stdout and "--paths" in r.stdout
+
+
+def test_paths_prints_four_directories(tmp_path: Path) -> None:
+    import os
+
+    env = {k: v for k, v in os.environ.items() if k != "MOECHAT_HOME"}
+    env["XDG_CONFIG_HOME"] = str(tmp_path / "cfg")
+    env["XDG_DATA_HOME"] = str(tmp_path / "dat")
+    env["XDG_CACHE_HOME"] = str(tmp_path / "cch")
+    env["XDG_STATE_HOME"] = str(tmp_path / "st")
+    r = _moechat("--paths", cwd=tmp_path, env=env)
+    assert r.returncode == 0, r.stderr
+    lines = dict(line.split(None, 1) for line in r.stdout.strip().splitlines())
+    assert set(lines) == {"config", "data", "cache", "log"}
+    assert lines["config"] == str(tmp_path / "cfg" / "moechat")
+    assert lines["cache"] == str(tmp_path / "cch" / "moechat")
+    assert lines["data"].startswith(str(tmp_path / "dat"))
+    assert lines["log"].startswith(str(tmp_path / "st"))

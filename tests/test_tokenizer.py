@@ -1,0 +1,161 @@
+"""Tokenizers from GGUF metadata against references we did not write: tiktoken and transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from moechat.engine.gguf_file import GGUFFile
+from moechat.engine.tokenizer import Tokenizer, TokenizerError
+from testkit.vocab import QWEN_PATTERN, Vocab, qwen_vocab
+
+MULTILINGUAL = (
+    "Hello world! The quick brown fox jumps over the lazy dog. It's 2026, isn't it?\n"
+    "naïve café — déjà vu; Straße, Ærø, İstanbul. 東京は晴れです。北京欢迎你！ 안녕하세요 세계.\n"
+    "Привет, мир! Γειά σου Κόσμε. مرحبا بالعالم. שלום עולם. नमस्ते दुनिया. สวัสดีชาวโลก\n"
+    "Emoji: 🤖🎉👩‍👩‍👧‍👦🇯🇵  tabs\tand   runs of    spaces\n\n\ncode: def f(x): return x**2 + 1_000_000\n"
+    "numbers 1234567890 3.14159 -42e-3 ... ???!!! <html><b>bold</b></html> ‘quotes’ “double”"
+)
+
+
+def _qwen_meta(v: Vocab) -> dict[str, Any]:
+    return {
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": "qwen2",
+        "tokenizer.ggml.tokens": v.tokens,
+        "tokenizer.ggml.token_type": v.types,
+        "tokenizer.ggml.merges": v.merges,
+        "tokenizer.ggml.bos_token_id": v.specials["<|endoftext|>"],
+        "tokenizer.ggml.eos_token_id": v.specials["<|im_end|>"],
+        "tokenizer.ggml.add_bos_token": False,
+    }
+
+
+def _tiktoken(v: Vocab) -> Any:
+    import tiktoken
+
+    return tiktoken.Encoding("qwen-ref", pat_str=QWEN_PATTERN, mergeable_ranks=v.ranks, special_tokens=v.specials)
+
+
+@pytest.fixture(scope="module")
+def qwen() -> tuple[Tokenizer, Any]:
+    v = qwen_vocab()
+    return Tokenizer.from_metadata(_qwen_meta(v)), _tiktoken(v)
+
+
+def test_qwen_bpe_matches_tiktoken(qwen: tuple[Tokenizer, Any]) -> None:
+    tok, ref = qwen
+    ids = tok.encode(MULTILINGUAL)
+    assert ids == ref.encode_ordinary(MULTILINGUAL)
+    assert len(ids) > 150
+    assert tok.decode(ids) == MULTILINGUAL
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=60))
+def test_qwen_bpe_matches_tiktoken_on_any_text(qwen: tuple[Tokenizer, Any], text: str) -> None:
+    tok, ref = qwen
+    # Lone surrogates cannot be encoded as UTF-8 by either side.
+    text = text.encode("utf-8", "replace").decode("utf-8")
+    ids = tok.encode(text)
+    assert ids == ref.encode_ordinary(text)
+    assert tok.decode(ids) == text
+
+
+def test_qwen_special_tokens_only_when_asked(qwen: tuple[Tokenizer, Any]) -> None:
+    tok, ref = qwen
+    text = "<|im_start|>user\nhi<|im_end|>"
+    parsed = tok.encode(text, parse_special=True)
+    assert parsed == ref.encode(text, allowed_special="all")
+    assert parsed[0] == 151644 and parsed[-1] == 151645
+    plain = tok.encode(text)
+    assert 151644 not in plain and plain == ref.encode_ordinary(text)
+    assert tok.is_eog(151645) and not tok.is_eog(151644)
+    assert tok.decode(parsed) == "user\nhi" and tok.decode(parsed, special=True) == text
+
+
+def test_tokenizer_from_a_gguf_file_with_a_truncated_vocabulary(tiny_model: Path) -> None:
+    with GGUFFile(tiny_model) as f:
+        tok = Tokenizer.from_metadata(f.metadata)
+    ref = _tiktoken(qwen_vocab(1024))
+    assert tok.n_vocab == 1027
+    assert tok.encode(MULTILINGUAL) == ref.encode_ordinary(MULTILINGUAL)
+    assert tok.decode(tok.encode(MULTILINGUAL)) == MULTILINGUAL
+
+
+@pytest.fixture(scope="module")
+def gemma(gemma_gguf: Path, test_cache: Path) -> tuple[Tokenizer, Any]:
+    from transformers import AutoTokenizer
+
+    with GGUFFile(gemma_gguf) as f:
+        tok = Tokenizer.from_metadata(f.metadata)
+    # transformers converts the GGUF vocabulary itself (about 30 s): keep its result between runs.
+    saved = test_cache / "gemma3-reference-tokenizer"
+    if not (saved / "tokenizer.json").exists():
+        ref = AutoTokenizer.from_pretrained(gemma_gguf.parent, gguf_file=gemma_gguf.name)
+        ref.save_pretrained(saved)
+    return tok, AutoTokenizer.from_pretrained(saved)
+
+
+def test_gemma_spm_matches_transformers(gemma: tuple[Tokenizer, Any]) -> None:
+    tok, ref = gemma
+    text = MULTILINGUAL + " <start_of_turn>user\nhello<end_of_turn>"
+    ids = tok.encode(text, parse_special=True)
+    assert ids == ref(text)["input_ids"]
+    assert ids[0] == 2  # BOS, as the metadata asks
+    assert tok.encode(text, add_special=False, parse_special=True) == ids[1:]
+    assert tok.decode(tok.encode(MULTILINGUAL)) == MULTILINGUAL
+
+
+@settings(max_examples=100, deadline=None)
+@given(text=st.text(alphabet=st.characters(codec="utf-8"), max_size=40))
+def test_gemma_spm_matches_transformers_on_any_text(gemma: tuple[Tokenizer, Any], text: str) -> None:
+    tok, ref = gemma
+    ids = tok.encode(text, parse_special=True)
+    assert ids == ref(text)["input_ids"]
+
+
+def test_gemma_byte_fallback_and_control_tokens(gemma: tuple[Tokenizer, Any]) -> None:
+    tok, _ = gemma
+    # Rare CJK extension characters: those the vocabulary lacks become their UTF-8 bytes.
+    rare = [chr(c) for c in range(0x2B740, 0x2B81D)]
+    fallback = [ch for ch in rare if len(tok.encode(ch, add_special=False)) == 4]
+    assert len(fallback) > 10
+    text = "".join(fallback[:3])
+    ids = tok.encode(text, add_special=False)
+    assert len(ids) == 12 and all(tok.tokens[i].startswith("<0x") for i in ids)
+    assert tok.decode(ids) == text
+    assert tok.is_eog(1) and tok.decode([2, 1]) == ""
+
+
+@pytest.mark.parametrize("which", ["qwen", "gemma"])
+def test_stream_decoding_never_emits_half_a_character(
+    which: str, qwen: tuple[Tokenizer, Any], gemma: tuple[Tokenizer, Any]
+) -> None:
+    tok = (qwen if which == "qwen" else gemma)[0]
+    text = "東京 🤖🎉👩‍👩‍👧‍👦 \U0002b740 naïve"
+    ids = tok.encode(text, add_special=False)
+    dec = tok.stream_decoder()
+    pieces = [dec.push(i) for i in ids] + [dec.flush()]
+    assert "".join(pieces) == text
+    assert all("\ufffd" not in p for p in pieces)
+    # Some token ends inside a character: the decoder held those bytes back.
+    assert any(p == "" and tok.token_bytes(i) for p, i in zip(pieces, ids, strict=False))
+
+
+def test_bad_tokenizer_metadata() -> None:
+    v = qwen_vocab(300)
+    meta = _qwen_meta(v)
+    with pytest.raises(TokenizerError, match="tokenizer.ggml.model: missing"):
+        Tokenizer.from_metadata({k: x for k, x in meta.items() if k != "tokenizer.ggml.model"})
+    with pytest.raises(TokenizerError, match="unsupported tokenizer model 'bert'"):
+        Tokenizer.from_metadata({**meta, "tokenizer.ggml.model": "bert"})
+    with pytest.raises(TokenizerError, match="eos_token_id: 99999 outside"):
+        Tokenizer.from_metadata({**meta, "tokenizer.ggml.eos_token_id": 99999})
+    with pytest.raises(TokenizerError, match="token_type: 2 entries"):
+        Tokenizer.from_metadata({**meta, "tokenizer.ggml.token_type": [1, 1]})
+    with pytest.raises(TokenizerError, match="merges: missing"):
+        Tokenizer.from_metadata({k: x for k, x in meta.items() if k != "tokenizer.ggml.merges"})

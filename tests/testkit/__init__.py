@@ -1,0 +1,1 @@
+"""Helpers that write the test suite's own GGUF files and vocabularies."""

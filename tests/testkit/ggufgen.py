@@ -1,0 +1,169 @@
+"""Writing GGUF files for tests with `gguf.GGUFWriter`: tiny models with real tokenizer metadata."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFWriter
+
+from .vocab import Vocab, qwen_vocab
+
+Q = GGMLQuantizationType
+
+# Byte offsets of the float16 scale fields in each block type: random blocks get sane scales there.
+F16_SCALES: dict[GGMLQuantizationType, tuple[int, ...]] = {
+    Q.Q4_0: (0,),
+    Q.Q4_1: (0, 2),
+    Q.Q5_0: (0,),
+    Q.Q5_1: (0, 2),
+    Q.Q8_0: (0,),
+    Q.Q2_K: (80, 82),
+    Q.Q3_K: (108,),
+    Q.Q4_K: (0, 2),
+    Q.Q5_K: (0, 2),
+    Q.Q6_K: (208,),
+    Q.IQ4_NL: (0,),
+    Q.IQ4_XS: (0,),
+}
+
+
+def random_blocks(
+    qtype: GGMLQuantizationType, n_blocks: int, rng: np.random.Generator, scale: float = 0.01
+) -> np.ndarray:
+    """`[n_blocks, type_size]` random blocks whose scales are finite and about `scale`."""
+    _, size = GGML_QUANT_SIZES[qtype]
+    raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    for at in F16_SCALES.get(qtype, ()):
+        d = (rng.uniform(0.5, 1.5, size=n_blocks) * scale).astype(np.float16)
+        raw[:, at : at + 2] = d.view(np.uint8).reshape(n_blocks, 2)
+    if qtype == Q.MXFP4:
+        raw[:, 0] = rng.integers(118, 124, size=n_blocks, dtype=np.uint8)
+    return raw
+
+
+def quantized(shape: tuple[int, ...], qtype: GGMLQuantizationType, rng: np.random.Generator) -> np.ndarray:
+    """Random data for a tensor of torch-order `shape` in `qtype`, as the writer wants it."""
+    if qtype == Q.F32:
+        return (rng.standard_normal(shape) * 0.05).astype(np.float32)
+    if qtype == Q.F16:
+        return (rng.standard_normal(shape) * 0.05).astype(np.float16)
+    block, size = GGML_QUANT_SIZES[qtype]
+    n_blocks = int(np.prod(shape)) // block
+    return random_blocks(qtype, n_blocks, rng).reshape(*shape[:-1], shape[-1] // block * size)
+
+
+def add_tokenizer(w: GGUFWriter, vocab: Vocab, template: str | None = None) -> None:
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("qwen2")
+    w.add_token_list(vocab.tokens)
+    w.add_token_types(vocab.types)
+    w.add_token_merges(vocab.merges)
+    w.add_bos_token_id(vocab.specials["<|endoftext|>"])
+    w.add_eos_token_id(vocab.specials["<|im_end|>"])
+    w.add_add_bos_token(False)
+    if template is not None:
+        w.add_chat_template(template)
+
+
+QWEN_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def write_gguf(
+    path: Path,
+    arch: str,
+    metadata: Mapping[str, Any],
+    tensors: Mapping[str, tuple[np.ndarray, GGMLQuantizationType]],
+    *,
+    vocab: Vocab | None = None,
+    template: str | None = QWEN_TEMPLATE,
+) -> Path:
+    w = GGUFWriter(str(path), arch)
+    for key, value in metadata.items():
+        if isinstance(value, bool):
+            w.add_bool(key, value)
+        elif isinstance(value, int):
+            w.add_uint32(key, value)
+        elif isinstance(value, float):
+            w.add_float32(key, value)
+        elif isinstance(value, str):
+            w.add_string(key, value)
+        else:
+            w.add_array(key, list(value))
+    if vocab is not None:
+        add_tokenizer(w, vocab, template)
+    for name, (data, qtype) in tensors.items():
+        if qtype in (Q.F32, Q.F16):
+            w.add_tensor(name, data)
+        else:
+            w.add_tensor(name, data, raw_dtype=qtype)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def tiny_moe(
+    path: Path,
+    *,
+    arch: str = "qwen3moe",
+    n_layers: int = 2,
+    n_embd: int = 256,
+    n_head: int = 4,
+    n_head_kv: int = 2,
+    n_expert: int = 8,
+    n_expert_used: int = 2,
+    n_ff_exp: int = 256,
+    expert_type: GGMLQuantizationType = Q.Q8_0,
+    n_vocab: int = 1024,
+    seed: int = 0,
+    template: str | None = QWEN_TEMPLATE,
+    extra: Mapping[str, Any] | None = None,
+) -> Path:
+    """A small qwen3moe-shaped model with random weights and a real (truncated) Qwen vocabulary."""
+    rng = np.random.default_rng(seed)
+    vocab = qwen_vocab(n_vocab)
+    v = len(vocab.tokens)
+    hd = n_embd // n_head
+    meta: dict[str, Any] = {
+        f"{arch}.context_length": 512,
+        f"{arch}.embedding_length": n_embd,
+        f"{arch}.block_count": n_layers,
+        f"{arch}.feed_forward_length": n_ff_exp,
+        f"{arch}.attention.head_count": n_head,
+        f"{arch}.attention.head_count_kv": n_head_kv,
+        f"{arch}.attention.key_length": hd,
+        f"{arch}.attention.value_length": hd,
+        f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
+        f"{arch}.rope.freq_base": 1_000_000.0,
+        f"{arch}.expert_count": n_expert,
+        f"{arch}.expert_used_count": n_expert_used,
+        f"{arch}.expert_feed_forward_length": n_ff_exp,
+        **(extra or {}),
+    }
+    t: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {
+        "token_embd.weight": (quantized((v, n_embd), Q.F32, rng), Q.F32),
+        "output_norm.weight": (np.ones(n_embd, np.float32), Q.F32),
+        "output.weight": (quantized((v, n_embd), Q.F32, rng), Q.F32),
+    }
+    for i in range(n_layers):
+        b = f"blk.{i}."
+        t[b + "attn_norm.weight"] = (np.ones(n_embd, np.float32), Q.F32)
+        t[b + "attn_q.weight"] = (quantized((n_head * hd, n_embd), Q.F32, rng), Q.F32)
+        t[b + "attn_k.weight"] = (quantized((n_head_kv * hd, n_embd), Q.F32, rng), Q.F32)
+        t[b + "attn_v.weight"] = (quantized((n_head_kv * hd, n_embd), Q.F32, rng), Q.F32)
+        t[b + "attn_output.weight"] = (quantized((n_embd, n_head * hd), Q.F32, rng), Q.F32)
+        t[b + "attn_q_norm.weight"] = (np.ones(hd, np.float32), Q.F32)
+        t[b + "attn_k_norm.weight"] = (np.ones(hd, np.float32), Q.F32)
+        t[b + "ffn_norm.weight"] = (np.ones(n_embd, np.float32), Q.F32)
+        t[b + "ffn_gate_inp.weight"] = (quantized((n_expert, n_embd), Q.F32, rng), Q.F32)
+        t[b + "ffn_gate_exps.weight"] = (quantized((n_expert, n_ff_exp, n_embd), expert_type, rng), expert_type)
+        t[b + "ffn_up_exps.weight"] = (quantized((n_expert, n_ff_exp, n_embd), expert_type, rng), expert_type)
+        t[b + "ffn_down_exps.weight"] = (quantized((n_expert, n_embd, n_ff_exp), expert_type, rng), expert_type)
+    return write_gguf(path, arch, meta, t, vocab=vocab, template=template)
