@@ -6,6 +6,7 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from moechat import __version__
 
@@ -24,8 +25,19 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p_inspect = sub.add_parser("inspect", help="show what a GGUF model file holds")
-    p_inspect.add_argument("model", help="path to a .gguf file (the first shard of a split model)")
+    p_inspect.add_argument(
+        "model", nargs="?", help="path to a .gguf file (first shard of a split model); default: the demo's source"
+    )
     return parser
+
+
+def _demo_source() -> Path:
+    from moechat.engine.demo_source import DemoSourceMissing, source_gguf
+
+    try:
+        return source_gguf(app_paths().cache / "sources")
+    except DemoSourceMissing as e:
+        raise ValueError(f"{e}, or pass a model path") from None
 
 
 def _fail(message: str) -> int:
@@ -41,6 +53,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    from moechat.engine.memory import tune_malloc
+
+    tune_malloc()
     if args.paths:
         for name, path in app_paths().as_dict().items():
             print(f"{name:<7} {path}")
@@ -51,7 +66,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             from .inspect_cmd import run_inspect
 
-            return run_inspect(args.model, Console())
+            model = args.model or str(_demo_source())
+            return run_inspect(model, Console())
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except KeyboardInterrupt:

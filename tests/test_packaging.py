@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 
 def _py(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run([sys.executable, "-c", code], cwd=cwd, capture_output=True, text=True, timeout=120)
@@ -71,3 +73,31 @@ def test_paths_prints_four_directories(tmp_path: Path) -> None:
     assert lines["cache"] == str(tmp_path / "cch" / "moechat")
     assert lines["data"].startswith(str(tmp_path / "dat"))
     assert lines["log"].startswith(str(tmp_path / "st"))
+
+
+def test_inspect_without_a_model_uses_the_demo_source(tmp_path: Path) -> None:
+    r = _moechat("inspect", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "gemma3" in r.stdout and "none (dense FFN 2048)" in r.stdout
+    import os
+
+    assembled = Path(os.environ["MOECHAT_HOME"]) / "cache" / "sources" / "gemma-3-270m-q4_k_m.gguf"
+    assert assembled.stat().st_size == 253113024
+
+
+def test_inspect_without_the_demo_package_says_how_to_get_it(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moechat.app.cli import main
+    from moechat.engine.demo_source import PACKAGE
+
+    monkeypatch.setitem(sys.modules, PACKAGE, None)  # import now fails, as if not installed
+    assert main(["inspect"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "pip install 'moechat[demo]'" in err[0] and "or pass a model path" in err[0]
+
+
+def test_malloc_tuning_applies_on_glibc() -> None:
+    from moechat.engine.memory import tune_malloc
+
+    assert tune_malloc() is True
