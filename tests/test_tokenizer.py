@@ -159,3 +159,21 @@ def test_bad_tokenizer_metadata() -> None:
         Tokenizer.from_metadata({**meta, "tokenizer.ggml.token_type": [1, 1]})
     with pytest.raises(TokenizerError, match="merges: missing"):
         Tokenizer.from_metadata({k: x for k, x in meta.items() if k != "tokenizer.ggml.merges"})
+
+
+@pytest.mark.parametrize("pre", ["llama-bpe", "gpt-4o", "default"])
+def test_other_pre_tokenizers_match_tiktoken_with_the_same_regex(pre: str) -> None:
+    import tiktoken
+    from moechat.engine.tokenizer import PRE_TOKENIZERS
+
+    v = qwen_vocab()
+    tok = Tokenizer.from_metadata({**_qwen_meta(v), "tokenizer.ggml.pre": pre})
+    (pattern,) = PRE_TOKENIZERS[pre]
+    ref = tiktoken.Encoding(f"ref-{pre}", pat_str=pattern, mergeable_ranks=v.ranks, special_tokens=v.specials)
+    text = MULTILINGUAL + " CamelCaseWords HTTPServer 12345678 don't I'M"
+    ids = tok.encode(text)
+    assert ids == ref.encode_ordinary(text)
+    # The choice of regex shows: the same vocabulary splits this text differently under qwen2's
+    # (llama-bpe differs from qwen2 only in digit runs, which Qwen's vocabulary splits anyway).
+    if pre != "llama-bpe":
+        assert ids != Tokenizer.from_metadata(_qwen_meta(v)).encode(text)
