@@ -28,6 +28,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_inspect.add_argument(
         "model", nargs="?", help="path to a .gguf file (first shard of a split model); default: the demo's source"
     )
+    p_run = sub.add_parser("run", help="generate text from a prompt")
+    from .run_cmd import add_run_arguments
+
+    add_run_arguments(p_run)
     return parser
 
 
@@ -68,6 +72,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
             model = args.model or str(_demo_source())
             return run_inspect(model, Console())
+        if args.command == "run":
+            from .run_cmd import run
+
+            return run(args)
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except KeyboardInterrupt:

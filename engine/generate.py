@@ -1,0 +1,164 @@
+"""Prefill, decode and sampling as free functions; `generate` yields events for every consumer.
+
+The CLI prints the events, the UI renders them, the tuner records them: one stream for all.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from .layers import KVCache
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+UBATCH = 512
+
+
+class ContextFull(ValueError):
+    """The prompt does not fit in the context."""
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int | None = None
+
+    def validate(self) -> None:
+        checks = [
+            (self.temperature >= 0, f"temperature must be >= 0, got {self.temperature}"),
+            (self.top_k >= 0, f"top-k must be >= 0, got {self.top_k}"),
+            (0 < self.top_p <= 1, f"top-p must be in (0, 1], got {self.top_p}"),
+            (0 <= self.min_p < 1, f"min-p must be in [0, 1), got {self.min_p}"),
+            (self.repeat_penalty > 0, f"repeat penalty must be > 0, got {self.repeat_penalty}"),
+        ]
+        for ok, msg in checks:
+            if not ok:
+                raise ValueError(msg)
+
+
+GREEDY = SamplingParams(temperature=0.0)
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token: int
+    text: str
+    index: int  # 0-based index among generated tokens
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    n_prompt: int
+    n_generated: int
+    prompt_seconds: float
+    gen_seconds: float
+    stop_reason: str  # eos | length | context | stopped
+
+    @property
+    def prompt_tps(self) -> float:
+        return self.n_prompt / self.prompt_seconds if self.prompt_seconds > 0 else 0.0
+
+    @property
+    def gen_tps(self) -> float:
+        return self.n_generated / self.gen_seconds if self.gen_seconds > 0 else 0.0
+
+
+Event = TokenEvent | DoneEvent
+
+
+@torch.inference_mode()
+def prefill(model: nn.Module, tokens: Sequence[int], cache: KVCache, ubatch: int = UBATCH) -> torch.Tensor:
+    """Run the prompt through the model in ubatches; returns the last position's logits [V]."""
+    if cache.pos + len(tokens) > cache.n_ctx:
+        raise ContextFull(f"the prompt needs {cache.pos + len(tokens)} positions; the context holds {cache.n_ctx}")
+    ids = torch.tensor(list(tokens), dtype=torch.long)
+    logits = None
+    for start in range(0, len(tokens), ubatch):
+        logits = model(ids[start : start + ubatch], cache.pos, cache)
+    if logits is None:
+        raise ValueError("empty prompt")
+    return logits[-1]
+
+
+@torch.inference_mode()
+def decode_one(model: nn.Module, token: int, cache: KVCache) -> torch.Tensor:
+    return model(torch.tensor([token]), cache.pos, cache)[-1]
+
+
+def sample(logits: torch.Tensor, p: SamplingParams, history: Sequence[int], gen: torch.Generator) -> int:
+    """One token id from logits [V] under the sampling parameters (greedy at temperature 0)."""
+    logits = logits.float().clone()
+    if p.repeat_penalty != 1.0 and history:
+        recent = torch.tensor(sorted(set(history[-p.repeat_last_n :])), dtype=torch.long)
+        vals = logits[recent]
+        logits[recent] = torch.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
+    if p.temperature <= 0:
+        return int(logits.argmax())
+    if p.top_k > 0:
+        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
+        logits[logits < kth] = float("-inf")
+    probs = torch.softmax(logits / p.temperature, dim=-1)
+    if p.min_p > 0:
+        probs[probs < p.min_p * probs.max()] = 0
+    if p.top_p < 1:
+        sorted_p, order = torch.sort(probs, descending=True)
+        cum = sorted_p.cumsum(0)
+        drop = cum - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
+        probs[order[drop]] = 0
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+
+def generate(
+    model: nn.Module,
+    tokenizer: Tokenizer,
+    prompt: Sequence[int],
+    cache: KVCache,
+    *,
+    max_tokens: int,
+    params: SamplingParams = GREEDY,
+    ignore_eos: bool = False,
+    stop: threading.Event | None = None,
+) -> Iterator[Event]:
+    """Prefill `prompt` after what `cache` holds, then decode; yields TokenEvents and one DoneEvent."""
+    params.validate()
+    gen = torch.Generator().manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
+    t0 = time.perf_counter()
+    logits = prefill(model, prompt, cache)
+    t1 = time.perf_counter()
+    history = list(prompt)
+    decoder = tokenizer.stream_decoder()
+    reason, n = "length", 0
+    while n < max_tokens:
+        if stop is not None and stop.is_set():
+            reason = "stopped"
+            break
+        tok = sample(logits, params, history, gen)
+        if tokenizer.is_eog(tok) and not ignore_eos:
+            reason = "eos"
+            break
+        history.append(tok)
+        yield TokenEvent(tok, decoder.push(tok), n)
+        n += 1
+        if n >= max_tokens:
+            break
+        if cache.pos >= cache.n_ctx:
+            reason = "context"
+            break
+        logits = decode_one(model, tok, cache)
+    tail = decoder.flush()
+    if tail:
+        yield TokenEvent(-1, tail, n)
+    yield DoneEvent(len(prompt), n, t1 - t0, time.perf_counter() - t1, reason)

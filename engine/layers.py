@@ -1,0 +1,140 @@
+"""Pieces shared by the architecture families: norms, rotary embeddings, attention, KV cache."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import ModelConfig
+from .gguf_file import GGUFError, GGUFFile
+from .quants import dequantize
+
+
+def load_weight(gguf: GGUFFile, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A dense tensor from the file, dequantized (used for everything but the experts)."""
+    if name not in gguf.tensors:
+        raise GGUFError(f"{gguf.path}: tensor '{name}' is missing")
+    t = gguf.tensors[name]
+    return dequantize(gguf.tensor_data(name), t.qtype).reshape(t.shape).to(dtype)
+
+
+def maybe_weight(gguf: GGUFFile, name: str) -> torch.Tensor | None:
+    return load_weight(gguf, name) if name in gguf.tensors else None
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    return y * weight if weight is not None else y
+
+
+class Rope:
+    """Rotary position embedding tables: `neox` rotates halves, otherwise adjacent pairs."""
+
+    def __init__(self, dim: int, theta: float, n_ctx: int, *, neox: bool, cfg: ModelConfig | None = None) -> None:
+        self.dim, self.neox = dim, neox
+        inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # [dim/2]
+        self.mscale = 1.0
+        if cfg is not None and cfg.rope_scaling.kind == "linear":
+            inv = inv / cfg.rope_scaling.factor
+        elif cfg is not None and cfg.rope_scaling.kind == "yarn":
+            inv, self.mscale = _yarn(inv, dim, theta, cfg)
+        pos = torch.arange(n_ctx, dtype=torch.float64)
+        ang = torch.outer(pos, inv)  # [n_ctx, dim/2]
+        self.cos = (ang.cos() * self.mscale).float()
+        self.sin = (ang.sin() * self.mscale).float()
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]; pos: [T]
+        cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [T, 1, dim/2]
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
+        if self.neox:
+            a, b = rot[..., : self.dim // 2], rot[..., self.dim // 2 :]
+            out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+        else:
+            a, b = rot[..., 0::2], rot[..., 1::2]
+            out = torch.stack([a * cos - b * sin, b * cos + a * sin], dim=-1).flatten(-2)
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def _yarn(inv: torch.Tensor, dim: int, theta: float, cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, keep high ones, blend between (as in the YaRN paper)."""
+    s = cfg.rope_scaling
+    orig = s.original_context or cfg.n_ctx_train
+
+    def correction_dim(n_rot: float) -> float:
+        return dim * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low = max(math.floor(correction_dim(s.yarn_beta_fast)), 0)
+    high = min(math.ceil(correction_dim(s.yarn_beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv = inv / s.factor * (1 - extrapolate) + inv * extrapolate
+    mscale = (0.1 * math.log(s.factor) + 1.0) * s.yarn_attn_factor if s.factor > 1 else 1.0
+    return inv, mscale
+
+
+@dataclass
+class LayerCache:
+    k: torch.Tensor  # [n_ctx, n_kv, head_dim]
+    v: torch.Tensor  # [n_ctx, n_kv, head_dim_v]
+
+
+class KVCache:
+    """Keys and values of every layer for positions 0..n_ctx-1."""
+
+    def __init__(self, cfg: ModelConfig, n_ctx: int, dtype: torch.dtype = torch.float32) -> None:
+        self.n_ctx = n_ctx
+        self.layers = [
+            LayerCache(
+                torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim, dtype=dtype),
+                torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim_v, dtype=dtype),
+            )
+            for i in range(cfg.n_layers)
+        ]
+        self.pos = 0  # tokens stored
+
+    def reset(self, pos: int = 0) -> None:
+        self.pos = pos
+
+
+def attention(
+    q: torch.Tensor,
+    layer: LayerCache,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    pos0: int,
+    *,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Causal GQA attention of `q` [T, H, D] over the cache after storing `k_new`/`v_new` [T, Hkv, D]."""
+    t = q.shape[0]
+    end = pos0 + t
+    layer.k[pos0:end] = k_new
+    layer.v[pos0:end] = v_new
+    start = max(0, pos0 - window + 1) if window else 0
+    k, v = layer.k[start:end], layer.v[start:end]  # [S, Hkv, D]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_pos = torch.arange(pos0, end).unsqueeze(1)  # [T, 1]
+    k_pos = torch.arange(start, end).unsqueeze(0)  # [1, S]
+    allowed = k_pos <= q_pos
+    if window:
+        allowed &= q_pos - k_pos < window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        # A learned per-head logit that takes part in the softmax but has no value.
+        sink = sinks.reshape(-1, 1, 1).expand(-1, t, 1)
+        probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = F.softmax(scores, dim=-1)
+    return torch.einsum("hts,shd->thd", probs, v)  # [T, H, Dv]

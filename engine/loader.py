@@ -1,0 +1,65 @@
+"""Loading a model for generation: file, config, weights, tokenizer and chat template together."""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from torch import nn
+
+from .chat_template import ChatTemplate, load_chat_template
+from .config import ModelConfig
+from .gguf_file import GGUFFile
+from .layers import KVCache
+from .model_file import open_model
+from .models import build_model
+from .tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class LoadedModel:
+    gguf: GGUFFile
+    config: ModelConfig
+    model: nn.Module
+    tokenizer: Tokenizer
+    template: ChatTemplate
+    n_ctx: int
+
+    def new_cache(self) -> KVCache:
+        return KVCache(self.config, self.n_ctx)
+
+    def chat_prompt(self, user_text: str, system: str | None = None) -> list[int]:
+        messages = ([{"role": "system", "content": system}] if system else []) + [
+            {"role": "user", "content": user_text}
+        ]
+        text = self.template.render(messages, add_generation_prompt=True)
+        # The rendered template already holds its own BOS if it wants one.
+        add_bos = not (self.tokenizer.special.bos is not None and text.startswith(self.template.bos_token or "\0"))
+        return self.tokenizer.encode(text, add_special=add_bos, parse_special=True)
+
+
+def load_model(
+    path: str | os.PathLike[str], *, n_ctx: int = 4096, chat_template: str | Path | None = None
+) -> LoadedModel:
+    if n_ctx < 16:
+        raise ValueError(f"context size must be at least 16, got {n_ctx}")
+    gguf, cfg = open_model(path)
+    try:
+        tok = Tokenizer.from_metadata(gguf.metadata, str(gguf.path))
+        sp = tok.special
+        template = load_chat_template(
+            gguf.metadata,
+            override=chat_template,
+            bos_token=tok.tokens[sp.bos] if sp.bos is not None else "",
+            eos_token=tok.tokens[sp.eos] if sp.eos is not None else "",
+        )
+        model = build_model(gguf, cfg, n_ctx)
+    except BaseException:
+        gguf.close()
+        raise
+    logger.info("loaded %s: %s, %d layers, context %d", gguf.path.name, cfg.arch, cfg.n_layers, n_ctx)
+    return LoadedModel(gguf, cfg, model, tok, template, n_ctx)

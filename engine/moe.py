@@ -1,0 +1,137 @@
+"""The MoE block, split so that the expert cache can slot in behind one interface.
+
+router -> (ids, weights) per token -> expert execution -> weighted sum (+ shared expert).
+
+`ExpertExecutor` is that interface: given a layer, the hidden states and the selected ids and
+weights, it returns the weighted sum of the selected experts' outputs. `HostExperts` reads
+the experts straight from the file's quantized bytes and dequantizes only the selected ones,
+never the whole layer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType
+
+from .config import GATING_SIGMOID, ModelConfig
+from .gguf_file import GGUFError, GGUFFile
+from .quants import dequantize
+
+Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.silu(gate) * up
+
+
+def route(
+    logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (ids [T, k], weights [T, k]) per the family's normalisation."""
+    k = cfg.n_expert_used
+    if cfg.expert_gating == GATING_SIGMOID:
+        probs = torch.sigmoid(logits)
+    elif cfg.expert_gating == 3:  # softmax over the selected logits only
+        probs = logits
+    else:
+        probs = F.softmax(logits, dim=-1)
+    scores = probs + bias if bias is not None else probs
+    ids = torch.topk(scores, k, dim=-1).indices  # [T, k]
+    weights = probs.gather(-1, ids)
+    if cfg.expert_gating == 3:
+        weights = F.softmax(weights, dim=-1)
+    elif cfg.expert_weights_norm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids, weights * cfg.expert_weights_scale
+
+
+@dataclass(frozen=True)
+class ExpertTensor:
+    """One layer's stacked expert matrices, still quantized: [n_expert, rows, row_bytes]."""
+
+    raw: torch.Tensor
+    qtype: GGMLQuantizationType
+    bias: torch.Tensor | None = None  # [n_expert, rows]
+
+    @property
+    def bytes_per_expert(self) -> int:
+        return int(self.raw[0].numel())
+
+    def expert(self, e: int) -> torch.Tensor:
+        return dequantize(self.raw[e], self.qtype)  # [rows, cols]
+
+
+@dataclass(frozen=True)
+class LayerExperts:
+    gate: ExpertTensor
+    up: ExpertTensor
+    down: ExpertTensor
+
+    @property
+    def bytes_per_expert(self) -> int:
+        return self.gate.bytes_per_expert + self.up.bytes_per_expert + self.down.bytes_per_expert
+
+
+def load_layer_experts(gguf: GGUFFile, layer: int) -> LayerExperts:
+    def one(kind: str) -> ExpertTensor:
+        name = f"blk.{layer}.ffn_{kind}_exps.weight"
+        if name not in gguf.tensors:
+            raise GGUFError(f"{gguf.path}: tensor '{name}' is missing")
+        info = gguf.tensors[name]
+        raw = torch.from_numpy(gguf.tensor_data(name))  # zero-copy view of the map
+        bias_name = f"blk.{layer}.ffn_{kind}_exps.bias"
+        bias = None
+        if bias_name in gguf.tensors:
+            b = gguf.tensors[bias_name]
+            bias = dequantize(gguf.tensor_data(bias_name), b.qtype).reshape(b.shape)
+        return ExpertTensor(raw, info.qtype, bias)
+
+    return LayerExperts(one("gate"), one("up"), one("down"))
+
+
+def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: Activation,
+               biases: tuple[torch.Tensor | None, ...] = (None, None, None)) -> torch.Tensor:  # fmt: skip
+    """One expert on the rows routed to it: x [n, E] -> [n, E]."""
+    g = F.linear(x, gate, biases[0])
+    u = F.linear(x, up, biases[1])
+    return F.linear(act(g, u), down, biases[2])
+
+
+class ExpertExecutor(Protocol):
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [T, E], ids/weights [T, k] -> sum over k of weight * expert(x) [T, E]."""
+        ...
+
+
+class HostExperts:
+    """Expert execution straight from the host copy: dequantize each selected expert, run it."""
+
+    def __init__(self, layers: dict[int, LayerExperts], act: Activation) -> None:
+        self.layers = layers
+        self.act = act
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return run_experts(self.layers[layer], x, ids, weights, self.act, ids.unique().tolist())
+
+
+def run_experts(
+    lx: LayerExperts,
+    x: torch.Tensor,
+    ids: torch.Tensor,
+    weights: torch.Tensor,
+    act: Activation,
+    experts: list[int],
+) -> torch.Tensor:
+    """Weighted outputs of `experts` (a subset of those in `ids`) for the tokens routed to them."""
+    out = torch.zeros_like(x)
+    for e in experts:
+        tok, slot = (ids == e).nonzero(as_tuple=True)  # rows routed to e
+        biases = tuple(t.bias[e] if t.bias is not None else None for t in (lx.gate, lx.up, lx.down))
+        y = expert_ffn(x[tok], lx.gate.expert(e), lx.up.expert(e), lx.down.expert(e), act, biases)
+        out.index_add_(0, tok, y * weights[tok, slot].unsqueeze(-1))
+    return out

@@ -1,0 +1,74 @@
+"""Sampling and the generation event stream."""
+
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate, sample
+from moechat.engine.loader import load_model
+from testkit.ggufgen import tiny_moe
+
+
+def _draws(logits: torch.Tensor, p: SamplingParams, n: int = 400, seed: int = 0) -> list[int]:
+    gen = torch.Generator().manual_seed(seed)
+    return [sample(logits, p, [], gen) for _ in range(n)]
+
+
+def test_greedy_is_argmax() -> None:
+    logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
+    assert set(_draws(logits, SamplingParams(temperature=0), n=5)) == {1}
+
+
+def test_seed_reproducible_and_different_seeds_differ() -> None:
+    logits = torch.zeros(50)
+    p = SamplingParams(temperature=1.0, top_k=0, top_p=1.0, min_p=0.0)
+    assert _draws(logits, p, seed=3) == _draws(logits, p, seed=3)
+    assert _draws(logits, p, seed=3) != _draws(logits, p, seed=4)
+    assert len(set(_draws(logits, p))) > 40  # really samples
+
+
+def test_top_k_min_p_top_p_restrict_the_support() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    base = {"temperature": 1.0, "top_k": 0, "top_p": 1.0, "min_p": 0.0}
+    assert set(_draws(logits, SamplingParams(**{**base, "top_k": 1}))) == {0}
+    assert set(_draws(logits, SamplingParams(**{**base, "top_k": 2}))) == {0, 1}
+    assert set(_draws(logits, SamplingParams(**{**base, "min_p": 0.2}))) == {0, 1, 2}  # 0.05 < 0.2*0.5
+    assert set(_draws(logits, SamplingParams(**{**base, "top_p": 0.7}))) == {0, 1}
+    assert set(_draws(logits, SamplingParams(**base))) == {0, 1, 2, 3}
+
+
+def test_repeat_penalty_moves_greedy_off_a_repeated_token() -> None:
+    logits = torch.tensor([2.0, 1.5, 0.0])
+    gen = torch.Generator().manual_seed(0)
+    assert sample(logits, SamplingParams(temperature=0), [0], gen) == 0
+    assert sample(logits, SamplingParams(temperature=0, repeat_penalty=1.5), [0], gen) == 1
+
+
+@pytest.mark.parametrize(
+    ("kw", "msg"), [({"temperature": -1}, "temperature"), ({"top_p": 0}, "top-p"), ({"min_p": 1.0}, "min-p")]
+)
+def test_bad_parameters(kw: dict[str, float], msg: str) -> None:
+    with pytest.raises(ValueError, match=msg):
+        SamplingParams(**kw).validate()
+
+
+def test_stop_request_is_honoured_between_tokens(tmp_path: Path) -> None:
+    lm = load_model(tiny_moe(tmp_path / "m.gguf", n_vocab=300), n_ctx=128)
+    prompt = lm.tokenizer.encode("Hello")
+    stop = threading.Event()
+    got = []
+    for ev in generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=50, ignore_eos=True, stop=stop):
+        got.append(ev)
+        if isinstance(ev, TokenEvent) and ev.index == 2:
+            stop.set()
+    done = got[-1]
+    assert isinstance(done, DoneEvent) and done.stop_reason == "stopped" and done.n_generated == 3
+    # The context bound ends generation cleanly, too.
+    cache = lm.new_cache()
+    cache.n_ctx = len(prompt) + 4
+    events = list(generate(lm.model, lm.tokenizer, prompt, cache, max_tokens=50, ignore_eos=True))
+    end = events[-1]
+    assert isinstance(end, DoneEvent) and end.stop_reason == "context" and end.n_generated == 5
