@@ -167,8 +167,8 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     elif arch == "gpt-oss":
         swa_layers = tuple(i % 2 == 0 for i in range(n_layers)) if sliding_window else swa_layers
         gating = 3  # softmax over the selected logits only
-    elif arch == "qwen3moe":
-        weights_norm_default = True
+    elif arch in ("qwen3moe", "llama"):
+        weights_norm_default = True  # Qwen3-MoE and Mixtral renormalise the selected weights
     pattern = meta.get(p + "attention.sliding_window_pattern")
     if pattern is not None and sliding_window:
         if isinstance(pattern, (int,)) and not isinstance(pattern, bool):

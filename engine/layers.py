@@ -33,14 +33,16 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
 class Rope:
     """Rotary position embedding tables: `neox` rotates halves, otherwise adjacent pairs."""
 
-    def __init__(self, dim: int, theta: float, n_ctx: int, *, neox: bool, cfg: ModelConfig | None = None) -> None:
+    def __init__(
+        self, dim: int, theta: float, n_ctx: int, *, neox: bool, cfg: ModelConfig | None = None, truncate: bool = True
+    ) -> None:
         self.dim, self.neox = dim, neox
         inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # [dim/2]
         self.mscale = 1.0
         if cfg is not None and cfg.rope_scaling.kind == "linear":
             inv = inv / cfg.rope_scaling.factor
         elif cfg is not None and cfg.rope_scaling.kind == "yarn":
-            inv, self.mscale = _yarn(inv, dim, theta, cfg)
+            inv, self.mscale = _yarn(inv, dim, theta, cfg, truncate)
         pos = torch.arange(n_ctx, dtype=torch.float64)
         ang = torch.outer(pos, inv)  # [n_ctx, dim/2]
         self.cos = (ang.cos() * self.mscale).float()
@@ -59,7 +61,7 @@ class Rope:
         return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
 
 
-def _yarn(inv: torch.Tensor, dim: int, theta: float, cfg: ModelConfig) -> tuple[torch.Tensor, float]:
+def _yarn(inv: torch.Tensor, dim: int, theta: float, cfg: ModelConfig, truncate: bool) -> tuple[torch.Tensor, float]:
     """YaRN: interpolate low frequencies, keep high ones, blend between (as in the YaRN paper)."""
     s = cfg.rope_scaling
     orig = s.original_context or cfg.n_ctx_train
@@ -67,8 +69,10 @@ def _yarn(inv: torch.Tensor, dim: int, theta: float, cfg: ModelConfig) -> tuple[
     def correction_dim(n_rot: float) -> float:
         return dim * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(theta))
 
-    low = max(math.floor(correction_dim(s.yarn_beta_fast)), 0)
-    high = min(math.ceil(correction_dim(s.yarn_beta_slow)), dim - 1)
+    low, high = correction_dim(s.yarn_beta_fast), correction_dim(s.yarn_beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
     ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
     extrapolate = 1 - ramp
     inv = inv / s.factor * (1 - extrapolate) + inv * extrapolate

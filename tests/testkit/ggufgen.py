@@ -30,12 +30,20 @@ F16_SCALES: dict[GGMLQuantizationType, tuple[int, ...]] = {
 }
 
 
+# About how large |scale * sub-scale * code| gets per unit of the f16 scale, for random bytes.
+_CODE_MAGNITUDE: dict[GGMLQuantizationType, float] = {
+    Q.Q4_0: 8, Q.Q4_1: 8, Q.Q5_0: 16, Q.Q5_1: 16, Q.Q8_0: 64, Q.Q2_K: 12, Q.Q3_K: 64,
+    Q.Q4_K: 256, Q.Q5_K: 512, Q.Q6_K: 1024, Q.IQ4_NL: 64, Q.IQ4_XS: 1024,
+}  # fmt: skip
+
+
 def random_blocks(
-    qtype: GGMLQuantizationType, n_blocks: int, rng: np.random.Generator, scale: float = 0.01
+    qtype: GGMLQuantizationType, n_blocks: int, rng: np.random.Generator, weight: float = 0.05
 ) -> np.ndarray:
-    """`[n_blocks, type_size]` random blocks whose scales are finite and about `scale`."""
+    """`[n_blocks, type_size]` random blocks with finite scales giving weights of about `weight`."""
     _, size = GGML_QUANT_SIZES[qtype]
     raw = rng.integers(0, 256, size=(n_blocks, size), dtype=np.uint8)
+    scale = weight / _CODE_MAGNITUDE.get(qtype, 64)
     for at in F16_SCALES.get(qtype, ()):
         d = (rng.uniform(0.5, 1.5, size=n_blocks) * scale).astype(np.float16)
         raw[:, at : at + 2] = d.view(np.uint8).reshape(n_blocks, 2)
@@ -109,6 +117,9 @@ def write_gguf(
     return path
 
 
+ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss")
+
+
 def tiny_moe(
     path: Path,
     *,
@@ -126,11 +137,27 @@ def tiny_moe(
     template: str | None = QWEN_TEMPLATE,
     extra: Mapping[str, Any] | None = None,
 ) -> Path:
-    """A small qwen3moe-shaped model with random weights and a real (truncated) Qwen vocabulary."""
+    """A small MoE model of `arch` with random weights and a real (truncated) Qwen vocabulary.
+
+    Each architecture gets the tensors its family has: QK norms (per head for qwen3moe, whole
+    projection for olmoe), biases and a shared expert (qwen2moe), sinks, router and expert
+    biases and a short sliding window (gpt-oss).
+    """
     rng = np.random.default_rng(seed)
     vocab = qwen_vocab(n_vocab)
     v = len(vocab.tokens)
     hd = n_embd // n_head
+    f32 = Q.F32
+
+    def dense(*shape: int) -> tuple[np.ndarray, GGMLQuantizationType]:
+        return quantized(shape, f32, rng), f32
+
+    def norm(n: int) -> tuple[np.ndarray, GGMLQuantizationType]:
+        return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32), f32
+
+    def experts(*shape: int) -> tuple[np.ndarray, GGMLQuantizationType]:
+        return quantized(shape, expert_type, rng), expert_type
+
     meta: dict[str, Any] = {
         f"{arch}.context_length": 512,
         f"{arch}.embedding_length": n_embd,
@@ -141,29 +168,59 @@ def tiny_moe(
         f"{arch}.attention.key_length": hd,
         f"{arch}.attention.value_length": hd,
         f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
-        f"{arch}.rope.freq_base": 1_000_000.0,
+        f"{arch}.rope.freq_base": 1_000_000.0 if arch != "gpt-oss" else 150_000.0,
         f"{arch}.expert_count": n_expert,
         f"{arch}.expert_used_count": n_expert_used,
         f"{arch}.expert_feed_forward_length": n_ff_exp,
-        **(extra or {}),
     }
+    if arch == "qwen2moe":
+        meta[f"{arch}.expert_shared_feed_forward_length"] = 2 * n_ff_exp
+    if arch == "gpt-oss":
+        meta |= {
+            f"{arch}.attention.sliding_window": 8,
+            f"{arch}.rope.scaling.type": "yarn",
+            f"{arch}.rope.scaling.factor": 32.0,
+            f"{arch}.rope.scaling.original_context_length": 16,
+        }
+    meta |= dict(extra or {})
     t: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {
-        "token_embd.weight": (quantized((v, n_embd), Q.F32, rng), Q.F32),
-        "output_norm.weight": (np.ones(n_embd, np.float32), Q.F32),
-        "output.weight": (quantized((v, n_embd), Q.F32, rng), Q.F32),
+        "token_embd.weight": dense(v, n_embd),
+        "output_norm.weight": norm(n_embd),
+        "output.weight": dense(v, n_embd),
     }
+    biased = arch in ("qwen2moe", "gpt-oss")
     for i in range(n_layers):
         b = f"blk.{i}."
-        t[b + "attn_norm.weight"] = (np.ones(n_embd, np.float32), Q.F32)
-        t[b + "attn_q.weight"] = (quantized((n_head * hd, n_embd), Q.F32, rng), Q.F32)
-        t[b + "attn_k.weight"] = (quantized((n_head_kv * hd, n_embd), Q.F32, rng), Q.F32)
-        t[b + "attn_v.weight"] = (quantized((n_head_kv * hd, n_embd), Q.F32, rng), Q.F32)
-        t[b + "attn_output.weight"] = (quantized((n_embd, n_head * hd), Q.F32, rng), Q.F32)
-        t[b + "attn_q_norm.weight"] = (np.ones(hd, np.float32), Q.F32)
-        t[b + "attn_k_norm.weight"] = (np.ones(hd, np.float32), Q.F32)
-        t[b + "ffn_norm.weight"] = (np.ones(n_embd, np.float32), Q.F32)
-        t[b + "ffn_gate_inp.weight"] = (quantized((n_expert, n_embd), Q.F32, rng), Q.F32)
-        t[b + "ffn_gate_exps.weight"] = (quantized((n_expert, n_ff_exp, n_embd), expert_type, rng), expert_type)
-        t[b + "ffn_up_exps.weight"] = (quantized((n_expert, n_ff_exp, n_embd), expert_type, rng), expert_type)
-        t[b + "ffn_down_exps.weight"] = (quantized((n_expert, n_embd, n_ff_exp), expert_type, rng), expert_type)
+        t[b + "attn_norm.weight"] = norm(n_embd)
+        t[b + "attn_q.weight"] = dense(n_head * hd, n_embd)
+        t[b + "attn_k.weight"] = dense(n_head_kv * hd, n_embd)
+        t[b + "attn_v.weight"] = dense(n_head_kv * hd, n_embd)
+        t[b + "attn_output.weight"] = dense(n_embd, n_head * hd)
+        if biased:
+            t[b + "attn_q.bias"] = dense(n_head * hd)
+            t[b + "attn_k.bias"] = dense(n_head_kv * hd)
+            t[b + "attn_v.bias"] = dense(n_head_kv * hd)
+        if arch == "qwen3moe":
+            t[b + "attn_q_norm.weight"] = norm(hd)
+            t[b + "attn_k_norm.weight"] = norm(hd)
+        if arch == "olmoe":
+            t[b + "attn_q_norm.weight"] = norm(n_head * hd)
+            t[b + "attn_k_norm.weight"] = norm(n_head_kv * hd)
+        if arch == "gpt-oss":
+            t[b + "attn_output.bias"] = dense(n_embd)
+            t[b + "attn_sinks.weight"] = dense(n_head)
+            t[b + "ffn_gate_inp.bias"] = dense(n_expert)
+            t[b + "ffn_gate_exps.bias"] = dense(n_expert, n_ff_exp)
+            t[b + "ffn_up_exps.bias"] = dense(n_expert, n_ff_exp)
+            t[b + "ffn_down_exps.bias"] = dense(n_expert, n_embd)
+        t[b + "ffn_norm.weight"] = norm(n_embd)
+        t[b + "ffn_gate_inp.weight"] = dense(n_expert, n_embd)
+        t[b + "ffn_gate_exps.weight"] = experts(n_expert, n_ff_exp, n_embd)
+        t[b + "ffn_up_exps.weight"] = experts(n_expert, n_ff_exp, n_embd)
+        t[b + "ffn_down_exps.weight"] = experts(n_expert, n_embd, n_ff_exp)
+        if arch == "qwen2moe":
+            t[b + "ffn_gate_shexp.weight"] = dense(2 * n_ff_exp, n_embd)
+            t[b + "ffn_up_shexp.weight"] = dense(2 * n_ff_exp, n_embd)
+            t[b + "ffn_down_shexp.weight"] = dense(n_embd, 2 * n_ff_exp)
+            t[b + "ffn_gate_inp_shexp.weight"] = dense(n_embd)
     return write_gguf(path, arch, meta, t, vocab=vocab, template=template)

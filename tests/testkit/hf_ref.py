@@ -1,4 +1,4 @@
-"""Reference models in transformers with the same weights as our GGUF test models."""
+"""Reference models in transformers holding the same weights as our GGUF test models (fp32)."""
 
 from __future__ import annotations
 
@@ -7,23 +7,59 @@ from typing import Any
 import torch
 from moechat.engine.config import ModelConfig
 from moechat.engine.gguf_file import GGUFFile
-from moechat.engine.layers import load_weight
+from moechat.engine.layers import load_weight, maybe_weight
 
 
-def qwen3moe_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
-    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
+    """Undo the q/k row permutation llama.cpp's converter applies for adjacent-pair rotary embeddings."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
-    # Passed through **kwargs: transformers accepts them, its type hints do not list them.
-    loose: dict[str, Any] = {"head_dim": cfg.head_dim, "rope_theta": cfg.rope_theta}
-    hf_cfg = Qwen3MoeConfig(
-        vocab_size=cfg.n_vocab, hidden_size=cfg.n_embd, intermediate_size=cfg.n_ff_exp,
-        moe_intermediate_size=cfg.n_ff_exp, num_hidden_layers=cfg.n_layers, num_attention_heads=cfg.n_head,
-        num_key_value_heads=cfg.n_head_kv[0], num_experts=cfg.n_expert,
-        num_experts_per_tok=cfg.n_expert_used, norm_topk_prob=cfg.expert_weights_norm,
-        max_position_embeddings=cfg.n_ctx_train, rms_norm_eps=cfg.norm_eps,
-        tie_word_embeddings=False, decoder_sparse_step=1, mlp_only_layers=[], **loose,
-    )  # fmt: skip
-    model = Qwen3MoeForCausalLM(hf_cfg).eval()
+
+def _hf_config(cfg: ModelConfig) -> Any:
+    import transformers as tf
+
+    common: dict[str, Any] = {
+        "vocab_size": cfg.n_vocab, "hidden_size": cfg.n_embd, "num_hidden_layers": cfg.n_layers,
+        "num_attention_heads": cfg.n_head, "num_key_value_heads": cfg.n_head_kv[0], "head_dim": cfg.head_dim,
+        "max_position_embeddings": cfg.n_ctx_train, "rms_norm_eps": cfg.norm_eps, "tie_word_embeddings": False,
+        "num_experts_per_tok": cfg.n_expert_used, "rope_theta": cfg.rope_theta,
+    }  # fmt: skip
+    if cfg.arch == "qwen3moe":
+        return tf.Qwen3MoeConfig(**common, num_experts=cfg.n_expert, moe_intermediate_size=cfg.n_ff_exp,
+                                 intermediate_size=cfg.n_ff_exp, norm_topk_prob=True, decoder_sparse_step=1,
+                                 mlp_only_layers=[])  # fmt: skip
+    if cfg.arch == "qwen2moe":
+        return tf.Qwen2MoeConfig(**common, num_experts=cfg.n_expert, moe_intermediate_size=cfg.n_ff_exp,
+                                 intermediate_size=cfg.n_ff_exp, shared_expert_intermediate_size=cfg.n_ff_shexp,
+                                 norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    if cfg.arch == "llama":
+        return tf.MixtralConfig(**common, num_local_experts=cfg.n_expert, intermediate_size=cfg.n_ff_exp)
+    if cfg.arch == "olmoe":
+        return tf.OlmoeConfig(**common, num_experts=cfg.n_expert, intermediate_size=cfg.n_ff_exp, norm_topk_prob=False)
+    if cfg.arch == "gpt-oss":
+        s = cfg.rope_scaling
+        del common["rope_theta"]
+        rope = {
+            "rope_type": "yarn", "factor": s.factor, "beta_fast": s.yarn_beta_fast, "beta_slow": s.yarn_beta_slow,
+            "truncate": False, "original_max_position_embeddings": s.original_context, "rope_theta": cfg.rope_theta,
+        }  # fmt: skip
+        kinds = ["sliding_attention" if swa else "full_attention" for swa in cfg.swa_layers]
+        return tf.GptOssConfig(**common, num_local_experts=cfg.n_expert, intermediate_size=cfg.n_ff_exp,
+                               sliding_window=cfg.sliding_window, rope_parameters=rope, layer_types=kinds)  # fmt: skip
+    raise ValueError(cfg.arch)
+
+
+def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
+    import transformers as tf
+
+    classes = {
+        "qwen3moe": "Qwen3Moe",
+        "qwen2moe": "Qwen2Moe",
+        "llama": "Mixtral",
+        "olmoe": "Olmoe",
+        "gpt-oss": "GptOss",
+    }
+    model = getattr(tf, classes[cfg.arch] + "ForCausalLM")(_hf_config(cfg)).eval()
 
     def w(name: str) -> torch.Tensor:
         return load_weight(gguf, name)
@@ -33,17 +69,41 @@ def qwen3moe_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
         "lm_head.weight": w("output.weight"),
         "model.norm.weight": w("output_norm.weight"),
     }
-    names = {
-        "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
-        "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm", "self_attn.k_norm": "attn_k_norm",
-        "mlp.gate": "ffn_gate_inp", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm",
-    }  # fmt: skip
     for i in range(cfg.n_layers):
-        hf, ours = f"model.layers.{i}.", f"blk.{i}."
-        for a, b in names.items():
-            sd[f"{hf}{a}.weight"] = w(f"{ours}{b}.weight")
-        gate, up, down = (w(f"{ours}ffn_{k}_exps.weight") for k in ("gate", "up", "down"))
-        sd[hf + "mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)  # [n_expert, 2*F, E]
+        hf, b = f"model.layers.{i}.", f"blk.{i}."
+        sd[hf + "input_layernorm.weight"] = w(b + "attn_norm.weight")
+        sd[hf + "post_attention_layernorm.weight"] = w(b + "ffn_norm.weight")
+        for proj, ours in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+            sd[f"{hf}self_attn.{proj}.weight"] = w(f"{b}{ours}.weight")
+            bias = maybe_weight(gguf, f"{b}{ours}.bias")
+            if bias is not None:
+                sd[f"{hf}self_attn.{proj}.bias"] = bias
+        if cfg.arch == "llama":
+            sd[hf + "self_attn.q_proj.weight"] = _unpermute(sd[hf + "self_attn.q_proj.weight"], cfg.n_head)
+            sd[hf + "self_attn.k_proj.weight"] = _unpermute(sd[hf + "self_attn.k_proj.weight"], cfg.n_head_kv[i])
+        for n in ("q", "k"):
+            norm = maybe_weight(gguf, f"{b}attn_{n}_norm.weight")
+            if norm is not None:
+                sd[f"{hf}self_attn.{n}_norm.weight"] = norm
+        gate, up, down = (w(f"{b}ffn_{k}_exps.weight") for k in ("gate", "up", "down"))  # [n_expert, rows, cols]
+        if cfg.arch == "gpt-oss":
+            sd[hf + "self_attn.sinks"] = w(b + "attn_sinks.weight")
+            sd[hf + "mlp.router.weight"] = w(b + "ffn_gate_inp.weight")
+            sd[hf + "mlp.router.bias"] = w(b + "ffn_gate_inp.bias")
+            # transformers interleaves gate and up columns and multiplies x @ W.
+            sd[hf + "mlp.experts.gate_up_proj"] = torch.stack([gate, up], dim=2).flatten(1, 2).transpose(1, 2)
+            gb, ub = w(b + "ffn_gate_exps.bias"), w(b + "ffn_up_exps.bias")
+            sd[hf + "mlp.experts.gate_up_proj_bias"] = torch.stack([gb, ub], dim=2).flatten(1, 2)
+            sd[hf + "mlp.experts.down_proj"] = down.transpose(1, 2)
+            sd[hf + "mlp.experts.down_proj_bias"] = w(b + "ffn_down_exps.bias")
+            continue
+        sd[hf + "mlp.gate.weight"] = w(b + "ffn_gate_inp.weight")
+        sd[hf + "mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)  # [n_expert, 2F, E]
         sd[hf + "mlp.experts.down_proj"] = down
+        if cfg.arch == "qwen2moe":
+            sd[hf + "mlp.shared_expert.gate_proj.weight"] = w(b + "ffn_gate_shexp.weight")
+            sd[hf + "mlp.shared_expert.up_proj.weight"] = w(b + "ffn_up_shexp.weight")
+            sd[hf + "mlp.shared_expert.down_proj.weight"] = w(b + "ffn_down_shexp.weight")
+            sd[hf + "mlp.shared_expert_gate.weight"] = w(b + "ffn_gate_inp_shexp.weight").reshape(1, -1)
     model.load_state_dict(sd, strict=True)
     return model

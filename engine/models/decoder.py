@@ -1,0 +1,131 @@
+"""The decoder every supported family shares; a family module picks its rope, activation and quirks.
+
+Features are switched on by what the file holds (biases, QK norms, sinks, shared experts,
+router bias) and by the config (sliding-window layers, gating), never by the model's name.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import ModelConfig
+from ..gguf_file import GGUFFile
+from ..layers import KVCache, LayerCache, Rope, attention, load_weight, maybe_weight, rms_norm
+from ..moe import Activation, ExpertExecutor, HostExperts, load_layer_experts, route, swiglu
+
+
+@dataclass(frozen=True)
+class Family:
+    neox_rope: bool = True  # rotate halves (False: adjacent pairs, for GGUF-permuted llama q/k)
+    act: Activation = swiglu
+    yarn_truncate: bool = True  # floor/ceil the YaRN correction range, as ggml does
+
+
+class Attention(nn.Module):
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int) -> None:
+        super().__init__()
+        p = f"blk.{i}."
+        self.cfg, self.i = cfg, i
+        self.wq, self.wk, self.wv = (load_weight(gguf, p + f"attn_{n}.weight") for n in "qkv")
+        self.bq, self.bk, self.bv = (maybe_weight(gguf, p + f"attn_{n}.bias") for n in "qkv")
+        self.wo = load_weight(gguf, p + "attn_output.weight")  # [E, H*Dv]
+        self.bo = maybe_weight(gguf, p + "attn_output.bias")
+        # QK norms act per head (Qwen3) or over the whole projection (OLMoE): the weight's size says which.
+        self.q_norm = maybe_weight(gguf, p + "attn_q_norm.weight")
+        self.k_norm = maybe_weight(gguf, p + "attn_k_norm.weight")
+        self.sinks = maybe_weight(gguf, p + "attn_sinks.weight")  # [H]
+        self.window = cfg.sliding_window if cfg.swa_layers and cfg.swa_layers[i] else 0
+
+    def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
+        cfg, t = self.cfg, h.shape[0]
+        n_kv = cfg.n_head_kv[self.i]
+        q = F.linear(h, self.wq, self.bq)  # [T, H*D]
+        k = F.linear(h, self.wk, self.bk)  # [T, Hkv*D]
+        v = F.linear(h, self.wv, self.bv).view(t, n_kv, cfg.head_dim_v)
+        if self.q_norm is not None and self.q_norm.numel() == q.shape[-1]:
+            q = rms_norm(q, self.q_norm, cfg.norm_eps)
+        if self.k_norm is not None and self.k_norm.numel() == k.shape[-1]:
+            k = rms_norm(k, self.k_norm, cfg.norm_eps)
+        q, k = q.view(t, cfg.n_head, cfg.head_dim), k.view(t, n_kv, cfg.head_dim)
+        if self.q_norm is not None and self.q_norm.numel() == cfg.head_dim:
+            q = rms_norm(q, self.q_norm, cfg.norm_eps)
+        if self.k_norm is not None and self.k_norm.numel() == cfg.head_dim:
+            k = rms_norm(k, self.k_norm, cfg.norm_eps)
+        pos = torch.arange(pos0, pos0 + t)
+        q, k = rope(q, pos), rope(k, pos)
+        a = attention(
+            q, cache, k, v, pos0, scale=cfg.head_dim**-0.5, window=self.window, sinks=self.sinks,
+            softcap=cfg.attn_softcap,
+        )  # fmt: skip
+        return F.linear(a.reshape(t, -1), self.wo, self.bo)
+
+
+class MoeFFN(nn.Module):
+    """Router -> expert execution (behind `ExpertExecutor`) -> plus the shared expert, if any."""
+
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, act: Activation) -> None:
+        super().__init__()
+        p = f"blk.{i}."
+        self.cfg, self.i, self.act = cfg, i, act
+        self.router = load_weight(gguf, p + "ffn_gate_inp.weight")  # [n_expert, E]
+        self.router_bias = maybe_weight(gguf, p + "ffn_gate_inp.bias")
+        self.sh_gate = maybe_weight(gguf, p + "ffn_gate_shexp.weight")
+        self.sh_up = maybe_weight(gguf, p + "ffn_up_shexp.weight")
+        self.sh_down = maybe_weight(gguf, p + "ffn_down_shexp.weight")
+        self.sh_gate_inp = maybe_weight(gguf, p + "ffn_gate_inp_shexp.weight")  # [E]
+
+    def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
+        logits = F.linear(h, self.router, self.router_bias)  # [T, n_expert]
+        ids, weights = route(logits, self.cfg)  # [T, k] each
+        y = experts(self.i, h, ids, weights)
+        if self.sh_gate is not None and self.sh_up is not None and self.sh_down is not None:
+            shared = F.linear(self.act(F.linear(h, self.sh_gate), F.linear(h, self.sh_up)), self.sh_down)
+            if self.sh_gate_inp is not None:
+                shared = shared * torch.sigmoid(h @ self.sh_gate_inp.reshape(-1, 1))
+            y = y + shared
+        return y
+
+
+class Block(nn.Module):
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, family: Family) -> None:
+        super().__init__()
+        self.attn_norm = load_weight(gguf, f"blk.{i}.attn_norm.weight")
+        self.ffn_norm = load_weight(gguf, f"blk.{i}.ffn_norm.weight")
+        self.attn = Attention(gguf, cfg, i)
+        self.ffn = MoeFFN(gguf, cfg, i, family.act)
+        self.eps = cfg.norm_eps
+
+    def forward(
+        self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope, experts: ExpertExecutor
+    ) -> torch.Tensor:
+        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos0, cache, rope)
+        return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps), experts)
+
+
+class MoeDecoder(nn.Module):
+    """Token embedding -> blocks -> norm -> output projection, for the MoE families."""
+
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, family: Family) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = load_weight(gguf, "token_embd.weight")  # [V, E]
+        self.norm = load_weight(gguf, "output_norm.weight")
+        out = maybe_weight(gguf, "output.weight")
+        self.output = out if out is not None else self.embed  # tied embeddings
+        self.blocks = nn.ModuleList(Block(gguf, cfg, i, family) for i in range(cfg.n_layers))
+        self.rope = Rope(cfg.rope_dim, cfg.rope_theta, n_ctx, neox=family.neox_rope, cfg=cfg,
+                         truncate=family.yarn_truncate)  # fmt: skip
+        self.host_experts = HostExperts({i: load_layer_experts(gguf, i) for i in range(cfg.n_layers)}, family.act)
+        self.experts: ExpertExecutor = self.host_experts
+
+    def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache) -> torch.Tensor:
+        """tokens [T] at positions pos0.. -> logits [T, V]; appends to `cache`."""
+        x = self.embed[tokens]  # [T, E]
+        for i, block in enumerate(self.blocks):
+            x = block(x, pos0, cache.layers[i], self.rope, self.experts)
+        cache.pos = pos0 + tokens.shape[0]
+        return F.linear(rms_norm(x, self.norm, self.cfg.norm_eps), self.output)

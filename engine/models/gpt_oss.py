@@ -1,0 +1,21 @@
+"""gpt-oss: attention sinks, alternating sliding window, YaRN, biased experts, clamped "oai" SwiGLU.
+
+YaRN here is not truncated: transformers and OpenAI's reference keep the correction range
+fractional, where ggml floors/ceils it (docs/design.md).
+"""
+
+import torch
+
+from .decoder import Family
+
+SWIGLU_LIMIT = 7.0
+SWIGLU_ALPHA = 1.702
+
+
+def oai_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    gate = gate.clamp(max=SWIGLU_LIMIT)
+    up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
+    return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+
+
+FAMILY = Family(neox_rope=True, act=oai_swiglu, yarn_truncate=False)
