@@ -14,7 +14,7 @@ from .config import ModelConfig
 from .gguf_file import GGUFFile
 from .layers import KVCache
 from .model_file import open_model
-from .models import build_model
+from .models import build_model, family_for
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -49,6 +49,7 @@ def load_model(
         raise ValueError(f"context size must be at least 16, got {n_ctx}")
     gguf, cfg = open_model(path)
     try:
+        family_for(gguf, cfg)  # refuse an unrunnable model before any other work or warning
         tok = Tokenizer.from_metadata(gguf.metadata, str(gguf.path))
         sp = tok.special
         template = load_chat_template(

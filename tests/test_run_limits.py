@@ -1,0 +1,103 @@
+"""Memory bounds while running, Ctrl+C, and the one-line errors of `moechat run`."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from testkit.ggufgen import ARCHS, Q, tiny_moe
+
+MOECHAT = [sys.executable, "-m", "moechat"]
+
+
+def test_peak_rss_stays_near_the_file_size(tmp_path: Path) -> None:
+    # 4 layers x 256 experts of Q8_0: about 214 MB of experts. Dequantized they would be 805 MB.
+    path = tiny_moe(tmp_path / "big.gguf", n_layers=4, n_expert=256, n_expert_used=8, n_vocab=512)
+    size = path.stat().st_size
+    assert size >= 200 * 10**6
+    warmup = tiny_moe(tmp_path / "warmup.gguf", n_vocab=512)
+    code = (
+        "import sys\n"
+        "from moechat.engine.loader import load_model\n"
+        "from moechat.engine.generate import generate, GREEDY\n"
+        "def kb(field):\n"
+        "    return int(next(l for l in open('/proc/self/status') if l.startswith(field)).split()[1]) * 1024\n"
+        "# Library code that the first run pages in is not model memory: run a tiny model first.\n"
+        "small = load_model(sys.argv[2], n_ctx=256)\n"
+        "*_, done = generate(small.model, small.tokenizer, [1, 2, 3], small.new_cache(), max_tokens=4)\n"
+        "small.gguf.close()\n"
+        "del small\n"
+        "before = kb('VmRSS:')\n"
+        "lm = load_model(sys.argv[1], n_ctx=256)\n"
+        "cache = lm.new_cache()\n"
+        "kv = sum(l.k.numel() * 4 + l.v.numel() * 4 for l in cache.layers)\n"
+        "prompt = lm.tokenizer.encode('The history of the river town, told by its oldest inhabitants, ' * 4)\n"
+        "*_, done = generate(lm.model, lm.tokenizer, prompt, cache, max_tokens=16, ignore_eos=True)\n"
+        "n = done.n_generated\n"
+        "print(kb('VmHWM:') - before, kv, n)\n"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code, str(path), str(warmup)], capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 0, r.stderr
+    grown, kv, n_generated = map(int, r.stdout.split())
+    assert n_generated == 16
+    assert grown <= 1.1 * size + kv, f"peak RSS grew {grown / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB file"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_run_each_architecture(arch: str, tmp_path: Path) -> None:
+    qtype = Q.MXFP4 if arch == "gpt-oss" else Q.Q8_0
+    model = tiny_moe(tmp_path / f"{arch}.gguf", arch=arch, expert_type=qtype, n_vocab=512)
+    cmd = [*MOECHAT, "run", str(model), "-p", "Once upon a time", "-n", "10", "--temp", "0", "--ignore-eos", "--chat"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip()
+    assert "prompt: " in r.stderr and "generation: 10 tokens" in r.stderr
+
+
+def test_ctrl_c_keeps_the_text_and_exits_130(tmp_path: Path) -> None:
+    model = tiny_moe(tmp_path / "m.gguf", n_vocab=512)
+    cmd = [*MOECHAT, "run", str(model), "-p", "Hello", "-n", "100000", "--ignore-eos", "-c", "100000", "--seed", "1"]
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    assert proc.stdout is not None
+    os.set_blocking(proc.stdout.fileno(), False)
+    seen = b""
+    deadline = time.monotonic() + 120
+    while len(seen) < 20 and time.monotonic() < deadline:  # poll until text streams
+        chunk = proc.stdout.read()
+        seen += chunk or b""
+        if proc.poll() is not None:
+            break
+        time.sleep(0.05)
+    assert len(seen) >= 20, "no streamed text before the deadline"
+    proc.send_signal(signal.SIGINT)
+    rest, err = proc.communicate(timeout=60)
+    assert proc.returncode == 130
+    assert b"interrupted" in err and b"Traceback" not in err
+    assert len(seen + (rest or b"")) >= len(seen)
+
+
+def test_errors_are_one_line_exit_2(tmp_path: Path, gemma_gguf: Path) -> None:
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([*MOECHAT, "run", *args], capture_output=True, text=True, timeout=120)
+
+    r = run(str(gemma_gguf), "-p", "hi")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "dense architecture 'gemma3' cannot be run" in r.stderr
+    model = tiny_moe(tmp_path / "m.gguf", n_vocab=300)
+    for args, msg in [
+        (("--temp", "-1"), "temperature must be >= 0"),
+        (("--top-p", "1.5"), "top-p must be in (0, 1]"),
+        (("-n", "-3"), "-n/--n-predict must be >= 0"),
+        (("-c", "4"), "context size must be at least 16"),
+        (("--chat-template", str(tmp_path / "none.jinja")), "cannot read chat template"),
+    ]:
+        r = run(str(model), "-p", "hi", *args)
+        assert r.returncode == 2, (args, r.stderr)
+        assert r.stderr.count("\n") == 1 and msg in r.stderr and "Traceback" not in r.stderr
