@@ -3,11 +3,65 @@
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
+from pathlib import Path
 
+from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
-from moechat.engine.loader import load_model
+from moechat.engine.loader import load_model, resolve_device
+
+
+def _env_float(name: str, default: float) -> float:
+    raw = os.environ.get(name)
+    if raw is None:
+        return default
+    try:
+        return float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number") from None
+
+
+def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default=os.environ.get("MOECHAT_DEVICE", "auto"), help="auto, cuda or cpu")
+    p.add_argument(
+        "--moe-cache-mib",
+        type=float,
+        default=None,
+        metavar="N",
+        help="device expert cache in MiB, fractions allowed; 0 = off (env MOECHAT_MOE_CACHE_MIB)",
+    )
+    p.add_argument(
+        "--moe-cache-cpu-share",
+        type=float,
+        default=None,
+        metavar="F",
+        help="share of the misses computed on the CPU once the cache is full, 0..1 (env MOECHAT_MOE_CACHE_CPU_SHARE)",
+    )
+    p.add_argument(
+        "--moe-cache-trace",
+        default=None,
+        metavar="PATH",
+        help="write every expert lookup to PATH (env MOECHAT_MOE_CACHE_TRACE)",
+    )
+    p.add_argument("--emulate-link-gbps", type=float, default=None, metavar="X",
+                   help="CPU device: make each upload also cost bytes / X GB/s, like a PCIe link")  # fmt: skip
+
+
+def cache_settings(args: argparse.Namespace) -> CacheSettings:
+    trace = args.moe_cache_trace or os.environ.get("MOECHAT_MOE_CACHE_TRACE")
+    settings = CacheSettings(
+        mib=args.moe_cache_mib if args.moe_cache_mib is not None else _env_float("MOECHAT_MOE_CACHE_MIB", 0.0),
+        cpu_share=args.moe_cache_cpu_share
+        if args.moe_cache_cpu_share is not None
+        else _env_float("MOECHAT_MOE_CACHE_CPU_SHARE", 0.0),
+        device=resolve_device(args.device),
+        emulate_link_gbps=args.emulate_link_gbps or 0.0,
+        trace=Path(trace) if trace else None,
+    )
+    settings.validate()
+    return settings
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -23,6 +77,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=None, help="same seed, same tokens")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template overriding the GGUF's")
+    add_cache_arguments(p)
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="prompt as one user turn")
     mode.add_argument("--raw", dest="chat", action="store_false", help="prompt as given (BOS per the model)")
@@ -36,7 +91,7 @@ def run(args: argparse.Namespace) -> int:
     params.validate()
     if args.n_predict < 0:
         raise ValueError(f"-n/--n-predict must be >= 0, got {args.n_predict}")
-    lm = load_model(args.model, n_ctx=args.ctx_size, chat_template=args.chat_template)
+    lm = load_model(args.model, n_ctx=args.ctx_size, chat_template=args.chat_template, cache=cache_settings(args))
     chat = args.chat if args.chat is not None else lm.template.origin != "plain fallback"
     prompt = lm.chat_prompt(args.prompt) if chat else lm.tokenizer.encode(args.prompt)
     stop = threading.Event()
@@ -54,9 +109,18 @@ def run(args: argparse.Namespace) -> int:
                     f"generation: {ev.n_generated} tokens, {ev.gen_tps:.1f} t/s | stop: {ev.stop_reason}",
                     file=sys.stderr,
                 )
+                if lm.cache is not None:
+                    for line in lm.cache.summary_lines():
+                        print(line, file=sys.stderr)
+    except BrokenPipeError:
+        # The reader went away (`| head`): stop quietly, as other command-line tools do.
+        sys.stdout = open(os.devnull, "w")  # noqa: SIM115
+        return 0
     except KeyboardInterrupt:
         out.write("\n")
         out.flush()
         print("moechat: interrupted", file=sys.stderr)
         return 130
+    finally:
+        lm.close()
     return 0

@@ -7,14 +7,14 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-from torch import nn
-
 from .chat_template import ChatTemplate, load_chat_template
 from .config import ModelConfig
+from .expert_cache import CacheSettings, ExpertCache
 from .gguf_file import GGUFFile
 from .layers import KVCache
 from .model_file import open_model
 from .models import build_model, family_for
+from .models.decoder import MoeDecoder
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -24,10 +24,18 @@ logger = logging.getLogger(__name__)
 class LoadedModel:
     gguf: GGUFFile
     config: ModelConfig
-    model: nn.Module
+    model: MoeDecoder
     tokenizer: Tokenizer
     template: ChatTemplate
     n_ctx: int
+    cache: ExpertCache | None = None
+
+    def close(self) -> None:
+        if self.cache is not None:
+            for line in self.cache.summary_lines():
+                logger.info("%s", line)
+            self.cache.close()
+        self.gguf.close()
 
     def new_cache(self) -> KVCache:
         return KVCache(self.config, self.n_ctx)
@@ -42,8 +50,24 @@ class LoadedModel:
         return self.tokenizer.encode(text, add_special=add_bos, parse_special=True)
 
 
+def resolve_device(name: str) -> str:
+    import torch
+
+    if name == "auto":
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    if name not in ("cpu", "cuda"):
+        raise ValueError(f"--device must be auto, cpu or cuda, got '{name}'")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("--device cuda: torch sees no CUDA device")
+    return name
+
+
 def load_model(
-    path: str | os.PathLike[str], *, n_ctx: int = 4096, chat_template: str | Path | None = None
+    path: str | os.PathLike[str],
+    *,
+    n_ctx: int = 4096,
+    chat_template: str | Path | None = None,
+    cache: CacheSettings | None = None,
 ) -> LoadedModel:
     if n_ctx < 16:
         raise ValueError(f"context size must be at least 16, got {n_ctx}")
@@ -59,8 +83,12 @@ def load_model(
             eos_token=tok.tokens[sp.eos] if sp.eos is not None else "",
         )
         model = build_model(gguf, cfg, n_ctx)
+        expert_cache = None
+        if cache is not None and cache.mib > 0:
+            expert_cache = ExpertCache(model.host_experts, cfg.n_expert_used, cache)
+            model.experts = expert_cache
     except BaseException:
         gguf.close()
         raise
     logger.info("loaded %s: %s, %d layers, context %d", gguf.path.name, cfg.arch, cfg.n_layers, n_ctx)
-    return LoadedModel(gguf, cfg, model, tok, template, n_ctx)
+    return LoadedModel(gguf, cfg, model, tok, template, n_ctx, expert_cache)

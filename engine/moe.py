@@ -108,6 +108,9 @@ class ExpertExecutor(Protocol):
         ...
 
 
+Contribution = tuple[int, torch.Tensor, torch.Tensor]  # (expert, token rows, weighted output rows)
+
+
 class HostExperts:
     """Expert execution straight from the host copy: dequantize each selected expert, run it."""
 
@@ -116,7 +119,8 @@ class HostExperts:
         self.act = act
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        return run_experts(self.layers[layer], x, ids, weights, self.act, ids.unique().tolist())
+        parts = run_experts(self.layers[layer], x, ids, weights, self.act, ids.unique().tolist())
+        return combine(x, parts)
 
 
 def run_experts(
@@ -126,12 +130,25 @@ def run_experts(
     weights: torch.Tensor,
     act: Activation,
     experts: list[int],
-) -> torch.Tensor:
-    """Weighted outputs of `experts` (a subset of those in `ids`) for the tokens routed to them."""
-    out = torch.zeros_like(x)
+    fetch: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+) -> list[Contribution]:
+    """Weighted outputs of `experts` (a subset of those in `ids`) for the tokens routed to them.
+
+    `fetch(e)` gives the dequantized (gate, up, down) of expert e; by default the host copy.
+    """
+    parts: list[Contribution] = []
     for e in experts:
         tok, slot = (ids == e).nonzero(as_tuple=True)  # rows routed to e
+        gate, up, down = fetch(e) if fetch is not None else (lx.gate.expert(e), lx.up.expert(e), lx.down.expert(e))
         biases = tuple(t.bias[e] if t.bias is not None else None for t in (lx.gate, lx.up, lx.down))
-        y = expert_ffn(x[tok], lx.gate.expert(e), lx.up.expert(e), lx.down.expert(e), act, biases)
-        out.index_add_(0, tok, y * weights[tok, slot].unsqueeze(-1))
+        y = expert_ffn(x[tok], gate, up, down, act, biases)
+        parts.append((e, tok, y * weights[tok, slot].unsqueeze(-1)))
+    return parts
+
+
+def combine(x: torch.Tensor, parts: list[Contribution]) -> torch.Tensor:
+    """Sum the contributions in expert order, so where each expert ran never changes the result."""
+    out = torch.zeros_like(x)
+    for _, tok, y in sorted(parts, key=lambda p: p[0]):
+        out.index_add_(0, tok.to(out.device), y.to(out.device))
     return out

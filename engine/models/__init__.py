@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-from torch import nn
-
 from ..config import ModelConfig
 from ..gguf_file import GGUFError, GGUFFile
 from . import gpt_oss, llama_moe, olmoe, qwen_moe
@@ -30,5 +28,5 @@ def family_for(gguf: GGUFFile, cfg: ModelConfig) -> Family:
     return family
 
 
-def build_model(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int) -> nn.Module:
+def build_model(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int) -> MoeDecoder:
     return MoeDecoder(gguf, cfg, n_ctx, family_for(gguf, cfg))

@@ -1,0 +1,313 @@
+"""The device expert cache: slots on the device, misses uploaded or computed on the CPU.
+
+`ExpertCache` is an `ExpertExecutor`: the MoE block calls it exactly as it calls the host
+experts. Per call (one MoE layer, one batch):
+
+1. the policy (`cache_policy.ClassLRU`, shared with the simulator) plans the lookup: hits,
+   misses to upload into victim slots, misses left to the CPU;
+2. the CPU part starts on a worker thread, reading the host copy;
+3. uploads copy the host bytes into the slots (runs of consecutive experts and slots in one
+   copy; with an emulated link each upload also costs bytes / link speed);
+4. the device computes the hits and the uploaded experts from the slots;
+5. the contributions are summed in expert order, so the result does not depend on where
+   each expert ran.
+
+Batches of more than `max_batch` tokens (prefill), and lookups that could select more experts
+than the group has slots, bypass the cache: they read the experts from the host and leave the
+cache state as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from .cache_policy import ClassLRU, CpuShare
+from .moe import Contribution, HostExperts, LayerExperts, combine, run_experts
+from .quants import dequantize
+from .stats import GroupInfo, LayerSnapshot, LayerStats, Publisher, StatsSnapshot
+from .trace import TraceWriter
+
+logger = logging.getLogger(__name__)
+
+MAX_BATCH = 32
+
+
+class CacheError(ValueError):
+    """Cache settings that cannot work, with the setting named."""
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    mib: float = 0.0  # 0: no cache
+    cpu_share: float = 0.0
+    device: str = "cpu"
+    emulate_link_gbps: float = 0.0  # CPU device only: uploads also wait bytes / speed
+    trace: Path | None = None
+    max_batch: int = MAX_BATCH
+
+    def validate(self) -> None:
+        if not self.mib >= 0:
+            raise CacheError(f"--moe-cache-mib must be >= 0, got {self.mib}")
+        if not 0.0 <= self.cpu_share <= 1.0:
+            raise CacheError(f"--moe-cache-cpu-share must be in [0, 1], got {self.cpu_share}")
+        if not self.emulate_link_gbps >= 0:
+            raise CacheError(f"--emulate-link-gbps must be >= 0, got {self.emulate_link_gbps}")
+        if self.emulate_link_gbps and self.device != "cpu":
+            raise CacheError("--emulate-link-gbps only applies to the CPU device")
+
+
+@dataclass
+class _Group:
+    info: GroupInfo
+    policy: ClassLRU | None
+    banks: tuple[torch.Tensor, ...]  # gate, up, down slots: [n_slots, rows, row_bytes] uint8 on the device
+
+
+def _geometry(lx: LayerExperts) -> tuple[object, ...]:
+    return tuple((tuple(t.raw.shape), t.qtype) for t in (lx.gate, lx.up, lx.down))
+
+
+class ExpertCache:
+    def __init__(self, host: HostExperts, n_expert_used: int, settings: CacheSettings) -> None:
+        settings.validate()
+        self.host = host
+        self.settings = settings
+        self.device = torch.device(settings.device)
+        self.n_expert_used = n_expert_used
+        self.share = CpuShare(settings.cpu_share)
+        self.groups: list[_Group] = []
+        self.group_of: dict[int, _Group] = {}
+        self._build_groups()
+        self.stats = {layer: LayerStats() for layer in host.layers}
+        self.use_counts = {layer: np.zeros(lx.gate.raw.shape[0], dtype=np.int64) for layer, lx in host.layers.items()}
+        self.first_layer = min(host.layers)
+        self.tokens = 0
+        self.seconds = 0.0
+        self.publisher = Publisher()
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="moechat-cpu") if self.share.q else None
+        self._link_free_at = 0.0
+        self._lock = threading.Lock()  # guards the counters while a snapshot is taken
+        self._trace = TraceWriter(settings.trace, self.trace_header()) if settings.trace else None
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def _build_groups(self) -> None:
+        by_geometry: dict[tuple[object, ...], list[int]] = {}
+        for layer, lx in sorted(self.host.layers.items()):
+            by_geometry.setdefault(_geometry(lx), []).append(layer)
+        sizes = []
+        for layers in by_geometry.values():
+            lx = self.host.layers[layers[0]]
+            n_expert = lx.gate.raw.shape[0]
+            sizes.append((layers, n_expert, lx.bytes_per_expert))
+        total = sum(len(ls) * n * b for ls, n, b in sizes)
+        budget = int(self.settings.mib * 2**20)
+        for index, (layers, n_expert, expert_bytes) in enumerate(sizes):
+            # Each group gets the budget in proportion to its expert bytes: the same fraction of experts.
+            share = budget * len(layers) * n_expert * expert_bytes // total if total else 0
+            n_slots = min(share // expert_bytes, len(layers) * n_expert)
+            if 0 < n_slots < self.n_expert_used:
+                logger.warning(
+                    "MoE cache group %d (layers %s): %d slots cannot hold one token's %d experts: not cached",
+                    index, _span(layers), n_slots, self.n_expert_used,
+                )  # fmt: skip
+                n_slots = 0
+            info = GroupInfo(index, tuple(layers), n_expert, expert_bytes, int(n_slots), int(share))
+            group = _Group(info, None, ())
+            if n_slots:
+                group.policy = ClassLRU(layers, n_expert, int(n_slots))
+                group.banks = self._allocate(self.host.layers[layers[0]], int(n_slots))
+                logger.info(
+                    "MoE cache group %d: layers %s, %d experts of %.2f MiB: %d slots (%.1f%% of the experts, "
+                    "%.1f tokens worth), %.1f MiB on %s",
+                    index, _span(layers), n_expert, expert_bytes / 2**20, n_slots, 100 * info.fraction,
+                    n_slots / (len(layers) * self.n_expert_used), n_slots * expert_bytes / 2**20, self.device,
+                )  # fmt: skip
+            self.groups.append(group)
+            for layer in layers:
+                self.group_of[layer] = group
+
+    def _allocate(self, lx: LayerExperts, n_slots: int) -> tuple[torch.Tensor, ...]:
+        banks = []
+        try:
+            for t in (lx.gate, lx.up, lx.down):
+                banks.append(torch.empty((n_slots, *t.raw.shape[1:]), dtype=torch.uint8, device=self.device))
+        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
+            need = n_slots * lx.bytes_per_expert / 2**20
+            raise CacheError(
+                f"--moe-cache-mib: cannot allocate {need:.0f} MiB of expert slots on {self.device} ({e}); "
+                "try a smaller cache"
+            ) from None
+        return tuple(banks)
+
+    def trace_header(self) -> dict[str, object]:
+        return {
+            "version": 1,
+            "max_batch": self.settings.max_batch,
+            "n_expert_used": self.n_expert_used,
+            "budget_mib": self.settings.mib,
+            "cpu_share": self.settings.cpu_share,
+            "groups": [
+                {
+                    "layers": list(g.info.layers),
+                    "n_expert": g.info.n_expert,
+                    "expert_bytes": g.info.expert_bytes,
+                    "n_slots": g.info.n_slots,
+                    "budget_bytes": g.info.budget_bytes,
+                }
+                for g in self.groups
+            ],
+        }
+
+    # -- execution -------------------------------------------------------------------------
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
+        n_tokens = x.shape[0]
+        flat = ids.reshape(-1).tolist()  # the one host sync the routing needs
+        if self._trace is not None:
+            self._trace.write(layer, ids.shape[1], ids.reshape(-1).numpy())
+        np.add.at(self.use_counts[layer], flat, 1)
+        if layer == self.first_layer:
+            self.tokens += n_tokens
+        group = self.group_of[layer]
+        lx = self.host.layers[layer]
+        counters = self.stats[layer].of(n_tokens)
+        uniq = sorted(set(flat))
+        policy = group.policy
+        bound = min(n_tokens * ids.shape[1], group.info.n_expert)
+        if policy is not None and (n_tokens > self.settings.max_batch or bound > policy.n_slots):
+            policy = None  # this batch bypasses the cache
+        with self._lock:
+            counters.calls += 1
+            counters.tokens += n_tokens
+            if policy is None:
+                counters.bypassed += len(uniq)
+                counters.bypassed_bytes += len(uniq) * group.info.expert_bytes
+                plan = None
+            else:
+                plan = policy.plan(layer, flat, n_tokens, self.share.for_layer(layer))
+                counters.lookups += len(uniq)
+                counters.hits += len(plan.hits)
+                counters.misses += len(plan.uploads) + len(plan.cpu)
+                counters.cpu += len(plan.cpu)
+                counters.uploads += len(plan.uploads)
+                counters.uploaded_bytes += len(plan.uploads) * group.info.expert_bytes
+        if plan is None or policy is None:
+            out = combine(x, run_experts(lx, x, ids, weights, self.host.act, uniq))
+        else:
+            future: Future[list[Contribution]] | None = None
+            if plan.cpu and self._worker is not None:
+                future = self._worker.submit(run_experts, lx, x, ids, weights, self.host.act, list(plan.cpu))
+            self._upload(group, lx, plan.uploads)
+            on_device = sorted([*plan.hits, *(e for e, _ in plan.uploads)])
+            fetch = self._slot_fetch(policy, group.banks, lx, layer)
+            parts = run_experts(lx, x, ids, weights, self.host.act, on_device, fetch=fetch)
+            if future is not None:
+                parts += future.result()
+            out = combine(x, parts)
+            self.seconds += time.perf_counter() - t0
+        if self.publisher.due():
+            self.publisher.publish(self.snapshot())
+        return out
+
+    @staticmethod
+    def _slot_fetch(
+        policy: ClassLRU, banks: tuple[torch.Tensor, ...], lx: LayerExperts, layer: int
+    ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Dequantized (gate, up, down) of an expert of `layer`, read from its slot."""
+        gate_bank, up_bank, down_bank = banks
+
+        def fetch(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            s = policy.slot_of(layer, e)
+            return (
+                dequantize(gate_bank[s], lx.gate.qtype),
+                dequantize(up_bank[s], lx.up.qtype),
+                dequantize(down_bank[s], lx.down.qtype),
+            )
+
+        return fetch
+
+    def _upload(self, group: _Group, lx: LayerExperts, uploads: tuple[tuple[int, int], ...]) -> None:
+        if not uploads:
+            return
+        # Runs of consecutive experts into consecutive slots go in one copy.
+        runs: list[tuple[int, int, int]] = []
+        for e, s in uploads:
+            if runs and runs[-1][0] + runs[-1][2] == e and runs[-1][1] + runs[-1][2] == s:
+                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
+            else:
+                runs.append((e, s, 1))
+        for e, s, n in runs:
+            for bank, t in zip(group.banks, (lx.gate, lx.up, lx.down), strict=True):
+                bank[s : s + n].copy_(t.raw[e : e + n], non_blocking=self.device.type == "cuda")
+        if self.settings.emulate_link_gbps:
+            # The link moves the bytes one after another; the device waits for them before it computes.
+            now = time.perf_counter()
+            cost = len(uploads) * group.info.expert_bytes / (self.settings.emulate_link_gbps * 1e9)
+            self._link_free_at = max(now, self._link_free_at) + cost
+            wait = self._link_free_at - time.perf_counter()
+            if wait > 0:
+                time.sleep(wait)
+
+    # -- statistics --------------------------------------------------------------------------
+
+    def snapshot(self, *, final: bool = False) -> StatsSnapshot:
+        with self._lock:
+            layers = []
+            for layer in sorted(self.host.layers):
+                group = self.group_of[layer]
+                st = self.stats[layer]
+                cached: tuple[int, ...] = ()
+                if group.policy is not None:
+                    cached = tuple(e for e, s in enumerate(group.policy.slot_map[layer]) if s >= 0)
+                layers.append(
+                    LayerSnapshot(
+                        layer, group.info.index, st.small.frozen(), st.large.frozen(), len(cached), cached,
+                        tuple(int(c) for c in self.use_counts[layer]),
+                    )
+                )  # fmt: skip
+            return StatsSnapshot(
+                time.time(), self.tokens, self.seconds, tuple(g.info for g in self.groups), tuple(layers),
+                self.settings.cpu_share, final,
+            )  # fmt: skip
+
+    def summary_lines(self) -> list[str]:
+        """The seed-style summary the log prints at exit."""
+        snap = self.snapshot(final=True)
+        lines = []
+        for name in ("small", "large"):
+            tot = None
+            for layer in snap.layers:
+                c = getattr(layer, name)
+                tot = c if tot is None else tot + c
+            if tot is None or not (tot.lookups or tot.bypassed):
+                continue
+            label = "<= 8" if name == "small" else " > 8"
+            lines.append(
+                f"MoE cache: batch {label}: hits = {tot.hits}, misses = {tot.misses} ({tot.cpu} on the CPU), "
+                f"hit rate = {100 * tot.hit_rate:.1f}%, uploaded = {tot.uploaded_bytes / 2**20:.1f} MiB, "
+                f"bypassed = {tot.bypassed}"
+            )
+        return lines
+
+    def close(self) -> None:
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+def _span(layers: list[int] | tuple[int, ...]) -> str:
+    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])

@@ -1,0 +1,120 @@
+"""Expert-cache statistics: mutable counters inside the engine, frozen snapshots for everyone else."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+SMALL_BATCH = 8  # statistics split batches at 8 tokens, like the seed
+
+
+@dataclass
+class Counters:
+    lookups: int = 0  # distinct experts looked up
+    hits: int = 0
+    misses: int = 0  # uploads + cpu
+    cpu: int = 0  # misses computed on the CPU from the host copy
+    uploads: int = 0
+    uploaded_bytes: int = 0
+    bypassed: int = 0  # distinct experts of batches that bypass the cache
+    bypassed_bytes: int = 0
+    calls: int = 0
+    tokens: int = 0
+
+    def frozen(self) -> CountersSnapshot:
+        return CountersSnapshot(**self.__dict__)
+
+
+@dataclass(frozen=True)
+class CountersSnapshot:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    cpu: int = 0
+    uploads: int = 0
+    uploaded_bytes: int = 0
+    bypassed: int = 0
+    bypassed_bytes: int = 0
+    calls: int = 0
+    tokens: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def __add__(self, other: CountersSnapshot) -> CountersSnapshot:
+        return CountersSnapshot(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
+
+
+@dataclass
+class LayerStats:
+    small: Counters = field(default_factory=Counters)  # batches of <= 8 tokens
+    large: Counters = field(default_factory=Counters)
+
+    def of(self, n_tokens: int) -> Counters:
+        return self.small if n_tokens <= SMALL_BATCH else self.large
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    index: int
+    layers: tuple[int, ...]
+    n_expert: int
+    expert_bytes: int  # one expert: gate + up + down
+    n_slots: int  # 0: not cached
+    budget_bytes: int
+
+    @property
+    def fraction(self) -> float:
+        return self.n_slots / (len(self.layers) * self.n_expert) if self.layers else 0.0
+
+
+@dataclass(frozen=True)
+class LayerSnapshot:
+    layer: int
+    group: int
+    small: CountersSnapshot
+    large: CountersSnapshot
+    occupancy: int  # slots holding an expert of this layer
+    cached: tuple[int, ...]  # experts of this layer in a slot
+    use_counts: tuple[int, ...]  # selections per expert since the start
+
+    @property
+    def total(self) -> CountersSnapshot:
+        return self.small + self.large
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    time: float  # time.time() when taken
+    tokens: int  # tokens through the MoE layers (per layer)
+    seconds: float  # time spent in cached expert execution
+    groups: tuple[GroupInfo, ...]
+    layers: tuple[LayerSnapshot, ...]
+    cpu_share: float
+    final: bool = False  # taken at the end of a generation
+
+    @property
+    def total(self) -> CountersSnapshot:
+        out = CountersSnapshot()
+        for layer in self.layers:
+            out = out + layer.total
+        return out
+
+
+class Publisher:
+    """Calls subscribers with snapshots at most every `interval` seconds, and always when asked to."""
+
+    def __init__(self, interval: float = 0.25) -> None:
+        self.interval = interval
+        self._last = 0.0
+        self.subscribers: list[Callable[[StatsSnapshot], None]] = []
+
+    def due(self) -> bool:
+        return bool(self.subscribers) and time.monotonic() - self._last >= self.interval
+
+    def publish(self, snap: StatsSnapshot) -> None:
+        self._last = time.monotonic()
+        for fn in list(self.subscribers):
+            fn(snap)
