@@ -136,6 +136,7 @@ def tiny_moe(
     seed: int = 0,
     template: str | None = QWEN_TEMPLATE,
     extra: Mapping[str, Any] | None = None,
+    layer_expert_types: Mapping[int, GGMLQuantizationType] | None = None,
 ) -> Path:
     """A small MoE model of `arch` with random weights and a real (truncated) Qwen vocabulary.
 
@@ -155,8 +156,9 @@ def tiny_moe(
     def norm(n: int) -> tuple[np.ndarray, GGMLQuantizationType]:
         return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32), f32
 
-    def experts(*shape: int) -> tuple[np.ndarray, GGMLQuantizationType]:
-        return quantized(shape, expert_type, rng), expert_type
+    def experts(layer: int, *shape: int) -> tuple[np.ndarray, GGMLQuantizationType]:
+        qtype = (layer_expert_types or {}).get(layer, expert_type)
+        return quantized(shape, qtype, rng), qtype
 
     meta: dict[str, Any] = {
         f"{arch}.context_length": 512,
@@ -215,9 +217,9 @@ def tiny_moe(
             t[b + "ffn_down_exps.bias"] = dense(n_expert, n_embd)
         t[b + "ffn_norm.weight"] = norm(n_embd)
         t[b + "ffn_gate_inp.weight"] = dense(n_expert, n_embd)
-        t[b + "ffn_gate_exps.weight"] = experts(n_expert, n_ff_exp, n_embd)
-        t[b + "ffn_up_exps.weight"] = experts(n_expert, n_ff_exp, n_embd)
-        t[b + "ffn_down_exps.weight"] = experts(n_expert, n_embd, n_ff_exp)
+        t[b + "ffn_gate_exps.weight"] = experts(i, n_expert, n_ff_exp, n_embd)
+        t[b + "ffn_up_exps.weight"] = experts(i, n_expert, n_ff_exp, n_embd)
+        t[b + "ffn_down_exps.weight"] = experts(i, n_expert, n_embd, n_ff_exp)
         if arch == "qwen2moe":
             t[b + "ffn_gate_shexp.weight"] = dense(2 * n_ff_exp, n_embd)
             t[b + "ffn_up_shexp.weight"] = dense(2 * n_ff_exp, n_embd)

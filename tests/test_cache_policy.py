@@ -1,0 +1,125 @@
+"""Property tests of the ClassLRU policy and the CPU share on random routing."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from moechat.engine.cache_policy import N_CLASS, SHARE_ONE, CachePolicyError, ClassLRU, CpuShare
+
+
+def check_consistent(p: ClassLRU) -> None:
+    owners = {}
+    for layer, slots in p.slot_map.items():
+        for e, s in enumerate(slots):
+            if s >= 0:
+                assert p.key_of[s] == p.key(layer, e), "slot map and slot owner disagree"
+                assert s not in owners, "a slot holds two experts"
+                owners[s] = (layer, e)
+    filled = [s for s in range(p.n_slots) if p.key_of[s] >= 0]
+    assert len(filled) == len(owners) == p.n_filled
+    # Every slot is in exactly one class list, and the lists are well linked.
+    seen = []
+    for c in range(N_CLASS):
+        s, prev = p.head[c], -1
+        while s >= 0:
+            assert p.list_of[s] == c and p.prev[s] == prev
+            seen.append(s)
+            prev, s = s, p.next[s]
+        assert p.tail[c] == prev
+    assert sorted(seen) == list(range(p.n_slots))
+
+
+routing = st.tuples(
+    st.integers(4, 24),  # experts per layer
+    st.integers(1, 4),  # experts used per token
+    st.integers(1, 3),  # layers
+    st.integers(0, 2**31 - 1),  # seed
+    st.sampled_from([0.0, 0.3, 0.5, 0.95, 1.0]),
+)
+
+
+@settings(max_examples=60, deadline=None)
+@given(routing)
+def test_policy_invariants_on_random_routing(args: tuple[int, int, int, int, float]) -> None:
+    n_expert, k, n_layers, seed, share = args
+    rng = random.Random(seed)
+    layers = list(range(n_layers))
+    n_slots = rng.randint(k, n_expert * n_layers)
+    p = ClassLRU(layers, n_expert, n_slots)
+    cpu_share = CpuShare(share)
+    hot = [rng.sample(range(n_expert), k) for _ in layers]  # skewed routing: a hot set per layer
+    for _ in range(120):
+        for layer in layers:
+            n_tokens = rng.choice([1, 1, 1, 2, 4])
+            ids = []
+            for _ in range(n_tokens):
+                pool = hot[layer] if rng.random() < 0.7 else list(range(n_expert))
+                ids += rng.sample(pool, k) if len(pool) >= k else rng.sample(range(n_expert), k)
+            if len(set(ids)) > n_slots:
+                with pytest.raises(CachePolicyError, match="distinct experts"):
+                    p.plan(layer, ids, n_tokens)
+                continue
+            was_full = p.full
+            plan = p.plan(layer, ids, n_tokens, cpu_share.for_layer(layer))
+            if plan.cpu:
+                assert was_full, "the CPU share applied before the group was full"
+            uniq = set(ids)
+            assert set(plan.hits) | {e for e, _ in plan.uploads} | set(plan.cpu) == uniq
+            assert len(plan.hits) + len(plan.uploads) + len(plan.cpu) == len(uniq)
+            for e, s in plan.uploads:
+                assert p.slot_of(layer, e) == s
+            for e in plan.cpu:
+                assert p.slot_of(layer, e) == -1
+            assert [e for e, _ in plan.uploads] == sorted(e for e, _ in plan.uploads)
+            check_consistent(p)
+
+
+def test_cpu_share_is_exact_on_average() -> None:
+    rng = random.Random(0)
+    for share in (0.0, 0.1, 0.5, 0.77, 0.95, 1.0):
+        cs = CpuShare(share)
+        total = taken = 0
+        for i in range(5000):
+            n = rng.randint(0, 8)
+            t = cs.take(i % 3, n)
+            assert 0 <= t <= n
+            total, taken = total + n, taken + t
+        q = round(share * SHARE_ONE)
+        # The carry keeps the long-run count within one miss per layer of q/65536 of the misses.
+        assert abs(taken - total * q / SHARE_ONE) <= 3
+        assert abs(q / SHARE_ONE - share) <= 1 / SHARE_ONE
+    with pytest.raises(ValueError, match=r"\[0, 1\]"):
+        CpuShare(1.5)
+
+
+def test_victim_rule_prefers_old_and_rarely_used() -> None:
+    p = ClassLRU([0], n_expert=8, n_slots=3)
+    p.plan(0, [0], 1)
+    for _ in range(40):  # expert 1 used often: high class
+        p.plan(0, [1], 1)
+    p.plan(0, [2], 1)  # slots full: 0 (old, rare), 1 (frequent), 2 (recent, rare)
+    plan = p.plan(0, [3], 1)
+    assert plan.evicted == ((0, 0),)  # the oldest rare expert goes
+    plan = p.plan(0, [4], 1)
+    assert plan.evicted == ((0, 2),)  # age/2^class: the rare one, not the frequent one
+    assert p.slot_of(0, 1) >= 0
+
+
+def test_misses_fill_consecutive_slots_in_expert_order() -> None:
+    p = ClassLRU([0], n_expert=16, n_slots=8)
+    plan = p.plan(0, [7, 3, 5, 4], 1)
+    assert plan.uploads == ((3, 0), (4, 1), (5, 2), (7, 3))
+
+
+def test_lowest_crf_misses_go_to_the_cpu() -> None:
+    p = ClassLRU([0], n_expert=8, n_slots=2)
+    p.plan(0, [0, 1], 1)  # full
+    for _ in range(5):
+        p.plan(0, [0, 1], 1)
+    p.plan(0, [0, 2], 1)
+    p.plan(0, [0, 2], 1)  # 2 has some CRF now, 3 none
+    plan = p.plan(0, [2, 3], 1, lambda n: 1)
+    assert plan.cpu == (3,)

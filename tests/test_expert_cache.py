@@ -1,0 +1,167 @@
+"""The expert cache in the engine: it never changes what the model computes, and its numbers add up."""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+from collections import defaultdict
+from pathlib import Path
+
+import pytest
+import torch
+from moechat.engine.cache_policy import ClassLRU, CpuShare
+from moechat.engine.expert_cache import CacheError, CacheSettings
+from moechat.engine.generate import GREEDY, TokenEvent, generate
+from moechat.engine.loader import LoadedModel, load_model
+from moechat.engine.trace import read_trace
+from testkit.ggufgen import ARCHS, Q, tiny_moe
+
+PROMPT = "In the spring the river rose and the ferry stopped, so the villagers"
+N_TOKENS = 24
+EXPERT_MIB = 2 * 8 * 3 * 256 * 272 / 2**20  # 2 layers x 8 experts x (gate, up, down) of Q8_0 256x256
+
+
+def _tokens(lm: LoadedModel, prompt: list[int]) -> list[int]:
+    events = generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=N_TOKENS, params=GREEDY,
+                      ignore_eos=True)  # fmt: skip
+    return [e.token for e in events if isinstance(e, TokenEvent) and e.token >= 0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_cache_never_changes_the_greedy_tokens(arch: str, tmp_path: Path) -> None:
+    qtype = Q.MXFP4 if arch == "gpt-oss" else Q.Q8_0
+    path = tiny_moe(tmp_path / f"{arch}.gguf", arch=arch, expert_type=qtype)
+    ref_lm = load_model(path, n_ctx=128)
+    prompt = ref_lm.tokenizer.encode(PROMPT)
+    reference = _tokens(ref_lm, prompt)
+    expert_mib = ref_lm.cache.snapshot().groups[0].expert_bytes if ref_lm.cache else None
+    assert expert_mib is None  # no cache unless asked
+    total_mib = sum(lx.bytes_per_expert * 8 for lx in ref_lm.model.host_experts.layers.values()) / 2**20
+    for mib in (0.25 * total_mib, total_mib):
+        for share in (0.0, 0.5, 0.95):
+            lm = load_model(path, n_ctx=128, cache=CacheSettings(mib=mib, cpu_share=share))
+            assert lm.cache is not None
+            assert _tokens(lm, prompt) == reference, (mib, share)
+            total = lm.cache.snapshot().total
+            assert total.hits > 0 and total.lookups > 0
+            if share and mib < total_mib:
+                assert total.cpu > 0, "the CPU share was never used"
+            lm.close()
+
+
+def test_cached_logits_are_bit_identical_on_the_cpu_device(tmp_path: Path) -> None:
+    path = tiny_moe(tmp_path / "m.gguf")
+    plain = load_model(path, n_ctx=64)
+    cached = load_model(path, n_ctx=64, cache=CacheSettings(mib=EXPERT_MIB / 4, cpu_share=0.5))
+    ids = plain.tokenizer.encode(PROMPT)[:8]
+    c1, c2 = plain.new_cache(), cached.new_cache()
+    with torch.inference_mode():
+        for t in ids:  # one token at a time: every call goes through the cache
+            a = plain.model(torch.tensor([t]), c1.pos, c1)
+            b = cached.model(torch.tensor([t]), c2.pos, c2)
+            assert torch.equal(a, b)
+    assert cached.cache is not None and cached.cache.snapshot().total.cpu > 0
+
+
+def test_statistics_add_up_and_the_trace_replays_them(tmp_path: Path) -> None:
+    path = tiny_moe(tmp_path / "m.gguf")
+    trace = tmp_path / "run.trace"
+    settings = CacheSettings(mib=EXPERT_MIB * 0.4, cpu_share=0.5, trace=trace)
+    lm = load_model(path, n_ctx=128, cache=settings)
+    assert lm.cache is not None
+    prompt = lm.tokenizer.encode(PROMPT * 3)  # > 32 tokens: the prefill bypasses the cache
+    assert len(prompt) > 32
+    _tokens(lm, prompt)
+    snap = lm.cache.snapshot()
+    expert_bytes = snap.groups[0].expert_bytes
+    for layer in snap.layers:
+        for c in (layer.small, layer.large):
+            assert c.hits + c.misses == c.lookups
+            assert c.misses == c.uploads + c.cpu
+            assert c.uploaded_bytes == c.uploads * expert_bytes
+        assert layer.large.bypassed > 0 and layer.large.lookups == 0  # the prefill
+        assert layer.small.lookups > 0
+    lm.close()
+
+    # A minimal replay of the trace through the same policy code gives the same counters.
+    tr = read_trace(trace)
+    groups = tr.header["groups"]
+    assert len(groups) == 1 and groups[0]["n_slots"] == snap.groups[0].n_slots
+    g = groups[0]
+    policy = ClassLRU(g["layers"], g["n_expert"], g["n_slots"])
+    share = CpuShare(tr.header["cpu_share"])
+    got: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for rec in tr:
+        if rec.n_tokens > tr.header["max_batch"] or min(len(rec.ids), g["n_expert"]) > g["n_slots"]:
+            got[rec.layer]["bypassed"] += len(set(rec.ids))
+            continue
+        plan = policy.plan(rec.layer, rec.ids, rec.n_tokens, share.for_layer(rec.layer))
+        got[rec.layer]["hits"] += len(plan.hits)
+        got[rec.layer]["uploads"] += len(plan.uploads)
+        got[rec.layer]["cpu"] += len(plan.cpu)
+    for layer in snap.layers:
+        t = layer.total
+        assert dict(got[layer.layer]) == {"bypassed": t.bypassed, "hits": t.hits, "uploads": t.uploads, "cpu": t.cpu}
+        assert layer.occupancy == sum(1 for s in policy.slot_map[layer.layer] if s >= 0)
+
+
+def test_prefill_leaves_the_cache_state_alone(tmp_path: Path) -> None:
+    lm = load_model(tiny_moe(tmp_path / "m.gguf"), n_ctx=128, cache=CacheSettings(mib=EXPERT_MIB / 2))
+    assert lm.cache is not None
+    policy = lm.cache.groups[0].policy
+    assert policy is not None
+    ids = torch.tensor(lm.tokenizer.encode(PROMPT * 3)[:40])
+    with torch.inference_mode():
+        lm.model(ids, 0, lm.new_cache())
+    assert policy.n_filled == 0 and set(policy.clock.values()) == {0} and not policy.crf
+    with torch.inference_mode():
+        lm.model(ids[:4], 0, lm.new_cache())  # a small batch does use it
+    assert policy.n_filled > 0
+
+
+def test_groups_split_the_budget_by_expert_bytes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=3, layer_expert_types={2: Q.Q4_K})
+    with caplog.at_level(logging.INFO):
+        lm = load_model(path, n_ctx=64, cache=CacheSettings(mib=2.0))
+    assert lm.cache is not None
+    infos = [g.info for g in lm.cache.groups]
+    assert [i.layers for i in infos] == [(0, 1), (2,)]
+    q8, q4 = infos
+    assert q8.expert_bytes == 3 * 256 * 272 and q4.expert_bytes == 3 * 256 * 144
+    assert abs(q8.fraction - q4.fraction) < 0.1  # the same share of each group's experts
+    assert q8.budget_bytes + q4.budget_bytes <= 2 * 2**20
+    assert "slots" in caplog.text and "tokens worth" in caplog.text
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        tiny = load_model(path, n_ctx=64, cache=CacheSettings(mib=0.3))
+    assert tiny.cache is not None and all(g.policy is None for g in tiny.cache.groups)
+    assert "cannot hold one token's 2 experts: not cached" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("settings", "msg"),
+    [
+        (CacheSettings(mib=-1), "--moe-cache-mib must be >= 0"),
+        (CacheSettings(mib=1, cpu_share=1.5), r"--moe-cache-cpu-share must be in \[0, 1\]"),
+        (CacheSettings(mib=1, emulate_link_gbps=-2), "--emulate-link-gbps must be >= 0"),
+        (CacheSettings(mib=1, emulate_link_gbps=16, device="cuda"), "only applies to the CPU device"),
+    ],
+)
+def test_bad_settings(settings: CacheSettings, msg: str) -> None:
+    with pytest.raises(CacheError, match=msg):
+        settings.validate()
+
+
+def test_cli_cache_flags_and_env(tmp_path: Path) -> None:
+    model = tiny_moe(tmp_path / "m.gguf", n_vocab=300)
+    base = [sys.executable, "-m", "moechat", "run", str(model), "-p", "Hello", "-n", "8", "--ignore-eos", "--temp", "0"]
+    r = subprocess.run([*base, "--moe-cache-mib", "1", "--moe-cache-cpu-share", "0.5", "--emulate-link-gbps", "16"],
+                       capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "MoE cache: batch <= 8: hits = " in r.stderr
+    env = {"MOECHAT_MOE_CACHE_MIB": "1", "MOECHAT_MOE_CACHE_CPU_SHARE": "2", "PATH": "/usr/bin:/bin"}
+    r = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
+    assert r.returncode == 2 and "--moe-cache-cpu-share must be in [0, 1], got 2.0" in r.stderr
+    r = subprocess.run([*base, "--device", "tpu"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "--device must be auto, cpu or cuda" in r.stderr
