@@ -23,6 +23,7 @@ class Family:
     neox_rope: bool = True  # rotate halves (False: adjacent pairs, for GGUF-permuted llama q/k)
     act: Activation = swiglu
     yarn_truncate: bool = True  # floor/ceil the YaRN correction range, as ggml does
+    ffn_norm: str = "ffn_norm"  # tensor name of the norm before the FFN
 
 
 class Attention(nn.Module):
@@ -94,7 +95,7 @@ class Block(nn.Module):
     def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, family: Family) -> None:
         super().__init__()
         self.attn_norm = load_weight(gguf, f"blk.{i}.attn_norm.weight")
-        self.ffn_norm = load_weight(gguf, f"blk.{i}.ffn_norm.weight")
+        self.ffn_norm = load_weight(gguf, f"blk.{i}.{family.ffn_norm}.weight")
         self.attn = Attention(gguf, cfg, i)
         self.ffn = MoeFFN(gguf, cfg, i, family.act)
         self.eps = cfg.norm_eps

@@ -18,4 +18,5 @@ def oai_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
 
 
-FAMILY = Family(neox_rope=True, act=oai_swiglu, yarn_truncate=False)
+# Its files call the pre-FFN norm `post_attention_norm`.
+FAMILY = Family(neox_rope=True, act=oai_swiglu, yarn_truncate=False, ffn_norm="post_attention_norm")

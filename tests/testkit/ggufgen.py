@@ -127,7 +127,7 @@ def tiny_moe(
     n_layers: int = 2,
     n_embd: int = 256,
     n_head: int = 4,
-    n_head_kv: int = 2,
+    n_head_kv: int | None = None,
     n_expert: int = 8,
     n_expert_used: int = 2,
     n_ff_exp: int = 256,
@@ -137,6 +137,7 @@ def tiny_moe(
     template: str | None = QWEN_TEMPLATE,
     extra: Mapping[str, Any] | None = None,
     layer_expert_types: Mapping[int, GGMLQuantizationType] | None = None,
+    logit_scale: float = 1.0,
 ) -> Path:
     """A small MoE model of `arch` with random weights and a real (truncated) Qwen vocabulary.
 
@@ -149,6 +150,8 @@ def tiny_moe(
     v = len(vocab.tokens)
     hd = n_embd // n_head
     f32 = Q.F32
+    if n_head_kv is None:
+        n_head_kv = n_head if arch == "olmoe" else n_head // 2  # OLMoE has no grouped-query attention
 
     def dense(*shape: int) -> tuple[np.ndarray, GGMLQuantizationType]:
         return quantized(shape, f32, rng), f32
@@ -182,13 +185,14 @@ def tiny_moe(
             f"{arch}.attention.sliding_window": 8,
             f"{arch}.rope.scaling.type": "yarn",
             f"{arch}.rope.scaling.factor": 32.0,
-            f"{arch}.rope.scaling.original_context_length": 16,
+            f"{arch}.rope.scaling.original_context_length": 4096,
+            f"{arch}.context_length": 131072,  # gpt-oss's real YaRN geometry: 4096 x 32
         }
     meta |= dict(extra or {})
     t: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {
         "token_embd.weight": dense(v, n_embd),
         "output_norm.weight": norm(n_embd),
-        "output.weight": dense(v, n_embd),
+        "output.weight": (quantized((v, n_embd), f32, rng) * logit_scale, f32),
     }
     biased = arch in ("qwen2moe", "gpt-oss")
     for i in range(n_layers):
@@ -215,7 +219,8 @@ def tiny_moe(
             t[b + "ffn_gate_exps.bias"] = dense(n_expert, n_ff_exp)
             t[b + "ffn_up_exps.bias"] = dense(n_expert, n_ff_exp)
             t[b + "ffn_down_exps.bias"] = dense(n_expert, n_embd)
-        t[b + "ffn_norm.weight"] = norm(n_embd)
+        # gpt-oss files name the pre-FFN norm after the attention it follows.
+        t[b + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight")] = norm(n_embd)
         t[b + "ffn_gate_inp.weight"] = dense(n_expert, n_embd)
         t[b + "ffn_gate_exps.weight"] = experts(i, n_expert, n_ff_exp, n_embd)
         t[b + "ffn_up_exps.weight"] = experts(i, n_expert, n_ff_exp, n_embd)

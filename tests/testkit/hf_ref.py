@@ -72,7 +72,8 @@ def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
     for i in range(cfg.n_layers):
         hf, b = f"model.layers.{i}.", f"blk.{i}."
         sd[hf + "input_layernorm.weight"] = w(b + "attn_norm.weight")
-        sd[hf + "post_attention_layernorm.weight"] = w(b + "ffn_norm.weight")
+        ffn_norm = "post_attention_norm" if cfg.arch == "gpt-oss" else "ffn_norm"
+        sd[hf + "post_attention_layernorm.weight"] = w(f"{b}{ffn_norm}.weight")
         for proj, ours in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
             sd[f"{hf}self_attn.{proj}.weight"] = w(f"{b}{ours}.weight")
             bias = maybe_weight(gguf, f"{b}{ours}.bias")
