@@ -96,14 +96,7 @@ class ClassLRU:
         self.list_of[s] = c
 
     def class_of(self, key: int) -> int:
-        return min(N_CLASS - 1, int(math.log2(self.crf[key])))
-
-    def _use(self, layer: int, key: int) -> None:
-        crf = self.crf.get(key, 0.0)
-        if crf:
-            crf *= 2.0 ** (-(self.clock[layer] - self.last_use[key]) / CRF_HALF_LIFE)
-        self.crf[key] = crf + 1.0
-        self.last_use[key] = self.clock[layer]
+        return _class(self.crf[key])
 
     def _victim(self) -> int:
         best, best_score = -1, -1.0
@@ -137,14 +130,19 @@ class ClassLRU:
             )
         slots = self.slot_map[layer]
         base = layer * self.n_expert
-        self._selected = {base + e for e in uniq}
         hits: list[int] = []
         misses: list[int] = []
+        crf, last_use, now = self.crf, self.last_use, self.clock[layer]
         for e in uniq:
+            # Inlined _use() and class_of(): this loop runs for every expert of every decode step.
             key = base + e
-            self._use(layer, key)
-            if slots[e] >= 0:
-                self._move(slots[e], self.class_of(key))
+            c = crf.get(key)
+            c = c * 2.0 ** ((last_use[key] - now) / CRF_HALF_LIFE) + 1.0 if c else 1.0
+            crf[key] = c
+            last_use[key] = now
+            s = slots[e]
+            if s >= 0:
+                self._move(s, _class(c))
                 hits.append(e)
             else:
                 misses.append(e)
@@ -158,6 +156,8 @@ class ClassLRU:
         misses.sort()
         uploads: list[tuple[int, int]] = []
         evicted: list[tuple[int, int]] = []
+        if misses:
+            self._selected = {base + e for e in uniq}  # victims skip what this lookup uses
         for e in misses:
             s = self._victim()
             old = self.key_of[s]
@@ -175,6 +175,11 @@ class ClassLRU:
         self.clock[layer] += n_tokens
         self._selected = set()
         return Plan(tuple(hits), tuple(uploads), tuple(cpu), tuple(evicted))
+
+
+def _class(crf: float) -> int:
+    """floor(log2(crf)) for crf >= 1, capped at the last class."""
+    return min(N_CLASS - 1, int(crf).bit_length() - 1)
 
 
 class CpuShare:
