@@ -45,6 +45,13 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         metavar="PATH",
         help="write every expert lookup to PATH (env MOECHAT_MOE_CACHE_TRACE)",
     )
+    p.add_argument(
+        "--load-mode",
+        choices=("mmap", "pinned"),
+        default=os.environ.get("MOECHAT_LOAD_MODE", "mmap"),
+        help="CUDA: keep the host experts memory-mapped (fast start) or copy them to pinned memory "
+        "(uploads at full link speed, slower start, locked RAM)",
+    )
     p.add_argument("--emulate-link-gbps", type=float, default=None, metavar="X",
                    help="CPU device: make each upload also cost bytes / X GB/s, like a PCIe link")  # fmt: skip
 
@@ -59,6 +66,7 @@ def cache_settings(args: argparse.Namespace) -> CacheSettings:
         device=resolve_device(args.device),
         emulate_link_gbps=args.emulate_link_gbps or 0.0,
         trace=Path(trace) if trace else None,
+        load_mode=args.load_mode,
     )
     settings.validate()
     return settings

@@ -134,7 +134,7 @@ class ClassLRU:
         misses: list[int] = []
         crf, last_use, now = self.crf, self.last_use, self.clock[layer]
         for e in uniq:
-            # Inlined _use() and class_of(): this loop runs for every expert of every decode step.
+            # The CRF update and class, inline: this loop runs for every expert of every decode step.
             key = base + e
             c = crf.get(key)
             c = c * 2.0 ** ((last_use[key] - now) / CRF_HALF_LIFE) + 1.0 if c else 1.0

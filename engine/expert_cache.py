@@ -19,6 +19,7 @@ cache state as it was.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 import time
@@ -53,6 +54,7 @@ class CacheSettings:
     emulate_link_gbps: float = 0.0  # CPU device only: uploads also wait bytes / speed
     trace: Path | None = None
     max_batch: int = MAX_BATCH
+    load_mode: str = "mmap"  # mmap: experts stay in the file map; pinned: copied to pinned memory (CUDA)
 
     def validate(self) -> None:
         if not self.mib >= 0:
@@ -63,6 +65,8 @@ class CacheSettings:
             raise CacheError(f"--emulate-link-gbps must be >= 0, got {self.emulate_link_gbps}")
         if self.emulate_link_gbps and self.device != "cpu":
             raise CacheError("--emulate-link-gbps only applies to the CPU device")
+        if self.load_mode not in ("mmap", "pinned"):
+            raise CacheError(f"--load-mode must be mmap or pinned, got '{self.load_mode}'")
 
 
 @dataclass
@@ -79,9 +83,13 @@ def _geometry(lx: LayerExperts) -> tuple[object, ...]:
 class ExpertCache:
     def __init__(self, host: HostExperts, n_expert_used: int, settings: CacheSettings) -> None:
         settings.validate()
-        self.host = host
         self.settings = settings
         self.device = torch.device(settings.device)
+        self.host = _pinned(host) if settings.load_mode == "pinned" and self.device.type == "cuda" else host
+        if settings.load_mode == "pinned" and self.device.type != "cuda":
+            logger.info("--load-mode pinned only matters with a CUDA device; experts stay memory-mapped")
+        # CUDA: uploads go on their own stream, ordered against the compute stream by events.
+        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.n_expert_used = n_expert_used
         self.share = CpuShare(settings.cpu_share)
         self.groups: list[_Group] = []
@@ -173,7 +181,8 @@ class ExpertCache:
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         t0 = time.perf_counter()
         n_tokens = x.shape[0]
-        flat = ids.reshape(-1).tolist()  # the one host sync the routing needs
+        ids = ids.cpu()  # the one host sync the routing needs
+        flat = ids.reshape(-1).tolist()
         if self._trace is not None:
             self._trace.write(layer, ids.shape[1], ids.reshape(-1).numpy())
         np.add.at(self.use_counts[layer], flat, 1)
@@ -203,11 +212,13 @@ class ExpertCache:
                 counters.uploads += len(plan.uploads)
                 counters.uploaded_bytes += len(plan.uploads) * group.info.expert_bytes
         if plan is None or policy is None:
-            out = combine(x, run_experts(lx, x, ids, weights, self.host.act, uniq))
+            fetch = None if self.device.type == "cpu" else self._host_fetch(lx)
+            out = combine(x, run_experts(lx, x, ids, weights, self.host.act, uniq, fetch=fetch))
         else:
             future: Future[list[Contribution]] | None = None
             if plan.cpu and self._worker is not None:
-                future = self._worker.submit(run_experts, lx, x, ids, weights, self.host.act, list(plan.cpu))
+                xh, wh = x.cpu(), weights.cpu()  # the CPU part reads host copies
+                future = self._worker.submit(run_experts, lx, xh, ids, wh, self.host.act, list(plan.cpu))
             self._upload(group, lx, plan.uploads)
             on_device = sorted([*plan.hits, *(e for e, _ in plan.uploads)])
             fetch = self._slot_fetch(policy, group.banks, lx, layer)
@@ -219,6 +230,19 @@ class ExpertCache:
         if self.publisher.due():
             self.publisher.publish(self.snapshot())
         return out
+
+    def _host_fetch(self, lx: LayerExperts) -> Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Bypass on a device: upload an expert for this call only, without caching it."""
+        dev = self.device
+
+        def fetch(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return (
+                dequantize(lx.gate.raw[e].to(dev, non_blocking=True), lx.gate.qtype),
+                dequantize(lx.up.raw[e].to(dev, non_blocking=True), lx.up.qtype),
+                dequantize(lx.down.raw[e].to(dev, non_blocking=True), lx.down.qtype),
+            )
+
+        return fetch
 
     @staticmethod
     def _slot_fetch(
@@ -247,9 +271,16 @@ class ExpertCache:
                 runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
             else:
                 runs.append((e, s, 1))
-        for e, s, n in runs:
-            for bank, t in zip(group.banks, (lx.gate, lx.up, lx.down), strict=True):
-                bank[s : s + n].copy_(t.raw[e : e + n], non_blocking=self.device.type == "cuda")
+        if self._copy_stream is not None:
+            compute = torch.cuda.current_stream(self.device)
+            self._copy_stream.wait_stream(compute)  # a slot is overwritten only after its last reader ran
+            with torch.cuda.stream(self._copy_stream):
+                self._copy_runs(group, lx, runs)
+            done = torch.cuda.Event()
+            done.record(self._copy_stream)
+            compute.wait_event(done)  # the device computes with the new experts once they are in
+            return
+        self._copy_runs(group, lx, runs)
         if self.settings.emulate_link_gbps:
             # The link moves the bytes one after another; the device waits for them before it computes.
             now = time.perf_counter()
@@ -258,6 +289,12 @@ class ExpertCache:
             wait = self._link_free_at - time.perf_counter()
             if wait > 0:
                 time.sleep(wait)
+
+    @staticmethod
+    def _copy_runs(group: _Group, lx: LayerExperts, runs: list[tuple[int, int, int]]) -> None:
+        for e, s, n in runs:
+            for bank, t in zip(group.banks, (lx.gate, lx.up, lx.down), strict=True):
+                bank[s : s + n].copy_(t.raw[e : e + n], non_blocking=True)
 
     # -- statistics --------------------------------------------------------------------------
 
@@ -280,6 +317,9 @@ class ExpertCache:
                 time.time(), self.tokens, self.seconds, tuple(g.info for g in self.groups), tuple(layers),
                 self.settings.cpu_share, final,
             )  # fmt: skip
+
+    def end_of_generation(self) -> None:
+        self.publisher.publish(self.snapshot(final=True))
 
     def summary_lines(self) -> list[str]:
         """The seed-style summary the log prints at exit."""
@@ -307,6 +347,20 @@ class ExpertCache:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+
+
+def _pinned(host: HostExperts) -> HostExperts:
+    """A copy of the host experts in pinned (page-locked) memory: uploads then run at link speed."""
+    layers = {}
+    for layer, lx in host.layers.items():
+        tensors = []
+        for t in (lx.gate, lx.up, lx.down):
+            pinned = torch.empty(t.raw.shape, dtype=torch.uint8, pin_memory=True)
+            pinned.copy_(t.raw)
+            tensors.append(dataclasses.replace(t, raw=pinned))
+        layers[layer] = LayerExperts(*tensors)
+    logger.info("experts copied to pinned memory")
+    return HostExperts(layers, host.act)
 
 
 def _span(layers: list[int] | tuple[int, ...]) -> str:

@@ -10,9 +10,9 @@ import threading
 import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
-from torch import nn
 
 from .layers import KVCache
 from .tokenizer import Tokenizer
@@ -24,6 +24,14 @@ UBATCH = 512
 
 class ContextFull(ValueError):
     """The prompt does not fit in the context."""
+
+
+class Model(Protocol):
+    """What generation needs of a model: logits for tokens at a position, and an end-of-generation hook."""
+
+    def __call__(self, tokens: torch.Tensor, pos0: int, cache: KVCache) -> torch.Tensor: ...
+
+    def end_of_generation(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -80,7 +88,7 @@ Event = TokenEvent | DoneEvent
 
 
 @torch.inference_mode()
-def prefill(model: nn.Module, tokens: Sequence[int], cache: KVCache, ubatch: int = UBATCH) -> torch.Tensor:
+def prefill(model: Model, tokens: Sequence[int], cache: KVCache, ubatch: int = UBATCH) -> torch.Tensor:
     """Run the prompt through the model in ubatches; returns the last position's logits [V]."""
     if cache.pos + len(tokens) > cache.n_ctx:
         raise ContextFull(f"the prompt needs {cache.pos + len(tokens)} positions; the context holds {cache.n_ctx}")
@@ -94,13 +102,13 @@ def prefill(model: nn.Module, tokens: Sequence[int], cache: KVCache, ubatch: int
 
 
 @torch.inference_mode()
-def decode_one(model: nn.Module, token: int, cache: KVCache) -> torch.Tensor:
+def decode_one(model: Model, token: int, cache: KVCache) -> torch.Tensor:
     return model(torch.tensor([token]), cache.pos, cache)[-1]
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, history: Sequence[int], gen: torch.Generator) -> int:
     """One token id from logits [V] under the sampling parameters (greedy at temperature 0)."""
-    logits = logits.float().clone()
+    logits = logits.float().cpu().clone()  # sampling runs on the host, with the host generator
     if p.repeat_penalty != 1.0 and history:
         recent = torch.tensor(sorted(set(history[-p.repeat_last_n :])), dtype=torch.long)
         vals = logits[recent]
@@ -122,7 +130,7 @@ def sample(logits: torch.Tensor, p: SamplingParams, history: Sequence[int], gen:
 
 
 def generate(
-    model: nn.Module,
+    model: Model,
     tokenizer: Tokenizer,
     prompt: Sequence[int],
     cache: KVCache,
@@ -161,4 +169,5 @@ def generate(
     tail = decoder.flush()
     if tail:
         yield TokenEvent(-1, tail, n)
+    model.end_of_generation()
     yield DoneEvent(len(prompt), n, t1 - t0, time.perf_counter() - t1, reason)

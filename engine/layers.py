@@ -48,6 +48,10 @@ class Rope:
         self.cos = (ang.cos() * self.mscale).float()
         self.sin = (ang.sin() * self.mscale).float()
 
+    def to(self, device: torch.device) -> Rope:
+        self.cos, self.sin = self.cos.to(device), self.sin.to(device)
+        return self
+
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D]; pos: [T]
         cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [T, 1, dim/2]
@@ -89,12 +93,14 @@ class LayerCache:
 class KVCache:
     """Keys and values of every layer for positions 0..n_ctx-1."""
 
-    def __init__(self, cfg: ModelConfig, n_ctx: int, dtype: torch.dtype = torch.float32) -> None:
+    def __init__(
+        self, cfg: ModelConfig, n_ctx: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> None:
         self.n_ctx = n_ctx
         self.layers = [
             LayerCache(
-                torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim, dtype=dtype),
-                torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim_v, dtype=dtype),
+                torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim, dtype=dtype, device=device),
+                torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim_v, dtype=dtype, device=device),
             )
             for i in range(cfg.n_layers)
         ]
@@ -129,8 +135,8 @@ def attention(
     scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    q_pos = torch.arange(pos0, end).unsqueeze(1)  # [T, 1]
-    k_pos = torch.arange(start, end).unsqueeze(0)  # [1, S]
+    q_pos = torch.arange(pos0, end, device=q.device).unsqueeze(1)  # [T, 1]
+    k_pos = torch.arange(start, end, device=q.device).unsqueeze(0)  # [1, S]
     allowed = k_pos <= q_pos
     if window:
         allowed &= q_pos - k_pos < window

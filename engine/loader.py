@@ -7,6 +7,8 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+import torch
+
 from .chat_template import ChatTemplate, load_chat_template
 from .config import ModelConfig
 from .expert_cache import CacheSettings, ExpertCache
@@ -38,7 +40,7 @@ class LoadedModel:
         self.gguf.close()
 
     def new_cache(self) -> KVCache:
-        return KVCache(self.config, self.n_ctx)
+        return KVCache(self.config, self.n_ctx, device=self.model.device)
 
     def chat_prompt(self, user_text: str, system: str | None = None) -> list[int]:
         messages = ([{"role": "system", "content": system}] if system else []) + [
@@ -83,6 +85,8 @@ def load_model(
             eos_token=tok.tokens[sp.eos] if sp.eos is not None else "",
         )
         model = build_model(gguf, cfg, n_ctx)
+        if cache is not None and cache.device != "cpu":
+            model.to_device(torch.device(cache.device))
         expert_cache = None
         if cache is not None and cache.mib > 0:
             expert_cache = ExpertCache(model.host_experts, cfg.n_expert_used, cache)

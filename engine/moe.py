@@ -107,6 +107,10 @@ class ExpertExecutor(Protocol):
         """x [T, E], ids/weights [T, k] -> sum over k of weight * expert(x) [T, E]."""
         ...
 
+    def end_of_generation(self) -> None:
+        """A generation finished: publish what should be published."""
+        ...
+
 
 Contribution = tuple[int, torch.Tensor, torch.Tensor]  # (expert, token rows, weighted output rows)
 
@@ -119,8 +123,13 @@ class HostExperts:
         self.act = act
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        parts = run_experts(self.layers[layer], x, ids, weights, self.act, ids.unique().tolist())
+        # The experts live in host memory and run there; x may be on a device.
+        xh, ih, wh = x.cpu(), ids.cpu(), weights.cpu()
+        parts = run_experts(self.layers[layer], xh, ih, wh, self.act, ih.unique().tolist())
         return combine(x, parts)
+
+    def end_of_generation(self) -> None:
+        pass  # no statistics to publish
 
 
 def run_experts(
@@ -135,10 +144,13 @@ def run_experts(
     """Weighted outputs of `experts` (a subset of those in `ids`) for the tokens routed to them.
 
     `fetch(e)` gives the dequantized (gate, up, down) of expert e; by default the host copy.
+    `ids` may live on the host while x is on a device: the row lookup then needs no device sync.
     """
     parts: list[Contribution] = []
     for e in experts:
         tok, slot = (ids == e).nonzero(as_tuple=True)  # rows routed to e
+        if tok.device != x.device:
+            tok, slot = tok.to(x.device, non_blocking=True), slot.to(x.device, non_blocking=True)
         gate, up, down = fetch(e) if fetch is not None else (lx.gate.expert(e), lx.up.expert(e), lx.down.expert(e))
         biases = tuple(t.bias[e] if t.bias is not None else None for t in (lx.gate, lx.up, lx.down))
         y = expert_ffn(x[tok], gate, up, down, act, biases)

@@ -165,3 +165,43 @@ def test_cli_cache_flags_and_env(tmp_path: Path) -> None:
     assert r.returncode == 2 and "--moe-cache-cpu-share must be in [0, 1], got 2.0" in r.stderr
     r = subprocess.run([*base, "--device", "tpu"], capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "--device must be auto, cpu or cuda" in r.stderr
+
+
+def test_snapshots_are_bounded_in_rate_and_final_at_the_end(tmp_path: Path) -> None:
+    import time as _time
+
+    from moechat.engine.stats import StatsSnapshot
+
+    lm = load_model(tiny_moe(tmp_path / "m.gguf"), n_ctx=256, cache=CacheSettings(mib=EXPERT_MIB / 2, cpu_share=0.5))
+    assert lm.cache is not None
+    got: list[StatsSnapshot] = []
+    lm.cache.publisher.interval = 0.05
+    lm.cache.publisher.subscribers.append(got.append)
+    prompt = lm.tokenizer.encode(PROMPT)
+    t0 = _time.monotonic()
+    events = list(generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=60, ignore_eos=True))
+    elapsed = _time.monotonic() - t0
+    assert got and got[-1].final and not any(s.final for s in got[:-1])
+    assert len(got) - 1 <= elapsed / 0.05 + 1  # never more often than the interval
+    assert got[-1].total.lookups >= got[0].total.lookups
+    assert got[-1].tokens == len(prompt) + 59  # every token passed the first MoE layer (the last is not fed back)
+    done = events[-1]
+    assert getattr(done, "n_generated", None) == 60
+    with pytest.raises(AttributeError):
+        got[-1].tokens = 0  # type: ignore[misc]  # snapshots are frozen
+
+
+def test_device_fetch_paths_agree_with_the_host(tmp_path: Path) -> None:
+    """The bypass's upload-per-call path (used on CUDA) computes what the host path computes."""
+    lm = load_model(tiny_moe(tmp_path / "m.gguf"), n_ctx=64, cache=CacheSettings(mib=EXPERT_MIB / 2))
+    assert lm.cache is not None
+    from moechat.engine.moe import combine, run_experts
+
+    lx = lm.model.host_experts.layers[0]
+    x = torch.randn(3, 256)
+    ids = torch.tensor([[0, 5], [5, 7], [2, 0]])
+    w = torch.rand(3, 2)
+    host = combine(x, run_experts(lx, x, ids, w, lm.model.host_experts.act, [0, 2, 5, 7]))
+    dev = combine(x, run_experts(lx, x, ids, w, lm.model.host_experts.act, [0, 2, 5, 7],
+                                 fetch=lm.cache._host_fetch(lx)))  # fmt: skip
+    assert torch.equal(host, dev)

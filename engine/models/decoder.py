@@ -56,7 +56,7 @@ class Attention(nn.Module):
             q = rms_norm(q, self.q_norm, cfg.norm_eps)
         if self.k_norm is not None and self.k_norm.numel() == cfg.head_dim:
             k = rms_norm(k, self.k_norm, cfg.norm_eps)
-        pos = torch.arange(pos0, pos0 + t)
+        pos = torch.arange(pos0, pos0 + t, device=h.device)
         q, k = rope(q, pos), rope(k, pos)
         a = attention(
             q, cache, k, v, pos0, scale=cfg.head_dim**-0.5, window=self.window, sinks=self.sinks,
@@ -123,9 +123,25 @@ class MoeDecoder(nn.Module):
         self.host_experts = HostExperts({i: load_layer_experts(gguf, i) for i in range(cfg.n_layers)}, family.act)
         self.experts: ExpertExecutor = self.host_experts
 
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def to_device(self, device: torch.device) -> MoeDecoder:
+        """Move everything but the experts (they stay in host memory) to `device`."""
+        for module in self.modules():
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor):
+                    setattr(module, name, value.to(device))
+        self.rope.to(device)
+        return self
+
+    def end_of_generation(self) -> None:
+        self.experts.end_of_generation()
+
     def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache) -> torch.Tensor:
         """tokens [T] at positions pos0.. -> logits [T, V]; appends to `cache`."""
-        x = self.embed[tokens]  # [T, E]
+        x = self.embed[tokens.to(self.embed.device)]  # [T, E]
         for i, block in enumerate(self.blocks):
             x = block(x, pos0, cache.layers[i], self.rope, self.experts)
         cache.pos = pos0 + tokens.shape[0]
