@@ -52,12 +52,31 @@ def log_softmax(x: np.ndarray) -> np.ndarray:
     return x - np.log(np.exp(x).sum(-1, keepdims=True))
 
 
+def _no_extra_buffer_types() -> None:
+    """Make llama.cpp skip its extra CPU buffer types (AMX, repacked layouts).
+
+    Some virtual machines advertise AMX but trap on its instructions: llama.cpp then dies with an
+    illegal instruction on the types it would put in AMX buffers. Plain CPU buffers work everywhere.
+    """
+    import llama_cpp
+
+    default = llama_cpp.llama_model_default_params
+
+    def params() -> object:
+        p = default()
+        p.use_extra_bufts = False
+        return p
+
+    llama_cpp.llama_model_default_params = params
+    llama_cpp.llama.llama_cpp.llama_model_default_params = params
+
+
 def compare(path: Path, n_pos: int, n_decode: int, threads: int, repeats: int) -> dict[str, float | str]:
     import llama_cpp
 
     torch.set_num_threads(threads)
     ours = load_model(path, n_ctx=n_pos + n_decode + 8)
-    ids = ours.tokenizer.encode(TEXT * 20, add_special=False)[:n_pos]
+    ids = ours.tokenizer.encode(TEXT * 20)[:n_pos]  # BOS as the model asks, as in real use
     peer = llama_cpp.Llama(str(path), n_ctx=n_pos + n_decode + 8, n_batch=512, logits_all=True,
                            n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
 
@@ -117,7 +136,14 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--logit-scale", type=float, default=1.0, help="test models: scale of the output layer")
+    ap.add_argument(
+        "--no-extra-bufts",
+        action="store_true",
+        help="llama.cpp without AMX/repacked buffers (for CPUs that advertise AMX but trap on it)",
+    )
     args = ap.parse_args()
+    if args.no_extra_bufts:
+        _no_extra_buffer_types()
     with tempfile.TemporaryDirectory() as tmp:
         models = args.models or test_models(Path(tmp), args.logit_scale)
         rows = [compare(m, args.positions, args.decode, args.threads, args.repeats) for m in models]

@@ -14,13 +14,17 @@ from typing import Any
 from .gguf_file import GGUFError, GGUFFile
 
 # Architectures whose blocks route tokens to experts, and dense ones we also read.
-MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss")
+MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "gemma3moe")
 DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(MOE_ARCHITECTURES + DENSE_ARCHITECTURES))
 
 # How each family turns router logits into expert weights (gguf's expert_gating_func values).
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
+GATING_SOFTMAX_SELECTED = 3  # softmax over the selected logits only (gpt-oss)
+# Our own: the router only selects, each selected expert counts with weight 1 (the MoEfied demo,
+# where all experts together are exactly the dense FFN). Implied by the architecture, never read.
+GATING_SELECT = 100
 
 
 @dataclass(frozen=True)
@@ -160,13 +164,13 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     rope_theta_swa = 0.0
     gating = GATING_SOFTMAX
     weights_norm_default = False
-    if arch == "gemma3":
+    if arch in ("gemma3", "gemma3moe"):
         # Every sixth layer is global; the others slide and use a base frequency of 10k.
         swa_layers = tuple((i + 1) % 6 != 0 for i in range(n_layers)) if sliding_window else swa_layers
         rope_theta_swa = 10_000.0
     elif arch == "gpt-oss":
         swa_layers = tuple(i % 2 == 0 for i in range(n_layers)) if sliding_window else swa_layers
-        gating = 3  # softmax over the selected logits only
+        gating = GATING_SOFTMAX_SELECTED
     elif arch in ("qwen3moe", "llama"):
         weights_norm_default = True  # Qwen3-MoE and Mixtral renormalise the selected weights
     pattern = meta.get(p + "attention.sliding_window_pattern")
@@ -176,6 +180,8 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         else:
             swa_layers = tuple(bool(v) for v in pattern)[:n_layers]
     gating = _int(meta, path, p + "expert_gating_func", gating)
+    if arch == "gemma3moe":
+        gating = GATING_SELECT
 
     default_eps = _float(meta, path, p + "attention.layer_norm_epsilon", 1e-5)
     return ModelConfig(

@@ -17,6 +17,7 @@ from .layers import KVCache
 from .model_file import open_model
 from .models import build_model, family_for
 from .models.decoder import MoeDecoder
+from .models.gemma3 import Gemma3
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -26,7 +27,7 @@ logger = logging.getLogger(__name__)
 class LoadedModel:
     gguf: GGUFFile
     config: ModelConfig
-    model: MoeDecoder
+    model: MoeDecoder | Gemma3
     tokenizer: Tokenizer
     template: ChatTemplate
     n_ctx: int
@@ -88,7 +89,7 @@ def load_model(
         if cache is not None and cache.device != "cpu":
             model.to_device(torch.device(cache.device))
         expert_cache = None
-        if cache is not None and cache.mib > 0:
+        if cache is not None and cache.mib > 0 and cfg.is_moe:
             expert_cache = ExpertCache(model.host_experts, cfg.n_expert_used, cache)
             model.experts = expert_cache
     except BaseException:

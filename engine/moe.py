@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from gguf import GGMLQuantizationType
 
-from .config import GATING_SIGMOID, ModelConfig
+from .config import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX_SELECTED, ModelConfig
 from .gguf_file import GGUFError, GGUFFile
 from .quants import dequantize
 
@@ -34,16 +34,19 @@ def route(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Router logits [T, E] -> (ids [T, k], weights [T, k]) per the family's normalisation."""
     k = cfg.n_expert_used
+    if cfg.expert_gating == GATING_SELECT:
+        ids = torch.topk(logits, k, dim=-1).indices  # [T, k]
+        return ids, torch.ones(ids.shape, dtype=logits.dtype, device=logits.device)
     if cfg.expert_gating == GATING_SIGMOID:
         probs = torch.sigmoid(logits)
-    elif cfg.expert_gating == 3:  # softmax over the selected logits only
+    elif cfg.expert_gating == GATING_SOFTMAX_SELECTED:
         probs = logits
     else:
         probs = F.softmax(logits, dim=-1)
     scores = probs + bias if bias is not None else probs
     ids = torch.topk(scores, k, dim=-1).indices  # [T, k]
     weights = probs.gather(-1, ids)
-    if cfg.expert_gating == 3:
+    if cfg.expert_gating == GATING_SOFTMAX_SELECTED:
         weights = F.softmax(weights, dim=-1)
     elif cfg.expert_weights_norm:
         weights = weights / weights.sum(-1, keepdim=True)

@@ -6,6 +6,7 @@ from ..config import ModelConfig
 from ..gguf_file import GGUFError, GGUFFile
 from . import gpt_oss, llama_moe, olmoe, qwen_moe
 from .decoder import Family, MoeDecoder
+from .gemma3 import Gemma3
 
 _MOE_FAMILIES = {
     "qwen3moe": qwen_moe.FAMILY,
@@ -16,17 +17,24 @@ _MOE_FAMILIES = {
 }
 
 
-def family_for(gguf: GGUFFile, cfg: ModelConfig) -> Family:
-    """The family that runs this model, or a one-line `GGUFError` saying why none does."""
+# Gemma 3 has its own decoder (sandwich norms, two rotary bases); it runs dense and MoE-fied.
+_GEMMA = ("gemma3", "gemma3moe")
+
+
+def family_for(gguf: GGUFFile, cfg: ModelConfig) -> Family | None:
+    """The MoE family that runs this model (None: Gemma's own decoder), or a one-line `GGUFError`."""
+    if cfg.arch in _GEMMA:
+        return None
     family = _MOE_FAMILIES.get(cfg.arch) if cfg.is_moe else None
     if family is None:
         kind = "dense " if not cfg.is_moe else ""
         raise GGUFError(
             f"{gguf.path}: {kind}architecture '{cfg.arch}' cannot be run (moechat runs MoE models of: "
-            "qwen3moe, qwen2moe, llama with experts, olmoe, gpt-oss)"
+            "qwen3moe, qwen2moe, llama with experts, olmoe, gpt-oss, gemma3moe; and dense gemma3)"
         )
     return family
 
 
-def build_model(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int) -> MoeDecoder:
-    return MoeDecoder(gguf, cfg, n_ctx, family_for(gguf, cfg))
+def build_model(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int) -> MoeDecoder | Gemma3:
+    family = family_for(gguf, cfg)
+    return Gemma3(gguf, cfg, n_ctx) if family is None else MoeDecoder(gguf, cfg, n_ctx, family)

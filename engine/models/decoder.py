@@ -38,6 +38,8 @@ class Attention(nn.Module):
         # QK norms act per head (Qwen3) or over the whole projection (OLMoE): the weight's size says which.
         self.q_norm = maybe_weight(gguf, p + "attn_q_norm.weight")
         self.k_norm = maybe_weight(gguf, p + "attn_k_norm.weight")
+        # Decided by the q norm: with one KV head a per-head k norm has the size of the whole projection.
+        self.qk_norm_per_head = self.q_norm is not None and self.q_norm.numel() == cfg.head_dim
         self.sinks = maybe_weight(gguf, p + "attn_sinks.weight")  # [H]
         self.window = cfg.sliding_window if cfg.swa_layers and cfg.swa_layers[i] else 0
 
@@ -47,15 +49,16 @@ class Attention(nn.Module):
         q = F.linear(h, self.wq, self.bq)  # [T, H*D]
         k = F.linear(h, self.wk, self.bk)  # [T, Hkv*D]
         v = F.linear(h, self.wv, self.bv).view(t, n_kv, cfg.head_dim_v)
-        if self.q_norm is not None and self.q_norm.numel() == q.shape[-1]:
-            q = rms_norm(q, self.q_norm, cfg.norm_eps)
-        if self.k_norm is not None and self.k_norm.numel() == k.shape[-1]:
-            k = rms_norm(k, self.k_norm, cfg.norm_eps)
+        if not self.qk_norm_per_head:
+            if self.q_norm is not None:
+                q = rms_norm(q, self.q_norm, cfg.norm_eps)
+            if self.k_norm is not None:
+                k = rms_norm(k, self.k_norm, cfg.norm_eps)
         q, k = q.view(t, cfg.n_head, cfg.head_dim), k.view(t, n_kv, cfg.head_dim)
-        if self.q_norm is not None and self.q_norm.numel() == cfg.head_dim:
-            q = rms_norm(q, self.q_norm, cfg.norm_eps)
-        if self.k_norm is not None and self.k_norm.numel() == cfg.head_dim:
-            k = rms_norm(k, self.k_norm, cfg.norm_eps)
+        if self.qk_norm_per_head:
+            q = rms_norm(q, self.q_norm, cfg.norm_eps)  # per head: [T, H, D]
+            if self.k_norm is not None:
+                k = rms_norm(k, self.k_norm, cfg.norm_eps)
         pos = torch.arange(pos0, pos0 + t, device=h.device)
         q, k = rope(q, pos), rope(k, pos)
         a = attention(

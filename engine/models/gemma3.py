@@ -1,0 +1,121 @@
+"""Gemma 3: dense (`gemma3`) and the demo's MoE variant (`gemma3moe`).
+
+Gemma specifics: embeddings scaled by sqrt(n_embd); norms before and after both the attention
+and the FFN ("sandwich"); GELU (tanh) gating; per-head QK norms; five sliding-window layers
+(rotary base 10k) for each global one (the file's base). GGUF stores the norms with Gemma's +1
+already added. The MoE variant splits each FFN's neurons into experts and routes with a linear
+router; the selected experts' outputs are summed unweighted, so with every expert selected it is
+exactly the dense FFN (see tools/moefy.py).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import ModelConfig
+from ..gguf_file import GGUFFile
+from ..layers import KVCache, LayerCache, Rope, load_weight, rms_norm
+from ..moe import ExpertExecutor, HostExperts, load_layer_experts, route
+from .decoder import Attention
+
+
+def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    return F.gelu(gate, approximate="tanh") * up
+
+
+class DenseFFN(nn.Module):
+    def __init__(self, gguf: GGUFFile, i: int) -> None:
+        super().__init__()
+        self.gate = load_weight(gguf, f"blk.{i}.ffn_gate.weight")  # [F, E]
+        self.up = load_weight(gguf, f"blk.{i}.ffn_up.weight")
+        self.down = load_weight(gguf, f"blk.{i}.ffn_down.weight")  # [E, F]
+
+    def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
+        return F.linear(gelu_gate(F.linear(h, self.gate), F.linear(h, self.up)), self.down)
+
+
+class RoutedFFN(nn.Module):
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int) -> None:
+        super().__init__()
+        self.cfg, self.i = cfg, i
+        self.router = load_weight(gguf, f"blk.{i}.ffn_gate_inp.weight")  # [n_expert, E]
+
+    def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
+        ids, weights = route(F.linear(h, self.router), self.cfg)  # [T, k]
+        return experts(self.i, h, ids, weights)
+
+
+class Block(nn.Module):
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int) -> None:
+        super().__init__()
+        p = f"blk.{i}."
+        self.eps = cfg.norm_eps
+        self.swa = bool(cfg.swa_layers and cfg.swa_layers[i])
+        self.attn_norm = load_weight(gguf, p + "attn_norm.weight")
+        self.post_attn_norm = load_weight(gguf, p + "post_attention_norm.weight")
+        self.ffn_norm = load_weight(gguf, p + "ffn_norm.weight")
+        self.post_ffn_norm = load_weight(gguf, p + "post_ffw_norm.weight")
+        self.attn = Attention(gguf, cfg, i)
+        self.ffn: nn.Module = RoutedFFN(gguf, cfg, i) if cfg.is_moe else DenseFFN(gguf, i)
+
+    def forward(
+        self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: tuple[Rope, Rope], experts: ExpertExecutor
+    ) -> torch.Tensor:
+        a = self.attn(rms_norm(x, self.attn_norm, self.eps), pos0, cache, rope[1] if self.swa else rope[0])
+        x = x + rms_norm(a, self.post_attn_norm, self.eps)
+        f = self.ffn(rms_norm(x, self.ffn_norm, self.eps), experts)
+        return x + rms_norm(f, self.post_ffn_norm, self.eps)
+
+
+class _NoExperts:
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a dense model has no experts")
+
+    def end_of_generation(self) -> None:
+        pass
+
+
+class Gemma3(nn.Module):
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int) -> None:
+        super().__init__()
+        self.cfg = cfg
+        self.embed = load_weight(gguf, "token_embd.weight")  # [V, E], tied with the output
+        self.embed_scale = math.sqrt(cfg.n_embd)
+        self.norm = load_weight(gguf, "output_norm.weight")
+        out = gguf.tensors.get("output.weight")
+        self.output = load_weight(gguf, out.name) if out is not None else self.embed
+        self.blocks = nn.ModuleList(Block(gguf, cfg, i) for i in range(cfg.n_layers))
+        rope_global = Rope(cfg.rope_dim, cfg.rope_theta, n_ctx, neox=True, cfg=cfg)
+        rope_local = Rope(cfg.rope_dim, cfg.rope_theta_swa or cfg.rope_theta, n_ctx, neox=True)
+        self.rope = (rope_global, rope_local)
+        self.host_experts = HostExperts(
+            {i: load_layer_experts(gguf, i) for i in range(cfg.n_layers)} if cfg.is_moe else {}, gelu_gate
+        )
+        self.experts: ExpertExecutor = self.host_experts if cfg.is_moe else _NoExperts()
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def to_device(self, device: torch.device) -> Gemma3:
+        for module in self.modules():
+            for name, value in list(vars(module).items()):
+                if isinstance(value, torch.Tensor):
+                    setattr(module, name, value.to(device))
+        for r in self.rope:
+            r.to(device)
+        return self
+
+    def end_of_generation(self) -> None:
+        self.experts.end_of_generation()
+
+    def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache) -> torch.Tensor:
+        x = self.embed[tokens.to(self.embed.device)] * self.embed_scale  # [T, E]
+        for i, block in enumerate(self.blocks):
+            x = block(x, pos0, cache.layers[i], self.rope, self.experts)
+        cache.pos = pos0 + tokens.shape[0]
+        return F.linear(rms_norm(x, self.norm, self.cfg.norm_eps), self.output)
