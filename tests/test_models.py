@@ -80,3 +80,14 @@ def test_cli_run(tmp_path: Path) -> None:
     long = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
     assert long.returncode == 2 and "Traceback" not in long.stderr
     assert "the context holds 64" in long.stderr.strip().splitlines()[-1]
+
+
+def test_one_kv_head_with_per_head_qk_norms(tmp_path: Path) -> None:
+    # With one KV head the per-head k norm has the size of the whole k projection: it must apply once.
+    path = tiny_moe(tmp_path / "kv1.gguf", n_head_kv=1, expert_type=Q.F32)
+    lm = load_model(path, n_ctx=64)
+    ids = lm.tokenizer.encode(PROMPT)[:16]
+    with torch.inference_mode():
+        ours = lm.model(torch.tensor(ids), 0, lm.new_cache())
+        ref = hf_reference(lm.gguf, lm.config)(torch.tensor([ids])).logits[0]
+    assert float((ours - ref).abs().max() / ref.abs().max()) <= 1e-4

@@ -84,12 +84,17 @@ def test_ctrl_c_keeps_the_text_and_exits_130(tmp_path: Path) -> None:
     assert len(seen + (rest or b"")) >= len(seen)
 
 
-def test_errors_are_one_line_exit_2(tmp_path: Path, gemma_gguf: Path) -> None:
+def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*MOECHAT, "run", *args], capture_output=True, text=True, timeout=120)
 
-    r = run(str(gemma_gguf), "-p", "hi")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "dense architecture 'gemma3' cannot be run" in r.stderr
+    import numpy as np
+    from testkit.ggufgen import write_gguf
+
+    meta = {"qwen2.block_count": 1, "qwen2.embedding_length": 64, "qwen2.attention.head_count": 2}
+    dense = write_gguf(tmp_path / "d.gguf", "qwen2", meta, {"a.weight": (np.zeros((2, 32), np.float32), Q.F32)})
+    r = run(str(dense), "-p", "hi")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "dense architecture 'qwen2' cannot be run" in r.stderr
     model = tiny_moe(tmp_path / "m.gguf", n_vocab=300)
     for args, msg in [
         (("--temp", "-1"), "temperature must be >= 0"),
