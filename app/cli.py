@@ -6,7 +6,6 @@ import argparse
 import logging
 import sys
 from collections.abc import Sequence
-from pathlib import Path
 
 from moechat import __version__
 
@@ -26,22 +25,13 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p_inspect = sub.add_parser("inspect", help="show what a GGUF model file holds")
     p_inspect.add_argument(
-        "model", nargs="?", help="path to a .gguf file (first shard of a split model); default: the demo's source"
+        "model", nargs="?", help="path to a .gguf file (first shard of a split model); default: the built-in demo"
     )
     p_run = sub.add_parser("run", help="generate text from a prompt")
     from .run_cmd import add_run_arguments
 
     add_run_arguments(p_run)
     return parser
-
-
-def _demo_source() -> Path:
-    from moechat.engine.demo_source import DemoSourceMissing, source_gguf
-
-    try:
-        return source_gguf(app_paths().cache / "sources")
-    except DemoSourceMissing as e:
-        raise ValueError(f"{e}, or pass a model path") from None
 
 
 def _fail(message: str) -> int:
@@ -68,10 +58,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command == "inspect":
             from rich.console import Console
 
+            from .demo_model import resolve_model
             from .inspect_cmd import run_inspect
 
-            model = args.model or str(_demo_source())
-            return run_inspect(model, Console())
+            return run_inspect(str(resolve_model(args.model)), Console())
         if args.command == "run":
             from .run_cmd import run
 

@@ -73,7 +73,7 @@ def cache_settings(args: argparse.Namespace) -> CacheSettings:
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", help="path to a .gguf model")
+    p.add_argument("model", nargs="?", help="path to a .gguf model (default: the built-in demo)")
     p.add_argument("-p", "--prompt", required=True, help="the prompt")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
@@ -99,7 +99,11 @@ def run(args: argparse.Namespace) -> int:
     params.validate()
     if args.n_predict < 0:
         raise ValueError(f"-n/--n-predict must be >= 0, got {args.n_predict}")
-    lm = load_model(args.model, n_ctx=args.ctx_size, chat_template=args.chat_template, cache=cache_settings(args))
+    from .demo_model import resolve_model
+
+    lm = load_model(
+        resolve_model(args.model), n_ctx=args.ctx_size, chat_template=args.chat_template, cache=cache_settings(args)
+    )
     chat = args.chat if args.chat is not None else lm.template.origin != "plain fallback"
     prompt = lm.chat_prompt(args.prompt) if chat else lm.tokenizer.encode(args.prompt)
     stop = threading.Event()

@@ -180,6 +180,7 @@ class _Shard:
         finally:
             os.close(fd)
         self.metadata: dict[str, Any] = {}
+        self.value_types: dict[str, tuple[int, int | None]] = {}  # key -> (type, element type of arrays)
         self.tensors: list[TensorInfo] = []
         self._parse(index)
 
@@ -210,10 +211,14 @@ class _Shard:
             start = cur.pos
             key = cur.string("metadata key", MAX_KEY_LENGTH)
             vtype = cur.unpack("<I", f"type of '{key}'")
+            etype = (
+                struct.unpack_from("<I", self.map, cur.pos)[0] if vtype == _ARRAY and cur.pos + 4 <= cur.size else None
+            )
             value = cur.value(vtype, f"value of '{key}'")
             if key in self.metadata:
                 raise cur.fail(f"duplicate metadata key '{key}'", start)
             self.metadata[key] = value
+            self.value_types[key] = (vtype, etype)
         infos = []
         seen: set[str] = set()
         for _ in range(n_tensors):
@@ -314,6 +319,7 @@ class GGUFFile(Mapping[str, TensorInfo]):
             self.close()
             raise
         self.metadata: dict[str, Any] = dict(self._shards[0].metadata)
+        self.value_types = dict(self._shards[0].value_types)
         self.tensors: dict[str, TensorInfo] = {}
         for shard in self._shards:
             for t in shard.tensors:

@@ -18,7 +18,7 @@ from torch.nn import functional as F
 
 from ..config import ModelConfig
 from ..gguf_file import GGUFFile
-from ..layers import KVCache, LayerCache, Rope, load_weight, rms_norm
+from ..layers import KVCache, LayerCache, Rope, load_weight, maybe_weight, rms_norm
 from ..moe import ExpertExecutor, HostExperts, load_layer_experts, route
 from .decoder import Attention
 
@@ -43,9 +43,10 @@ class RoutedFFN(nn.Module):
         super().__init__()
         self.cfg, self.i = cfg, i
         self.router = load_weight(gguf, f"blk.{i}.ffn_gate_inp.weight")  # [n_expert, E]
+        self.router_bias = maybe_weight(gguf, f"blk.{i}.ffn_gate_inp.bias")
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
-        ids, weights = route(F.linear(h, self.router), self.cfg)  # [T, k]
+        ids, weights = route(F.linear(h, self.router, self.router_bias), self.cfg)  # [T, k]
         return experts(self.i, h, ids, weights)
 
 

@@ -1,0 +1,28 @@
+"""The model to open: the user's file, or the built-in demo (built once, with a progress bar)."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+from moechat.engine.demo import demo_path, ensure_demo
+from moechat.engine.demo_source import DemoSourceMissing
+from rich.console import Console
+from rich.progress import Progress
+
+from .paths import app_paths
+
+
+def resolve_model(model: str | None) -> Path:
+    if model:
+        return Path(model)
+    cache = app_paths().cache
+    try:
+        target = demo_path(cache)
+        if target.exists():
+            return target
+        with Progress(transient=True, console=Console(file=sys.stderr)) as bar:
+            task = bar.add_task("building the demo model (first use only)", total=1.0)
+            return ensure_demo(cache, lambda done, what: bar.update(task, completed=done, description=what))
+    except DemoSourceMissing as e:
+        raise ValueError(f"{e}, or pass a model path") from None
