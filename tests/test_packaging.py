@@ -75,14 +75,18 @@ def test_paths_prints_four_directories(tmp_path: Path) -> None:
     assert lines["log"].startswith(str(tmp_path / "st"))
 
 
-def test_inspect_without_a_model_uses_the_demo_source(tmp_path: Path) -> None:
-    r = _moechat("inspect", cwd=tmp_path)
-    assert r.returncode == 0, r.stderr
-    assert "gemma3" in r.stdout and "none (dense FFN 2048)" in r.stdout
+def test_inspect_without_a_model_builds_and_shows_the_demo(tmp_path: Path) -> None:
     import os
 
-    assembled = Path(os.environ["MOECHAT_HOME"]) / "cache" / "sources" / "gemma-3-270m-q4_k_m.gguf"
-    assert assembled.stat().st_size == 253113024
+    r = _moechat("inspect", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert "gemma3moe" in r.stdout and "16 per layer" in r.stdout
+    cache = Path(os.environ["MOECHAT_HOME"]) / "cache"
+    assert (cache / "sources" / "gemma-3-270m-q4_k_m.gguf").stat().st_size == 253113024
+    (demo,) = cache.glob("moechat-demo-gemma3moe-*.gguf")
+    stamp = demo.stat().st_mtime_ns
+    r = _moechat("inspect", cwd=tmp_path)  # the second time reuses the built file
+    assert r.returncode == 0 and demo.stat().st_mtime_ns == stamp
 
 
 def test_inspect_without_the_demo_package_says_how_to_get_it(
