@@ -27,6 +27,10 @@ def build_parser() -> argparse.ArgumentParser:
     p_inspect.add_argument(
         "model", nargs="?", help="path to a .gguf file (first shard of a split model); default: the built-in demo"
     )
+    p_chat = sub.add_parser("chat", help="chat in the terminal (the default command)")
+    from .repl import add_chat_arguments
+
+    add_chat_arguments(p_chat)
     p_run = sub.add_parser("run", help="generate text from a prompt")
     from .run_cmd import add_run_arguments
 
@@ -66,12 +70,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .run_cmd import run
 
             return run(args)
+        from .repl import run_chat
+
+        if args.command is None:  # `moechat` alone: chat with the built-in demo
+            args = parser.parse_args(["chat"])
+        return run_chat(args)
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
     except KeyboardInterrupt:
         return 130
-    parser.print_help()
-    return 0
 
 
 if __name__ == "__main__":
