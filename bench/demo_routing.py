@@ -47,19 +47,18 @@ def lru_hit_rate(steps: list[list[int]], capacity: int) -> float:
                 cache[e] = None
                 if len(cache) > capacity:
                     cache.popitem(last=False)
-        for e in ids:
-            cache.move_to_end(e)
     return hits / max(total, 1)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=1200, help="decode tokens in all")
+    ap.add_argument("--trace", type=Path, default=None, help="keep the routing trace here")
     args = ap.parse_args()
     path = ensure_demo(app_paths().cache)
     per_prompt = args.tokens // len(PROMPTS)
     with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "demo.trace"
+        trace = args.trace or Path(tmp) / "demo.trace"
         # A cache of one slot per layer group is enough to record the trace; routing does not depend on it.
         lm = load_model(path, n_ctx=per_prompt + 64, cache=CacheSettings(mib=8, trace=trace))
         n_expert, k = lm.config.n_expert, lm.config.n_expert_used
