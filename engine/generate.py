@@ -33,6 +33,8 @@ class Model(Protocol):
 
     def end_of_generation(self) -> None: ...
 
+    def routing(self) -> tuple[tuple[int, ...], ...]: ...
+
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -65,6 +67,8 @@ class TokenEvent:
     token: int
     text: str
     index: int  # 0-based index among generated tokens
+    seconds: float = 0.0  # since the previous token (the first: since the prompt was read)
+    routing: tuple[tuple[int, ...], ...] = ()  # per MoE layer, the experts that chose this token
 
 
 @dataclass(frozen=True)
@@ -149,6 +153,7 @@ def generate(
     history = list(prompt)
     decoder = tokenizer.stream_decoder()
     reason, n = "length", 0
+    last = t1
     while n < max_tokens:
         if stop is not None and stop.is_set():
             reason = "stopped"
@@ -158,7 +163,9 @@ def generate(
             reason = "eos"
             break
         history.append(tok)
-        yield TokenEvent(tok, decoder.push(tok), n)
+        now = time.perf_counter()
+        yield TokenEvent(tok, decoder.push(tok), n, now - last, model.routing())
+        last = now
         n += 1
         if n >= max_tokens:
             break

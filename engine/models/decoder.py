@@ -81,10 +81,12 @@ class MoeFFN(nn.Module):
         self.sh_up = maybe_weight(gguf, p + "ffn_up_shexp.weight")
         self.sh_down = maybe_weight(gguf, p + "ffn_down_shexp.weight")
         self.sh_gate_inp = maybe_weight(gguf, p + "ffn_gate_inp_shexp.weight")  # [E]
+        self.last_ids: torch.Tensor | None = None
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
         logits = F.linear(h, self.router, self.router_bias)  # [T, n_expert]
         ids, weights = route(logits, self.cfg)  # [T, k] each
+        self.last_ids = ids  # read by routing(): the experts of the latest step
         y = experts(self.i, h, ids, weights)
         if self.sh_gate is not None and self.sh_up is not None and self.sh_down is not None:
             shared = F.linear(self.act(F.linear(h, self.sh_gate), F.linear(h, self.sh_up)), self.sh_down)
@@ -141,6 +143,14 @@ class MoeDecoder(nn.Module):
 
     def end_of_generation(self) -> None:
         self.experts.end_of_generation()
+
+    def routing(self) -> tuple[tuple[int, ...], ...]:
+        """Per MoE layer, the experts selected by the last token of the latest forward pass."""
+        return tuple(
+            tuple(b.ffn.last_ids[-1].tolist())
+            for b in self.blocks
+            if isinstance(b, Block) and b.ffn.last_ids is not None
+        )
 
     def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache) -> torch.Tensor:
         """tokens [T] at positions pos0.. -> logits [T, V]; appends to `cache`."""

@@ -44,9 +44,11 @@ class RoutedFFN(nn.Module):
         self.cfg, self.i = cfg, i
         self.router = load_weight(gguf, f"blk.{i}.ffn_gate_inp.weight")  # [n_expert, E]
         self.router_bias = maybe_weight(gguf, f"blk.{i}.ffn_gate_inp.bias")
+        self.last_ids: torch.Tensor | None = None
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
         ids, weights = route(F.linear(h, self.router, self.router_bias), self.cfg)  # [T, k]
+        self.last_ids = ids
         return experts(self.i, h, ids, weights)
 
 
@@ -113,6 +115,14 @@ class Gemma3(nn.Module):
 
     def end_of_generation(self) -> None:
         self.experts.end_of_generation()
+
+    def routing(self) -> tuple[tuple[int, ...], ...]:
+        """Per MoE layer, the experts selected by the last token of the latest forward pass."""
+        return tuple(
+            tuple(b.ffn.last_ids[-1].tolist())
+            for b in self.blocks
+            if isinstance(b.ffn, RoutedFFN) and b.ffn.last_ids is not None
+        )
 
     def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache) -> torch.Tensor:
         x = self.embed[tokens.to(self.embed.device)] * self.embed_scale  # [T, E]
