@@ -25,6 +25,17 @@ def maybe_weight(gguf: GGUFFile, name: str) -> torch.Tensor | None:
     return load_weight(gguf, name) if name in gguf.tensors else None
 
 
+def move_tensors(module: torch.nn.Module, device: torch.device) -> None:
+    """Move every plain tensor attribute of `module` and its submodules to `device`.
+
+    Weights are plain attributes (not parameters): the experts, which are not, stay put.
+    """
+    for sub in module.modules():
+        for name, value in list(vars(sub).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(sub, name, value.to(device))
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     return y * weight if weight is not None else y

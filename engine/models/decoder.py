@@ -14,7 +14,7 @@ from torch.nn import functional as F
 
 from ..config import ModelConfig
 from ..gguf_file import GGUFFile
-from ..layers import KVCache, LayerCache, Rope, attention, load_weight, maybe_weight, rms_norm
+from ..layers import KVCache, LayerCache, Rope, attention, load_weight, maybe_weight, move_tensors, rms_norm
 from ..moe import Activation, ExpertExecutor, HostExperts, load_layer_experts, route, swiglu
 
 
@@ -68,7 +68,33 @@ class Attention(nn.Module):
         return F.linear(a.reshape(t, -1), self.wo, self.bo)
 
 
-class MoeFFN(nn.Module):
+class Routed(nn.Module):
+    """A block part that routes tokens to experts; it remembers the experts of its latest call."""
+
+    last_ids: torch.Tensor | None = None  # [T, k]
+
+
+class DecoderBase(nn.Module):
+    """What every decoder offers generation: its device, the routing of the last step, the end hook."""
+
+    embed: torch.Tensor
+    experts: ExpertExecutor
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.device
+
+    def end_of_generation(self) -> None:
+        self.experts.end_of_generation()
+
+    def routing(self) -> tuple[tuple[int, ...], ...]:
+        """Per MoE layer, the experts selected by the last token of the latest forward pass."""
+        return tuple(
+            tuple(m.last_ids[-1].tolist()) for m in self.modules() if isinstance(m, Routed) and m.last_ids is not None
+        )
+
+
+class MoeFFN(Routed):
     """Router -> expert execution (behind `ExpertExecutor`) -> plus the shared expert, if any."""
 
     def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, act: Activation) -> None:
@@ -81,7 +107,6 @@ class MoeFFN(nn.Module):
         self.sh_up = maybe_weight(gguf, p + "ffn_up_shexp.weight")
         self.sh_down = maybe_weight(gguf, p + "ffn_down_shexp.weight")
         self.sh_gate_inp = maybe_weight(gguf, p + "ffn_gate_inp_shexp.weight")  # [E]
-        self.last_ids: torch.Tensor | None = None
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
         logits = F.linear(h, self.router, self.router_bias)  # [T, n_expert]
@@ -112,7 +137,7 @@ class Block(nn.Module):
         return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps), experts)
 
 
-class MoeDecoder(nn.Module):
+class MoeDecoder(DecoderBase):
     """Token embedding -> blocks -> norm -> output projection, for the MoE families."""
 
     def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, family: Family) -> None:
@@ -128,29 +153,11 @@ class MoeDecoder(nn.Module):
         self.host_experts = HostExperts({i: load_layer_experts(gguf, i) for i in range(cfg.n_layers)}, family.act)
         self.experts: ExpertExecutor = self.host_experts
 
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
-
     def to_device(self, device: torch.device) -> MoeDecoder:
         """Move everything but the experts (they stay in host memory) to `device`."""
-        for module in self.modules():
-            for name, value in list(vars(module).items()):
-                if isinstance(value, torch.Tensor):
-                    setattr(module, name, value.to(device))
+        move_tensors(self, device)
         self.rope.to(device)
         return self
-
-    def end_of_generation(self) -> None:
-        self.experts.end_of_generation()
-
-    def routing(self) -> tuple[tuple[int, ...], ...]:
-        """Per MoE layer, the experts selected by the last token of the latest forward pass."""
-        return tuple(
-            tuple(b.ffn.last_ids[-1].tolist())
-            for b in self.blocks
-            if isinstance(b, Block) and b.ffn.last_ids is not None
-        )
 
     def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache) -> torch.Tensor:
         """tokens [T] at positions pos0.. -> logits [T, V]; appends to `cache`."""

@@ -18,9 +18,9 @@ from torch.nn import functional as F
 
 from ..config import ModelConfig
 from ..gguf_file import GGUFFile
-from ..layers import KVCache, LayerCache, Rope, load_weight, maybe_weight, rms_norm
+from ..layers import KVCache, LayerCache, Rope, load_weight, maybe_weight, move_tensors, rms_norm
 from ..moe import ExpertExecutor, HostExperts, load_layer_experts, route
-from .decoder import Attention
+from .decoder import Attention, DecoderBase, Routed
 
 
 def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -38,13 +38,12 @@ class DenseFFN(nn.Module):
         return F.linear(gelu_gate(F.linear(h, self.gate), F.linear(h, self.up)), self.down)
 
 
-class RoutedFFN(nn.Module):
+class RoutedFFN(Routed):
     def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int) -> None:
         super().__init__()
         self.cfg, self.i = cfg, i
         self.router = load_weight(gguf, f"blk.{i}.ffn_gate_inp.weight")  # [n_expert, E]
         self.router_bias = maybe_weight(gguf, f"blk.{i}.ffn_gate_inp.bias")
-        self.last_ids: torch.Tensor | None = None
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
         ids, weights = route(F.linear(h, self.router, self.router_bias), self.cfg)  # [T, k]
@@ -82,7 +81,7 @@ class _NoExperts:
         pass
 
 
-class Gemma3(nn.Module):
+class Gemma3(DecoderBase):
     def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int) -> None:
         super().__init__()
         self.cfg = cfg
@@ -100,29 +99,12 @@ class Gemma3(nn.Module):
         )
         self.experts: ExpertExecutor = self.host_experts if cfg.is_moe else _NoExperts()
 
-    @property
-    def device(self) -> torch.device:
-        return self.embed.device
-
     def to_device(self, device: torch.device) -> Gemma3:
-        for module in self.modules():
-            for name, value in list(vars(module).items()):
-                if isinstance(value, torch.Tensor):
-                    setattr(module, name, value.to(device))
+        """Move everything but the experts (they stay in host memory) to `device`."""
+        move_tensors(self, device)
         for r in self.rope:
             r.to(device)
         return self
-
-    def end_of_generation(self) -> None:
-        self.experts.end_of_generation()
-
-    def routing(self) -> tuple[tuple[int, ...], ...]:
-        """Per MoE layer, the experts selected by the last token of the latest forward pass."""
-        return tuple(
-            tuple(b.ffn.last_ids[-1].tolist())
-            for b in self.blocks
-            if isinstance(b.ffn, RoutedFFN) and b.ffn.last_ids is not None
-        )
 
     def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache) -> torch.Tensor:
         x = self.embed[tokens.to(self.embed.device)] * self.embed_scale  # [T, E]
