@@ -54,7 +54,16 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, default=1200, help="decode tokens in all")
     ap.add_argument("--trace", type=Path, default=None, help="keep the routing trace here")
+    ap.add_argument("--analyse", type=Path, default=None, help="only analyse this recorded trace")
     args = ap.parse_args()
+    if args.analyse:
+        tr = read_trace(args.analyse)
+        steps: dict[int, list[list[int]]] = {}
+        for rec in tr:
+            if rec.n_tokens == 1:
+                steps.setdefault(rec.layer, []).append(list(rec.ids))
+        report(steps, tr.header["groups"][0]["n_expert"], tr.header["n_expert_used"], "recorded trace")
+        return
     path = ensure_demo(app_paths().cache)
     per_prompt = args.tokens // len(PROMPTS)
     with tempfile.TemporaryDirectory() as tmp:
@@ -62,7 +71,7 @@ def main() -> None:
         # A cache of one slot per layer group is enough to record the trace; routing does not depend on it.
         lm = load_model(path, n_ctx=per_prompt + 64, cache=CacheSettings(mib=8, trace=trace))
         n_expert, k = lm.config.n_expert, lm.config.n_expert_used
-        steps: dict[int, list[list[int]]] = {}
+        steps = {}
         t0, n_dec = time.perf_counter(), 0
         for i, prompt in enumerate(PROMPTS):
             params = SamplingParams(temperature=0.7, top_p=0.95, seed=i)
@@ -74,10 +83,12 @@ def main() -> None:
         for rec in read_trace(trace):
             if rec.n_tokens == 1:  # decode steps only
                 steps.setdefault(rec.layer, []).append(list(rec.ids))
+    report(steps, n_expert, k, f"{n_dec} decode tokens, {tps:.1f} t/s (prompts included)")
+
+
+def report(steps: dict[int, list[list[int]]], n_expert: int, k: int, what: str) -> None:
     rng = random.Random(0)
-    print(
-        f"demo: {n_expert} experts per layer, {k} per token; {n_dec} decode tokens; {tps:.1f} t/s (prompts included)\n"
-    )
+    print(f"demo: {n_expert} experts per layer, {k} per token; {what}\n")
     print("| layer | top 20% experts' share | reused within 8 tokens | LRU hit rate, half cached | uniform routing |")
     print("|---:|---:|---:|---:|---:|")
     sums = [0.0, 0.0, 0.0, 0.0]
