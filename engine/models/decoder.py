@@ -77,8 +77,22 @@ class Routed(nn.Module):
 class DecoderBase(nn.Module):
     """What every decoder offers generation: its device, the routing of the last step, the end hook."""
 
-    embed: torch.Tensor
+    cfg: ModelConfig
+    embed: torch.Tensor  # [V, E]
+    norm: torch.Tensor
+    output: torch.Tensor  # [V, E]; the embedding itself when the file ties them
     experts: ExpertExecutor
+
+    def _load_ends(self, gguf: GGUFFile) -> None:
+        """The token embedding, the final norm and the output projection."""
+        self.embed = load_weight(gguf, "token_embd.weight")
+        self.norm = load_weight(gguf, "output_norm.weight")
+        out = maybe_weight(gguf, "output.weight")
+        self.output = out if out is not None else self.embed
+
+    def head(self, x: torch.Tensor) -> torch.Tensor:
+        """Final hidden states [T, E] -> logits [T, V]."""
+        return F.linear(rms_norm(x, self.norm, self.cfg.norm_eps), self.output)
 
     @property
     def device(self) -> torch.device:
@@ -143,10 +157,7 @@ class MoeDecoder(DecoderBase):
     def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, family: Family) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = load_weight(gguf, "token_embd.weight")  # [V, E]
-        self.norm = load_weight(gguf, "output_norm.weight")
-        out = maybe_weight(gguf, "output.weight")
-        self.output = out if out is not None else self.embed  # tied embeddings
+        self._load_ends(gguf)
         self.blocks = nn.ModuleList(Block(gguf, cfg, i, family) for i in range(cfg.n_layers))
         self.rope = Rope(cfg.rope_dim, cfg.rope_theta, n_ctx, neox=family.neox_rope, cfg=cfg,
                          truncate=family.yarn_truncate)  # fmt: skip
@@ -165,4 +176,4 @@ class MoeDecoder(DecoderBase):
         for i, block in enumerate(self.blocks):
             x = block(x, pos0, cache.layers[i], self.rope, self.experts)
         cache.pos = pos0 + tokens.shape[0]
-        return F.linear(rms_norm(x, self.norm, self.cfg.norm_eps), self.output)
+        return self.head(x)

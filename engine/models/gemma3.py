@@ -85,11 +85,8 @@ class Gemma3(DecoderBase):
     def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int) -> None:
         super().__init__()
         self.cfg = cfg
-        self.embed = load_weight(gguf, "token_embd.weight")  # [V, E], tied with the output
+        self._load_ends(gguf)
         self.embed_scale = math.sqrt(cfg.n_embd)
-        self.norm = load_weight(gguf, "output_norm.weight")
-        out = gguf.tensors.get("output.weight")
-        self.output = load_weight(gguf, out.name) if out is not None else self.embed
         self.blocks = nn.ModuleList(Block(gguf, cfg, i) for i in range(cfg.n_layers))
         rope_global = Rope(cfg.rope_dim, cfg.rope_theta, n_ctx, neox=True, cfg=cfg)
         rope_local = Rope(cfg.rope_dim, cfg.rope_theta_swa or cfg.rope_theta, n_ctx, neox=True)
@@ -111,4 +108,4 @@ class Gemma3(DecoderBase):
         for i, block in enumerate(self.blocks):
             x = block(x, pos0, cache.layers[i], self.rope, self.experts)
         cache.pos = pos0 + tokens.shape[0]
-        return F.linear(rms_norm(x, self.norm, self.cfg.norm_eps), self.output)
+        return self.head(x)
