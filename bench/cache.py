@@ -47,7 +47,7 @@ def policy_cost(n_expert: int = 128, k: int = 8, n_layers: int = 4, steps: int =
     t = time.perf_counter()
     for i, ids in enumerate(lookups):
         layer = i % n_layers
-        policy.plan(layer, ids, 1, share.for_layer(layer))
+        policy.plan(layer, ids, 1, share.active())
     per_call = (time.perf_counter() - t) / len(lookups)
     return per_call * 1e6, len(lookups) * k / (time.perf_counter() - t)
 

@@ -13,31 +13,41 @@ replays traces through the very same code, so the two cannot disagree.
 - CPU share: once every slot of the group holds an expert, a share of the misses, lowest CRF
   first, is computed on the CPU instead of uploaded; the share is exact on average through a
   carry in 1/65536 per layer.
+
+The simulator replays millions of lookups, so the hot loop is written for CPython: the class
+lists are OrderedDicts (move_to_end and "first" are O(1) in C), per-key state lives in flat
+lists indexed by key, and the CRF decay comes from a table.
 """
 
 from __future__ import annotations
 
-import math
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections import OrderedDict
+from collections.abc import Sequence
+from itertools import islice
+from typing import NamedTuple, Protocol
 
 N_CLASS = 8
 CRF_HALF_LIFE = 128.0  # tokens of the layer's clock
 SHARE_ONE = 1 << 16  # the CPU share is kept in 1/65536
+_DECAY = [2.0 ** (-dt / CRF_HALF_LIFE) for dt in range(8192)]  # exactly 2 ** ((last - now) / 128)
+_INV_POW2 = [2.0**-c for c in range(N_CLASS)]
 
 
 class CachePolicyError(RuntimeError):
     """A lookup the cache cannot serve (more distinct experts than slots)."""
 
 
-@dataclass(frozen=True)
-class Plan:
+class Plan(NamedTuple):
     """What one lookup decided. Experts are ids within the layer."""
 
     hits: tuple[int, ...]  # already in a slot
     uploads: tuple[tuple[int, int], ...]  # (expert, slot) to fill from the host copy, in expert order
     cpu: tuple[int, ...]  # misses computed on the CPU from the host copy, not cached
     evicted: tuple[tuple[int, int], ...]  # (layer, expert) that lost their slot
+
+
+class MissSplit(Protocol):
+    def take(self, layer: int, n_misses: int) -> int: ...
 
 
 class ClassLRU:
@@ -51,17 +61,16 @@ class ClassLRU:
         self.n_slots = n_slots
         self.slot_map: dict[int, list[int]] = {il: [-1] * n_expert for il in self.layers}  # -1: not cached
         self.key_of = [-1] * n_slots  # (layer, expert) key in each slot, -1 if empty
-        # Doubly linked LRU lists, one per class; all slots start empty in class 0, in slot order.
-        self.prev = [s - 1 for s in range(n_slots)]
-        self.next = [s + 1 if s + 1 < n_slots else -1 for s in range(n_slots)]
-        self.head = [0] + [-1] * (N_CLASS - 1)
-        self.tail = [n_slots - 1] + [-1] * (N_CLASS - 1)
+        # One LRU list per class, least recent first; all slots start empty in class 0, in slot order.
+        # Empty slots therefore always sit at the front of class 0 until the group is full.
+        self.lists: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(N_CLASS)]
+        self.lists[0].update(dict.fromkeys(range(n_slots)))
         self.list_of = [0] * n_slots
         self.n_filled = 0
-        self.crf: dict[int, float] = {}  # key -> CRF at its last use
-        self.last_use: dict[int, int] = {}  # key -> layer clock at its last use
-        self.clock = dict.fromkeys(self.layers, 0)
-        self._selected: set[int] = set()  # keys selected by the lookup in progress
+        n_keys = (max(self.layers) + 1) * n_expert if self.layers else 0
+        self.crf = [0.0] * n_keys  # CRF at the key's last use; 0: never used
+        self.last_use = [0] * n_keys  # layer clock at the key's last use
+        self.clock = [0] * (max(self.layers) + 1 if self.layers else 0)
 
     @property
     def full(self) -> bool:
@@ -73,55 +82,53 @@ class ClassLRU:
     def slot_of(self, layer: int, expert: int) -> int:
         return self.slot_map[layer][expert]
 
-    def _move(self, s: int, c: int) -> None:
-        """Put slot s at the tail (most recent end) of class list c."""
-        frm = self.list_of[s]
-        if frm == c and s == self.tail[frm]:
-            return
-        prev, nxt = self.prev, self.next
-        if prev[s] >= 0:
-            nxt[prev[s]] = nxt[s]
-        else:
-            self.head[frm] = nxt[s]
-        if nxt[s] >= 0:
-            prev[nxt[s]] = prev[s]
-        else:
-            self.tail[frm] = prev[s]
-        prev[s], nxt[s] = self.tail[c], -1
-        if self.tail[c] >= 0:
-            nxt[self.tail[c]] = s
-        else:
-            self.head[c] = s
-        self.tail[c] = s
-        self.list_of[s] = c
-
     def class_of(self, key: int) -> int:
         return _class(self.crf[key])
 
-    def _victim(self) -> int:
-        best, best_score = -1, -1.0
-        for c in range(N_CLASS):
-            s = self.head[c]
-            while s >= 0 and self.key_of[s] in self._selected:
-                s = self.next[s]
-            if s < 0:
-                continue
-            key = self.key_of[s]
-            if key < 0:
-                return s  # an empty slot
-            age = self.clock[key // self.n_expert] - self.last_use[key]
-            score = math.ldexp(float(age), -c)
-            if score > best_score:
-                best, best_score = s, score
-        if best < 0:
-            raise CachePolicyError("no slot can be evicted")
-        return best
+    def _victims(self, m: int, selected: set[int]) -> list[int]:
+        """The slots that m misses take, in order: empty slots first, then one eviction per miss.
 
-    def plan(self, layer: int, ids: Sequence[int], n_tokens: int, n_cpu: Callable[[int], int] | None = None) -> Plan:
+        Each eviction takes, among the first slot of each class list that the lookup does not
+        use, the one with the largest age / 2^class. A slot just filled holds a selected expert,
+        so later picks of the same lookup skip it: the first m usable slots of each list are all
+        the candidates there can be, found in one pass.
+        """
+        lists = self.lists
+        victims = list(islice(lists[0], min(m, self.n_slots - self.n_filled)))  # empties lead class 0
+        need = m - len(victims)
+        if not need:
+            return victims
+        key_of, n_expert, clock, last_use = self.key_of, self.n_expert, self.clock, self.last_use
+        cands: list[list[tuple[float, int]]] = []
+        for c, lst in enumerate(lists):
+            if not lst:
+                continue
+            inv, got = _INV_POW2[c], []
+            for s in lst:
+                key = key_of[s]
+                if key >= 0 and key not in selected:
+                    got.append(((clock[key // n_expert] - last_use[key]) * inv, s))
+                    if len(got) == need:
+                        break
+            if got:
+                cands.append(got)
+        pos = [0] * len(cands)
+        for _ in range(need):
+            best, best_score = -1, -1.0
+            for i, got in enumerate(cands):
+                if pos[i] < len(got) and got[pos[i]][0] > best_score:
+                    best, best_score = i, got[pos[i]][0]
+            if best < 0:
+                raise CachePolicyError("no slot can be evicted")
+            victims.append(cands[best][pos[best]][1])
+            pos[best] += 1
+        return victims
+
+    def plan(self, layer: int, ids: Sequence[int], n_tokens: int, share: MissSplit | None = None) -> Plan:
         """Give a slot to each expert that `ids` (n_tokens x experts used) selects in `layer`.
 
-        `n_cpu(n_misses)` says how many of the misses the CPU takes; it is asked only when the
-        group is full. Advances the layer's clock by n_tokens.
+        `share.take(layer, n_misses)` says how many of the misses the CPU takes; it is asked
+        only when the group is full. Advances the layer's clock by n_tokens.
         """
         uniq = list(dict.fromkeys(ids))  # distinct, in order of first selection
         if len(uniq) > self.n_slots:
@@ -130,50 +137,65 @@ class ClassLRU:
             )
         slots = self.slot_map[layer]
         base = layer * self.n_expert
+        crf, last_use, now = self.crf, self.last_use, self.clock[layer]
+        lists, list_of = self.lists, self.list_of
         hits: list[int] = []
         misses: list[int] = []
-        crf, last_use, now = self.crf, self.last_use, self.clock[layer]
         for e in uniq:
-            # The CRF update and class, inline: this loop runs for every expert of every decode step.
             key = base + e
-            c = crf.get(key)
-            c = c * 2.0 ** ((last_use[key] - now) / CRF_HALF_LIFE) + 1.0 if c else 1.0
+            c = crf[key]
+            if c:
+                dt = now - last_use[key]
+                c = c * (_DECAY[dt] if dt < 8192 else 2.0 ** (-dt / CRF_HALF_LIFE)) + 1.0
+            else:
+                c = 1.0
             crf[key] = c
             last_use[key] = now
             s = slots[e]
             if s >= 0:
-                self._move(s, _class(c))
+                cls = int(c).bit_length() - 1
+                if cls >= N_CLASS:
+                    cls = N_CLASS - 1
+                frm = list_of[s]
+                if frm == cls:
+                    lists[cls].move_to_end(s)
+                else:
+                    del lists[frm][s]
+                    lists[cls][s] = None
+                    list_of[s] = cls
                 hits.append(e)
             else:
                 misses.append(e)
         cpu: list[int] = []
-        if misses and n_cpu is not None and self.full:
-            n_c = min(n_cpu(len(misses)), len(misses))
+        if misses and share is not None and self.n_filled == self.n_slots:
+            n_c = min(share.take(layer, len(misses)), len(misses))
             if n_c > 0:
                 # The least used misses go to the CPU; one that keeps being used gains CRF and is cached.
-                misses.sort(key=lambda e: (self.crf[base + e], e))
+                misses.sort(key=lambda e: (crf[base + e], e))
                 cpu, misses = sorted(misses[:n_c]), misses[n_c:]
-        misses.sort()
         uploads: list[tuple[int, int]] = []
         evicted: list[tuple[int, int]] = []
         if misses:
-            self._selected = {base + e for e in uniq}  # victims skip what this lookup uses
-        for e in misses:
-            s = self._victim()
-            old = self.key_of[s]
-            if old >= 0:
-                ol, oe = divmod(old, self.n_expert)
-                self.slot_map[ol][oe] = -1
-                evicted.append((ol, oe))
-            else:
-                self.n_filled += 1
-            key = base + e
-            self.key_of[s] = key
-            slots[e] = s
-            self._move(s, self.class_of(key))
-            uploads.append((e, s))
-        self.clock[layer] += n_tokens
-        self._selected = set()
+            misses.sort()
+            victims = self._victims(len(misses), {base + e for e in uniq})  # victims skip what this lookup uses
+            key_of, n_expert = self.key_of, self.n_expert
+            for e, s in zip(misses, victims, strict=True):
+                old = key_of[s]
+                if old >= 0:
+                    ol, oe = divmod(old, n_expert)
+                    self.slot_map[ol][oe] = -1
+                    evicted.append((ol, oe))
+                else:
+                    self.n_filled += 1
+                key = base + e
+                key_of[s] = key
+                slots[e] = s
+                cls = _class(crf[key])
+                del lists[list_of[s]][s]
+                lists[cls][s] = None
+                list_of[s] = cls
+                uploads.append((e, s))
+        self.clock[layer] = now + n_tokens
         return Plan(tuple(hits), tuple(uploads), tuple(cpu), tuple(evicted))
 
 
@@ -197,7 +219,6 @@ class CpuShare:
         self.carry[layer] = v & (SHARE_ONE - 1)
         return v >> 16
 
-    def for_layer(self, layer: int) -> Callable[[int], int] | None:
-        if self.q == 0:
-            return None
-        return lambda n: self.take(layer, n)
+    def active(self) -> CpuShare | None:
+        """Itself when it sends anything to the CPU, else None (the policy then skips asking)."""
+        return self if self.q else None

@@ -204,7 +204,7 @@ class ExpertCache:
                 counters.bypassed_bytes += len(uniq) * group.info.expert_bytes
                 plan = None
             else:
-                plan = policy.plan(layer, flat, n_tokens, self.share.for_layer(layer))
+                plan = policy.plan(layer, flat, n_tokens, self.share.active())
                 counters.lookups += len(uniq)
                 counters.hits += len(plan.hits)
                 counters.misses += len(plan.uploads) + len(plan.cpu)

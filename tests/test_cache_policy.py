@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import functools
 import random
 
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from moechat.engine.cache_policy import N_CLASS, SHARE_ONE, CachePolicyError, ClassLRU, CpuShare
+from testkit.policy_ref import RefClassLRU
 
 
 def check_consistent(p: ClassLRU) -> None:
@@ -20,15 +22,12 @@ def check_consistent(p: ClassLRU) -> None:
                 owners[s] = (layer, e)
     filled = [s for s in range(p.n_slots) if p.key_of[s] >= 0]
     assert len(filled) == len(owners) == p.n_filled
-    # Every slot is in exactly one class list, and the lists are well linked.
+    # Every slot is in exactly one class list, and knows which.
     seen = []
     for c in range(N_CLASS):
-        s, prev = p.head[c], -1
-        while s >= 0:
-            assert p.list_of[s] == c and p.prev[s] == prev
+        for s in p.lists[c]:
+            assert p.list_of[s] == c
             seen.append(s)
-            prev, s = s, p.next[s]
-        assert p.tail[c] == prev
     assert sorted(seen) == list(range(p.n_slots))
 
 
@@ -63,7 +62,7 @@ def test_policy_invariants_on_random_routing(args: tuple[int, int, int, int, flo
                     p.plan(layer, ids, n_tokens)
                 continue
             was_full = p.full
-            plan = p.plan(layer, ids, n_tokens, cpu_share.for_layer(layer))
+            plan = p.plan(layer, ids, n_tokens, cpu_share.active())
             if plan.cpu:
                 assert was_full, "the CPU share applied before the group was full"
             uniq = set(ids)
@@ -114,6 +113,11 @@ def test_misses_fill_consecutive_slots_in_expert_order() -> None:
     assert plan.uploads == ((3, 0), (4, 1), (5, 2), (7, 3))
 
 
+class OneToCpu:
+    def take(self, layer: int, n_misses: int) -> int:
+        return 1
+
+
 def test_lowest_crf_misses_go_to_the_cpu() -> None:
     p = ClassLRU([0], n_expert=8, n_slots=2)
     p.plan(0, [0, 1], 1)  # full
@@ -121,5 +125,30 @@ def test_lowest_crf_misses_go_to_the_cpu() -> None:
         p.plan(0, [0, 1], 1)
     p.plan(0, [0, 2], 1)
     p.plan(0, [0, 2], 1)  # 2 has some CRF now, 3 none
-    plan = p.plan(0, [2, 3], 1, lambda n: 1)
+    plan = p.plan(0, [2, 3], 1, OneToCpu())
     assert plan.cpu == (3,)
+
+
+@settings(max_examples=40, deadline=None)
+@given(routing)
+def test_fast_policy_matches_the_literal_reference(args: tuple[int, int, int, int, float]) -> None:
+    """The engine's policy (OrderedDicts, decay table) decides exactly what the rules say, lookup by lookup."""
+    n_expert, k, n_layers, seed, share = args
+    rng = random.Random(seed)
+    layers = list(range(n_layers))
+    n_slots = rng.randint(k * 2 if k * 2 <= n_expert * n_layers else k, n_expert * n_layers)
+    fast, ref = ClassLRU(layers, n_expert, n_slots), RefClassLRU(layers, n_expert, n_slots)
+    share_fast, share_ref = CpuShare(share), CpuShare(share)
+    hot = [rng.sample(range(n_expert), k) for _ in layers]
+    for step in range(150):
+        layer = step % n_layers
+        n_tokens = rng.choice([1, 1, 1, 2])
+        ids: list[int] = []
+        for _ in range(n_tokens):
+            pool = hot[layer] if rng.random() < 0.6 else list(range(n_expert))
+            ids += rng.sample(pool, k)
+        if len(set(ids)) > n_slots:
+            continue
+        plan = fast.plan(layer, ids, n_tokens, share_fast.active())
+        want = ref.plan(layer, ids, n_tokens, functools.partial(share_ref.take, layer) if share_ref.q else None)
+        assert (plan.hits, plan.uploads, plan.cpu) == want, f"step {step}"
