@@ -35,6 +35,10 @@ def build_parser() -> argparse.ArgumentParser:
     from .run_cmd import add_run_arguments
 
     add_run_arguments(p_run)
+    from .tune_cmd import add_sim_arguments, add_tune_arguments
+
+    add_tune_arguments(sub.add_parser("tune", help="measure this machine and recommend cache size and CPU share"))
+    add_sim_arguments(sub.add_parser("sim", help="replay a routing trace at other cache sizes, shares and policies"))
     return parser
 
 
@@ -70,6 +74,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from .run_cmd import run
 
             return run(args)
+        if args.command in ("tune", "sim"):
+            from .tune_cmd import run_sim, run_tune
+
+            return run_tune(args) if args.command == "tune" else run_sim(args)
         from .repl import run_chat
 
         if args.command is None:  # `moechat` alone: chat with the built-in demo

@@ -199,6 +199,24 @@ class ClassLRU:
         return Plan(tuple(hits), tuple(uploads), tuple(cpu), tuple(evicted))
 
 
+def split_budget(
+    groups: Sequence[tuple[int, int, int]], budget_bytes: int, n_expert_used: int
+) -> list[tuple[int, int]]:
+    """(n_slots, budget bytes) for each group of (n_layers, n_expert, expert_bytes).
+
+    Each group gets the budget in proportion to its expert bytes, so every group caches the same
+    fraction of its experts. A group whose slots cannot hold one token's experts gets none.
+    The engine sizes its banks with this and the simulator replays with it.
+    """
+    total = sum(n_layers * n_expert * expert_bytes for n_layers, n_expert, expert_bytes in groups)
+    out = []
+    for n_layers, n_expert, expert_bytes in groups:
+        share = budget_bytes * n_layers * n_expert * expert_bytes // total if total else 0
+        n_slots = min(share // expert_bytes, n_layers * n_expert)
+        out.append((int(n_slots) if n_slots >= n_expert_used else 0, int(share)))
+    return out
+
+
 def _class(crf: float) -> int:
     """floor(log2(crf)) for crf >= 1, capped at the last class."""
     return min(N_CLASS - 1, int(crf).bit_length() - 1)

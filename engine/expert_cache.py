@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache_policy import ClassLRU, CpuShare
+from .cache_policy import ClassLRU, CpuShare, split_budget
 from .moe import Contribution, HostExperts, LayerExperts, combine, run_experts
 from .quants import dequantize
 from .stats import GroupInfo, LayerSnapshot, LayerStats, Publisher, StatsSnapshot
@@ -40,6 +40,7 @@ from .trace import TraceWriter
 logger = logging.getLogger(__name__)
 
 MAX_BATCH = 32
+LINK_MIN_SLEEP = 2e-3  # seconds
 
 
 class CacheError(ValueError):
@@ -102,7 +103,7 @@ class ExpertCache:
         self.seconds = 0.0
         self.publisher = Publisher()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="moechat-cpu") if self.share.q else None
-        self._link_free_at = 0.0
+        self._link_debt = 0.0  # seconds of emulated link time not yet waited
         self._lock = threading.Lock()  # guards the counters while a snapshot is taken
         self._trace = TraceWriter(settings.trace, self.trace_header()) if settings.trace else None
 
@@ -117,18 +118,14 @@ class ExpertCache:
             lx = self.host.layers[layers[0]]
             n_expert = lx.gate.raw.shape[0]
             sizes.append((layers, n_expert, lx.bytes_per_expert))
-        total = sum(len(ls) * n * b for ls, n, b in sizes)
         budget = int(self.settings.mib * 2**20)
-        for index, (layers, n_expert, expert_bytes) in enumerate(sizes):
-            # Each group gets the budget in proportion to its expert bytes: the same fraction of experts.
-            share = budget * len(layers) * n_expert * expert_bytes // total if total else 0
-            n_slots = min(share // expert_bytes, len(layers) * n_expert)
-            if 0 < n_slots < self.n_expert_used:
+        split = split_budget([(len(ls), n, b) for ls, n, b in sizes], budget, self.n_expert_used)
+        for index, ((layers, n_expert, expert_bytes), (n_slots, share)) in enumerate(zip(sizes, split, strict=True)):
+            if n_slots == 0 and share >= expert_bytes:
                 logger.warning(
                     "MoE cache group %d (layers %s): %d slots cannot hold one token's %d experts: not cached",
-                    index, _span(layers), n_slots, self.n_expert_used,
+                    index, _span(layers), share // expert_bytes, self.n_expert_used,
                 )  # fmt: skip
-                n_slots = 0
             info = GroupInfo(index, tuple(layers), n_expert, expert_bytes, int(n_slots), int(share))
             group = _Group(info, None, ())
             if n_slots:
@@ -282,13 +279,14 @@ class ExpertCache:
             return
         self._copy_runs(group, lx, runs)
         if self.settings.emulate_link_gbps:
-            # The link moves the bytes one after another; the device waits for them before it computes.
-            now = time.perf_counter()
-            cost = len(uploads) * group.info.expert_bytes / (self.settings.emulate_link_gbps * 1e9)
-            self._link_free_at = max(now, self._link_free_at) + cost
-            wait = self._link_free_at - time.perf_counter()
-            if wait > 0:
-                time.sleep(wait)
+            # The device waits for its experts: each upload costs bytes / link speed, serially.
+            # Sleeps of well under a millisecond overshoot by tens of microseconds, so small costs
+            # add up to a debt first, and what a sleep overshoots is paid back from the next.
+            self._link_debt += len(uploads) * group.info.expert_bytes / (self.settings.emulate_link_gbps * 1e9)
+            if self._link_debt > LINK_MIN_SLEEP:
+                t = time.perf_counter()
+                time.sleep(self._link_debt)
+                self._link_debt -= time.perf_counter() - t
 
     @staticmethod
     def _copy_runs(group: _Group, lx: LayerExperts, runs: list[tuple[int, int, int]]) -> None:

@@ -40,6 +40,25 @@ class LoadedModel:
             self.cache.close()
         self.gguf.close()
 
+    def set_cache(self, settings: CacheSettings | None) -> ExpertCache | None:
+        """Replace the expert cache (None or 0 MiB: no cache) between generations; returns the new one.
+
+        The old cache's slots are freed first, so a device only ever holds one bank of slots.
+        """
+        if not self.config.is_moe:
+            return None
+        old, self.cache = self.cache, None
+        self.model.experts = self.model.host_experts
+        if old is not None:
+            old.close()
+            del old
+            if self.model.device.type == "cuda":
+                torch.cuda.empty_cache()
+        if settings is not None and settings.mib > 0:
+            self.cache = ExpertCache(self.model.host_experts, self.config.n_expert_used, settings)
+            self.model.experts = self.cache
+        return self.cache
+
     def new_cache(self) -> KVCache:
         return KVCache(self.config, self.n_ctx, device=self.model.device)
 

@@ -1,0 +1,214 @@
+"""The tuner: trace replay equals the engine, baselines bound it, the time model fits, the sweep runs and caches."""
+
+from __future__ import annotations
+
+import json
+import random
+import threading
+from pathlib import Path
+
+import pytest
+from moechat.app.cli import main
+from moechat.engine.expert_cache import CacheSettings
+from moechat.engine.generate import SamplingParams, generate
+from moechat.engine.loader import load_model
+from moechat.tuner.baselines import simulate_baseline
+from moechat.tuner.recommend import recommend
+from moechat.tuner.simulator import Group, Routing, load_routing, replay
+from moechat.tuner.sweep import ArmDone, ArmStarted, Cancelled, SweepDone, SweepSettings, calibrate
+from moechat.tuner.time_model import FitError, Observation, TimeModel, fit
+from testkit.ggufgen import Q, tiny_moe
+
+PROMPT = "The ferry crossed the river twice a day, and the children on the bank counted"
+
+
+def _record(path: Path, trace: Path, mib: float, share: float, n_tokens: int = 40) -> dict[int, tuple[object, object]]:
+    lm = load_model(path, n_ctx=256, cache=CacheSettings(mib=mib, cpu_share=share, trace=trace))
+    assert lm.cache is not None
+    prompt = lm.tokenizer.encode(PROMPT)
+    for _ in generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=n_tokens,
+                      params=SamplingParams(seed=3), ignore_eos=True):  # fmt: skip
+        pass
+    # A second turn on the same cache: small batches (2..8 tokens) and a large one mix in.
+    kv = lm.new_cache()
+    for chunk in (prompt[:3], prompt[3:9], prompt[9:]):
+        with __import__("torch").inference_mode():
+            lm.model(__import__("torch").tensor(chunk), kv.pos, kv)
+    snap = lm.cache.snapshot()
+    lm.close()
+    return {ls.layer: (ls.small, ls.large) for ls in snap.layers}
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5, 1.0])
+def test_replay_reproduces_the_engine_counters_exactly(tmp_path: Path, share: float) -> None:
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=3, n_expert=8, n_expert_used=2, layer_expert_types={2: Q.Q4_K})
+    trace = tmp_path / "run.trace"
+    mib = 0.8
+    engine = _record(path, trace, mib, share)
+    routing = load_routing(trace)
+    assert len(routing.groups) == 2
+    res = replay(routing, mib, share, warmup=0)
+    for layer, (small, large) in engine.items():
+        assert res.layers[layer].small.frozen() == small, layer
+        assert res.layers[layer].large.frozen() == large, layer
+    assert res.total.hits > 0 and res.total.bypassed > 0
+    if share:
+        assert res.total.cpu > 0
+    # At another size the counters differ (the replay is not an echo of the header).
+    other = replay(routing, 3.0, share, warmup=0)
+    assert other.total.hits > res.total.hits
+
+
+def test_replay_slots_follow_the_engine_budget_split(tmp_path: Path) -> None:
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=3, layer_expert_types={2: Q.Q4_K})
+    for mib in (0.3, 1.0, 2.5):
+        lm = load_model(path, n_ctx=64, cache=CacheSettings(mib=mib, trace=tmp_path / f"{mib}.trace"))
+        assert lm.cache is not None
+        want = [g.n_slots for g in lm.cache.snapshot().groups]
+        lm.close()
+        assert load_routing(tmp_path / f"{mib}.trace").slots(mib) == want
+
+
+def _synthetic(n_tokens: int, n_expert: int = 16, k: int = 2, n_layers: int = 2, seed: int = 0) -> Routing:
+    rng = random.Random(seed)
+    weights = [1 / (i + 1) for i in range(n_expert)]
+    records = []
+    for _ in range(n_tokens):
+        for layer in range(n_layers):
+            ids: set[int] = set()
+            while len(ids) < k:
+                ids.add(rng.choices(range(n_expert), weights)[0])
+            records.append((layer, k, tuple(sorted(ids))))
+    return Routing((Group(tuple(range(n_layers)), n_expert, 1 << 20),), k, 32, tuple(records))
+
+
+def test_min_bounds_every_policy() -> None:
+    routing = _synthetic(600)
+    for slots in (2, 5, 9, 16):
+        res = {p: simulate_baseline(routing, [slots], p) for p in ("lru", "lfu", "min", "min-bypass")}
+        classlru = replay(routing, 0, 0.0, n_slots=[slots]).total
+        assert res["min"].lookups == classlru.lookups == res["lru"].lookups > 0
+        assert res["min"].misses <= min(res["lru"].misses, res["lfu"].misses, classlru.misses)
+        assert res["min-bypass"].misses <= res["min"].misses
+        for r in res.values():
+            assert r.compulsory <= r.misses and r.hits + r.misses == r.lookups
+        # A CPU share is a bypass: MIN with bypass bounds ClassLRU's misses at any share too.
+        for share in (0.5, 0.95):
+            assert res["min-bypass"].misses <= replay(routing, 0, share, n_slots=[slots]).total.misses
+
+
+def test_baselines_on_a_cycle() -> None:
+    # One layer, cycle 0,1,2,0,1,2,... through 2 slots: LRU always misses, MIN hits every other time.
+    records = tuple((0, 1, (i % 3,)) for i in range(300))
+    routing = Routing((Group((0,), 4, 1024),), 1, 32, records)
+    lru = simulate_baseline(routing, [2], "lru", warmup=0)
+    opt = simulate_baseline(routing, [2], "min", warmup=0)
+    assert lru.misses == 300 and lru.compulsory == 3
+    # MIN: two compulsory misses fill the slots; from access 2 on it misses and hits in turn (149 of 298).
+    assert opt.misses == 2 + 298 // 2 and opt.compulsory == 3
+    with pytest.raises(ValueError, match="unknown policy"):
+        simulate_baseline(routing, [2], "fifo")
+
+
+def test_events_are_atomic() -> None:
+    # Each lookup uses all 3 slots; no expert of a lookup may evict another of the same lookup.
+    records = tuple((0, 3, tuple(sorted(random.Random(i).sample(range(6), 3)))) for i in range(200))
+    routing = Routing((Group((0,), 6, 1024),), 3, 32, records)
+    for p in ("lru", "lfu", "min", "min-bypass"):
+        r = simulate_baseline(routing, [3], p, warmup=0)
+        assert r.lookups == 600 and r.hits + r.misses == 600
+
+
+def test_time_model_recovers_known_costs() -> None:
+    truth = TimeModel(base=8.0, up=400.0, cpu=150.0, split=0.6, overlap=-40.0)
+    runs = []
+    for up, cpu, share in [(0.02, 0.0, 0.0), (0.01, 0.01, 0.5), (0.001, 0.019, 0.95),
+                           (0.012, 0.0, 0.0), (0.006, 0.006, 0.5), (0.0006, 0.011, 0.95)]:  # fmt: skip
+        runs.append(Observation(up, cpu, share, truth.ms(up, cpu, share)))
+    m = fit(runs)
+    assert m.physical and m.max_error < 1e-9
+    assert m.up == pytest.approx(400.0) and m.cpu == pytest.approx(150.0) and m.overlap == pytest.approx(-40.0)
+    assert m.upload_gibps == pytest.approx(2.5) and m.cpu_gibps == pytest.approx(1000 / 150)
+    assert m.closed_form_share() == pytest.approx(1 - 2.5 / (1000 / 150))
+    # An overlap that would hide more than the cheaper path is not physical: the fit drops it.
+    bad = [Observation(o.upload_gib, o.cpu_gib, o.share,
+                       o.ms_per_token - 5000 * min(o.upload_gib, o.cpu_gib)) for o in runs]  # fmt: skip
+    mb = fit(bad)
+    assert mb.overlap == 0.0 and mb.max_error > 0
+    with pytest.raises(FitError):
+        fit(runs[:2])
+
+
+def _sweep_settings(path: Path, **kw: object) -> SweepSettings:
+    base: dict[str, object] = dict(model=path, device="cpu", n_ctx=256, tokens=40, warmup=8)
+    base.update(kw)
+    return SweepSettings(**base)
+
+
+def test_sweep_runs_six_arms_caches_them_and_cancels_cleanly(tmp_path: Path) -> None:
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=16, n_expert_used=2)
+    cache_dir = tmp_path / "cache"
+    settings = _sweep_settings(path)
+    events = list(calibrate(settings, cache_dir=cache_dir))
+    done = events[-1]
+    assert isinstance(done, SweepDone) and len(done.arms) == 6
+    assert [(a.mib > 0, a.share) for a in done.arms[:3]] == [(True, 0.0), (True, 0.5), (True, 0.95)]
+    small, large = done.arms[0].mib, done.arms[3].mib
+    assert large > small
+    for a in done.arms:
+        assert a.tokens == 32 and a.ms_per_token > 0 and 0 <= a.hit_rate <= 1
+        assert (a.cpu_gib > 0) == (a.share > 0)
+    # The recommendation comes out of the same runs, with a ready command line.
+    report = recommend(done, path.name, workers=1)
+    assert report.rows and report.recommendation.mib > 0
+    assert all(len(r.tps) == len(report.shares) for r in report.rows)
+
+    # The same arguments again: every arm is reused, nothing runs.
+    again = list(calibrate(settings, cache_dir=cache_dir))
+    assert not any(isinstance(e, ArmStarted) for e in again)
+    assert all(e.cached for e in again if isinstance(e, ArmDone))
+    assert [a.ms_per_token for a in again[-1].arms] == [a.ms_per_token for a in done.arms]
+
+    # A changed argument is a different run directory; cancelling in arm 1 keeps nothing of it.
+    changed = _sweep_settings(path, tokens=48)
+    assert changed.key() != settings.key()
+    stop = threading.Event()
+    with pytest.raises(Cancelled):
+        for ev in calibrate(changed, cache_dir=cache_dir, stop=stop):
+            if isinstance(ev, ArmStarted):
+                stop.set()
+    run_dir = cache_dir / "tune" / changed.key()
+    assert list(run_dir.iterdir()) == []
+
+
+def test_fitted_upload_speed_recovers_the_emulated_link(tmp_path: Path) -> None:
+    """Loose on purpose (this machine is shared): the fit finds the link within 40%; bench/tune_accuracy.py is tight."""
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=16, n_expert_used=2, n_ff_exp=512)
+    link = 0.1  # GB/s: slow enough that uploads dominate the tiny model's compute
+    done = list(calibrate(_sweep_settings(path, emulate_link_gbps=link, tokens=56), cache_dir=tmp_path / "c"))[-1]
+    assert isinstance(done, SweepDone)
+    m = fit([Observation(a.upload_gib, a.cpu_gib, a.share, a.ms_per_token) for a in done.arms])
+    want = link * 1e9 / 2**30
+    assert m.upload_gibps == pytest.approx(want, rel=0.4)
+
+
+def test_sim_and_tune_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=16, n_expert_used=2)
+    trace = tmp_path / "t.trace"
+    _record(path, trace, 1.0, 0.0, n_tokens=80)
+    assert main(["sim", str(trace), "--sizes", "0.5", "1", "--shares", "0", "0.5", "--warmup", "8"]) == 0
+    out = capsys.readouterr().out
+    assert "classlru" in out and "min-bypass" in out and "vs MIN" in out
+    assert out.count("classlru") == 4
+    assert main(["sim", str(trace), "--shares", "1.5"]) == 2
+    assert "outside [0, 1]" in capsys.readouterr().err
+    bad = tmp_path / "bad.trace"
+    bad.write_bytes(trace.read_bytes()[:-3])
+    assert main(["sim", str(bad)]) == 2
+    assert "offset" in capsys.readouterr().err
+
+    rc = main(["tune", str(path), "--device", "cpu", "--tokens", "40", "--warmup", "8", "-c", "256", "--json"])
+    out = capsys.readouterr().out
+    report = json.loads(out)
+    assert rc in (0, 3)  # 3: the fit was rejected as noisy, which a shared machine may cause
+    assert len(report["arms"]) == 6 and report["recommendation"]["command"].startswith("--moe-cache-mib ")

@@ -1,0 +1,149 @@
+"""Reference policies on the same trace and slot geometry: LRU, LFU and Belady's MIN.
+
+They bound and place ClassLRU: MIN (the offline optimum, knowing the future) says how many misses
+no policy can avoid, LRU and LFU are the textbook online policies. Requests are event-atomic: the
+experts of one (token, layer) lookup are served together and are never each other's victims.
+Two MIN variants: forced-admit (every miss is cached, as with CPU share 0) and with bypass (a
+miss may be served without caching it, which is what the CPU share does).
+"""
+
+from __future__ import annotations
+
+import heapq
+from collections import OrderedDict
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+from .simulator import WARMUP_TOKENS, Routing
+
+POLICIES = ("lru", "lfu", "min", "min-bypass")
+NEVER = 1 << 62
+
+
+@dataclass(frozen=True)
+class BaselineResult:
+    policy: str
+    lookups: int  # counted (after the warm-up)
+    hits: int
+    misses: int
+    compulsory: int  # misses of experts never seen before in the trace: no policy avoids them
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+
+def _events(routing: Routing, n_slots: list[int], warmup: int) -> Iterator[tuple[int, tuple[int, ...], bool]]:
+    """(group, distinct keys, counted) of each lookup that goes through a cache, in trace order."""
+    group_of = {layer: (i, g) for i, g in enumerate(routing.groups) for layer in g.layers}
+    for (layer, n_used, ids), seen in zip(routing.records, routing.tokens(), strict=True):
+        gi, g = group_of[layer]
+        n_tokens = len(ids) // n_used
+        n = n_slots[gi]
+        if n == 0 or n_tokens > routing.max_batch or min(n_tokens * n_used, g.n_expert) > n:
+            continue  # bypasses the cache, like the engine
+        base = layer * g.n_expert
+        yield gi, tuple(base + e for e in dict.fromkeys(ids)), seen > warmup
+
+
+def simulate_baseline(routing: Routing, n_slots: list[int], policy: str, warmup: int = WARMUP_TOKENS) -> BaselineResult:
+    if policy not in POLICIES:
+        raise ValueError(f"unknown policy '{policy}' (choose from {', '.join(POLICIES)})")
+    events = list(_events(routing, n_slots, warmup))
+    seen: set[tuple[int, int]] = set()
+    lookups = hits = misses = compulsory = 0
+    # Next use of each key after each event, for MIN: a backward pass per group.
+    nxt: list[dict[int, int]] = [{} for _ in events]
+    if policy.startswith("min"):
+        upcoming: list[dict[int, int]] = [{} for _ in routing.groups]
+        for i in range(len(events) - 1, -1, -1):
+            gi, keys, _ = events[i]
+            nxt[i] = {k: upcoming[gi].get(k, NEVER) for k in keys}
+            for k in keys:
+                upcoming[gi][k] = i
+    caches = [_Cache(policy, n) for n in n_slots]
+    for i, (gi, keys, counted) in enumerate(events):
+        n_hit, missed = caches[gi].access(i, keys, nxt[i])
+        if counted:
+            lookups += len(keys)
+            hits += n_hit
+            misses += len(missed)
+        for k in missed:
+            if (gi, k) not in seen and counted:
+                compulsory += 1
+        seen.update((gi, k) for k in keys)
+    return BaselineResult(policy, lookups, hits, misses, compulsory)
+
+
+class _Cache:
+    def __init__(self, policy: str, capacity: int) -> None:
+        self.policy, self.capacity = policy, capacity
+        self.lru: OrderedDict[int, None] = OrderedDict()
+        self.freq: dict[int, int] = {}
+        self.state: dict[int, tuple[int, int]] = {}  # key -> its live heap entry (LFU: freq, last; MIN: -next, 0)
+        self.heap: list[tuple[int, int, int]] = []
+
+    def access(self, now: int, keys: tuple[int, ...], nxt: dict[int, int]) -> tuple[int, list[int]]:
+        if self.policy == "lru":
+            return self._lru(keys)
+        hit = [k for k in keys if k in self.state]
+        missed = [k for k in keys if k not in self.state]
+        request = set(keys)
+        for k in keys:
+            self.freq[k] = self.freq.get(k, 0) + 1
+        for k in missed:
+            if len(self.state) >= self.capacity:
+                if self.policy == "min-bypass":
+                    worst = self._peek(request)
+                    if worst is not None and nxt.get(k, NEVER) >= -worst[0]:
+                        continue  # needed later than anything cached: serve it without caching
+                self._evict(request)
+            self.state[k] = (0, 0)
+        for k in keys:
+            if k in self.state:
+                entry = (-nxt.get(k, NEVER), 0) if self.policy.startswith("min") else (self.freq[k], now)
+                self.state[k] = entry
+                heapq.heappush(self.heap, (*entry, k))
+        return len(hit), missed
+
+    def _lru(self, keys: tuple[int, ...]) -> tuple[int, list[int]]:
+        lru = self.lru
+        hit = 0
+        missed = []
+        for k in keys:
+            if k in lru:
+                lru.move_to_end(k)
+                hit += 1
+            else:
+                missed.append(k)
+        request = set(keys)
+        for k in missed:
+            if len(lru) >= self.capacity:
+                victim = next(v for v in lru if v not in request)
+                del lru[victim]
+            lru[k] = None
+        return hit, missed
+
+    def _peek(self, request: set[int]) -> tuple[int, int] | None:
+        """The live heap entry of the best victim outside the request (left in the heap)."""
+        skipped = []
+        found = None
+        while self.heap:
+            a, b, k = self.heap[0]
+            if self.state.get(k) != (a, b):
+                heapq.heappop(self.heap)  # stale
+                continue
+            if k in request:
+                skipped.append(heapq.heappop(self.heap))
+                continue
+            found = (a, b)
+            break
+        for item in skipped:
+            heapq.heappush(self.heap, item)
+        return found
+
+    def _evict(self, request: set[int]) -> None:
+        if self._peek(request) is None:
+            raise ValueError("no expert can be evicted: the cache is smaller than one lookup")
+        _, _, k = heapq.heappop(self.heap)
+        del self.state[k]

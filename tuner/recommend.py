@@ -1,0 +1,113 @@
+"""From measured arms to advice: fit the time model, predict a table of sizes x shares, pick one."""
+
+from __future__ import annotations
+
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+from .simulator import Routing, load_routing, replay
+from .sweep import Arm, SweepDone, nice_mib
+from .time_model import Observation, TimeModel, fit
+
+TABLE_SHARES = (0.0, 0.5, 0.8, 0.9, 0.95, 0.98)
+TABLE_FRACTIONS = (0.05, 0.10, 0.20, 0.30, 0.40, 0.50)
+WITHIN = 1.05  # the lowest share within 5% of the fastest
+
+
+@dataclass(frozen=True)
+class Row:
+    mib: float
+    tps: tuple[float, ...]  # per share of TABLE_SHARES
+    hit_rate: tuple[float, ...]
+    best: int  # index of the recommended share for this size
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    mib: float
+    share: float
+    tps: float
+    tps_share0: float
+    all_fit: bool  # every expert fits in the cache
+
+    def command(self) -> str:
+        return f"--moe-cache-mib {self.mib:g} --moe-cache-cpu-share {self.share:g}"
+
+
+@dataclass(frozen=True)
+class TuneReport:
+    model: str
+    device: str
+    expert_mib: float
+    room_mib: float
+    arms: tuple[Arm, ...]
+    time_model: TimeModel
+    shares: tuple[float, ...]
+    rows: tuple[Row, ...]
+    recommendation: Recommendation
+    closed_form_share: float
+    warnings: tuple[str, ...]
+
+
+def observations(arms: tuple[Arm, ...]) -> list[Observation]:
+    return [Observation(a.upload_gib, a.cpu_gib, a.share, a.ms_per_token) for a in arms]
+
+
+def _predict_row(args: tuple[Routing, float, tuple[float, ...], int, TimeModel]) -> Row:
+    routing, mib, shares, warmup, model = args
+    tps, hits = [], []
+    for share in shares:
+        res = replay(routing, mib, share, warmup=warmup)
+        tps.append(model.tps(res.upload_gib, res.cpu_gib, share))
+        hits.append(res.hit_rate)
+    best = min(i for i, t in enumerate(tps) if 1000 / t <= WITHIN * min(1000 / x for x in tps))
+    return Row(mib, tuple(tps), tuple(hits), best)
+
+
+def predict_rows(routing: Routing, sizes: list[float], model: TimeModel, shares: tuple[float, ...] = TABLE_SHARES,
+                 warmup: int | None = None, workers: int = 0) -> list[Row]:  # fmt: skip
+    """Predicted t/s for each size and share, replaying `routing` with a warm cache (half of it is warm-up)."""
+    skip = routing.n_tokens // 2 if warmup is None else warmup
+    jobs = [(routing, mib, shares, skip, model) for mib in sizes]
+    if workers > 1 and len(jobs) > 1:
+        # Each size replays independently: spread them over processes (the policy is pure Python).
+        with ProcessPoolExecutor(min(workers, len(jobs))) as pool:
+            return list(pool.map(_predict_row, jobs))
+    return [_predict_row(j) for j in jobs]
+
+
+def recommend(done: SweepDone, model_name: str, workers: int = 2) -> TuneReport:
+    model = fit(observations(done.arms))
+    routing: Routing | None = None
+    for arm in done.arms:
+        r = load_routing(Path(done.run_dir) / arm.trace)
+        routing = r if routing is None else routing.concat(r)
+    assert routing is not None  # a sweep has arms
+    full = routing.full_mib()
+    cap = done.room_mib
+    top = min(cap, full)
+    calib = sorted({a.mib for a in done.arms})
+    sizes = {nice_mib(min(f * done.expert_mib, top)) for f in TABLE_FRACTIONS} | set(calib)
+    if cap >= full:
+        sizes.add(full)
+    sizes_l = sorted(s for s in sizes if 0 < s <= top)
+    rows = predict_rows(routing, sizes_l, model, workers=workers)
+    biggest = rows[-1]
+    rec = Recommendation(biggest.mib, TABLE_SHARES[biggest.best], biggest.tps[biggest.best], biggest.tps[0],
+                         all_fit=cap >= full)  # fmt: skip
+    warnings = []
+    if not model.physical:
+        warnings.append(
+            "the fitted time model is not physical (a speed <= 0 or an implausible base): was the machine busy?"
+        )
+    if model.max_error > 0.10:
+        warnings.append(f"the runs fit the time model only within {100 * model.max_error:.0f}%: was the machine busy?")
+    closed = model.closed_form_share()
+    if abs(closed - rec.share) > 0.25 and not rec.all_fit:
+        warnings.append(
+            f"the closed form 1 - B_upload/B_cpu suggests share {closed:.2f}, the replayed table {rec.share:g}: "
+            "the table accounts for hits and the fixed cost of a CPU part, the closed form does not"
+        )
+    return TuneReport(model_name, done.device, done.expert_mib, cap, done.arms, model, TABLE_SHARES, tuple(rows),
+                      rec, closed, tuple(warnings))  # fmt: skip

@@ -1,0 +1,69 @@
+"""Plain-text, Markdown and JSON renderings of a tune report and of a simulation table (no rich here)."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import asdict
+from typing import Any
+
+from .recommend import TuneReport
+
+
+def table(header: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False) -> str:
+    if markdown:
+        lines = ["| " + " | ".join(header) + " |", "|" + "|".join("---:" for _ in header) + "|"]
+        lines += ["| " + " | ".join(r) + " |" for r in rows]
+        return "\n".join(lines)
+    widths = [max(len(str(c)) for c in col) for col in zip(header, *rows, strict=True)]
+    fmt = "  ".join(f"{{:>{w}}}" for w in widths)
+    return "\n".join([fmt.format(*header), fmt.format(*("-" * w for w in widths))] + [fmt.format(*r) for r in rows])
+
+
+def _cell(tps: float, best: bool, markdown: bool) -> str:
+    text = f"{tps:.1f}"
+    if not best:
+        return text
+    return f"**{text}**" if markdown else f"{text}*"
+
+
+def render(report: TuneReport, markdown: bool = False) -> str:
+    m = report.time_model
+    code = (lambda t: f"`{t}`") if markdown else (lambda t: t)
+    out = [
+        f"{code(report.model)}: {report.expert_mib:.1f} MiB of experts, device {report.device}, "
+        f"cache up to {report.room_mib:.0f} MiB",
+        "",
+        "measured runs:",
+        table(["cache MiB", "share", "t/s", "hits", "upload MiB/t", "CPU MiB/t", "fit error"],
+              [[f"{a.mib:g}", f"{a.share:g}", f"{a.tps:.1f}", f"{100 * a.hit_rate:.0f}%", f"{1024 * a.upload_gib:.2f}",
+                f"{1024 * a.cpu_gib:.2f}", f"{100 * e:+.1f}%"] for a, e in zip(report.arms, m.errors, strict=True)],
+              markdown),
+        "",
+        f"machine: uploads {m.upload_gibps:.2f} GiB/s, CPU {m.cpu_gibps:.2f} GiB/s, CPU part {m.split:.2f} ms, "
+        f"overlap {m.overlap:.1f} ms/GiB, rest {m.base:.2f} ms per token; fit within {100 * m.max_error:.1f}%"
+        + ("" if m.physical else " (not physical)"),
+        f"closed form: share ~ 1 - B_upload/B_cpu = {report.closed_form_share:.2f}",
+        "",
+        "predicted t/s, warm cache (* = lowest share within 5% of the fastest):",
+        table(["cache MiB"] + [f"{s:g}" for s in report.shares],
+              [[f"{r.mib:g}"] + [_cell(t, i == r.best, markdown) for i, t in enumerate(r.tps)] for r in report.rows],
+              markdown),
+        "",
+    ]  # fmt: skip
+    rec = report.recommendation
+    if rec.all_fit:
+        out.append(f"all experts fit on the device ({rec.mib:g} MiB): run with {code(f'--moe-cache-mib {rec.mib:g}')}, "
+                   "every expert stays resident and the host copy is only read once")  # fmt: skip
+    else:
+        tail = f", {rec.tps_share0:.1f} with share 0" if rec.share > 0 else ""
+        out.append(f"recommended: {code(rec.command())} ({rec.tps:.1f} t/s{tail})")
+    out += [f"warning: {w}" for w in report.warnings]
+    return "\n".join(out)
+
+
+def to_json(report: TuneReport) -> str:
+    d: dict[str, Any] = asdict(report)
+    d["time_model"].update(upload_gibps=report.time_model.upload_gibps, cpu_gibps=report.time_model.cpu_gibps)
+    d["recommendation"]["command"] = report.recommendation.command()
+    return json.dumps(d, indent=1, default=str)

@@ -1,0 +1,200 @@
+"""Replay a routing trace through the engine's own cache policy, at any cache size and CPU share.
+
+The replay does what `engine.expert_cache.ExpertCache` does per MoE call, minus the arithmetic:
+the same budget split into groups (`split_budget`), the same bypass rule for large batches, the
+same `ClassLRU` and `CpuShare`, the same counters. Replaying a trace at the size and share it was
+recorded with therefore reproduces the engine's counters exactly (tests/test_tuner_sim.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from moechat.engine.cache_policy import ClassLRU, CpuShare, split_budget
+from moechat.engine.stats import SMALL_BATCH, Counters, CountersSnapshot
+from moechat.engine.trace import read_trace
+
+WARMUP_TOKENS = 64
+
+
+@dataclass(frozen=True)
+class Group:
+    layers: tuple[int, ...]
+    n_expert: int
+    expert_bytes: int
+
+    @property
+    def bytes(self) -> int:
+        return len(self.layers) * self.n_expert * self.expert_bytes
+
+
+@dataclass(frozen=True)
+class Routing:
+    """A trace in memory: the cache geometry it was recorded with and its lookups in order."""
+
+    groups: tuple[Group, ...]
+    n_expert_used: int
+    max_batch: int
+    records: tuple[tuple[int, int, tuple[int, ...]], ...]  # (layer, n_used, ids token-major)
+    recorded_mib: float = 0.0
+    recorded_share: float = 0.0
+
+    @property
+    def first_layer(self) -> int:
+        return min(layer for g in self.groups for layer in g.layers)
+
+    @property
+    def expert_bytes(self) -> int:
+        """Bytes of all experts of all layers."""
+        return sum(g.bytes for g in self.groups)
+
+    @property
+    def n_tokens(self) -> int:
+        first = self.first_layer
+        return sum(len(ids) // n for layer, n, ids in self.records if layer == first)
+
+    def tokens(self) -> Iterator[int]:
+        """For each record, the number of tokens seen so far (counted at the first layer)."""
+        first, seen = self.first_layer, 0
+        for layer, n, ids in self.records:
+            if layer == first:
+                seen += len(ids) // n
+            yield seen
+
+    def slots(self, mib: float) -> list[int]:
+        budget = int(mib * 2**20)
+        return [n for n, _ in split_budget([(len(g.layers), g.n_expert, g.expert_bytes) for g in self.groups],
+                                           budget, self.n_expert_used)]  # fmt: skip
+
+    def full_mib(self) -> float:
+        """The smallest cache, in MiB, that holds every expert."""
+        return self.expert_bytes / 2**20
+
+    def concat(self, other: Routing) -> Routing:
+        if (other.groups, other.n_expert_used, other.max_batch) != (self.groups, self.n_expert_used, self.max_batch):
+            raise ValueError("traces of different models cannot be joined")
+        return Routing(self.groups, self.n_expert_used, self.max_batch, self.records + other.records,
+                       self.recorded_mib, self.recorded_share)  # fmt: skip
+
+
+def load_routing(path: str | Path) -> Routing:
+    tr = read_trace(path)
+    h = tr.header
+    try:
+        groups = tuple(Group(tuple(g["layers"]), int(g["n_expert"]), int(g["expert_bytes"])) for g in h["groups"])
+        routing = Routing(groups, int(h["n_expert_used"]), int(h["max_batch"]),
+                          tuple((r.layer, r.n_used, r.ids) for r in tr.records),
+                          float(h.get("budget_mib", 0.0)), float(h.get("cpu_share", 0.0)))  # fmt: skip
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"{path}: trace header lacks or garbles {e}") from None
+    known = {layer for g in groups for layer in g.layers}
+    for layer, _, ids in routing.records:
+        if layer not in known:
+            raise ValueError(f"{path}: a record names layer {layer}, which no group holds")
+        n_expert = next(g.n_expert for g in groups if layer in g.layers)
+        if any(not 0 <= e < n_expert for e in ids):
+            raise ValueError(f"{path}: layer {layer} selects an expert outside 0..{n_expert - 1}")
+    return routing
+
+
+@dataclass
+class SimLayer:
+    small: Counters = field(default_factory=Counters)
+    large: Counters = field(default_factory=Counters)
+
+    @property
+    def total(self) -> CountersSnapshot:
+        return self.small.frozen() + self.large.frozen()
+
+
+@dataclass
+class SimResult:
+    mib: float
+    share: float
+    n_slots: tuple[int, ...]  # per group
+    tokens: int  # tokens counted (after the warm-up)
+    layers: dict[int, SimLayer]
+    cpu_bytes: int = 0  # misses computed on the CPU
+    upload_bytes: int = 0  # misses uploaded into slots
+    bypass_bytes: int = 0  # experts of bypassing lookups (read from the host for that call only)
+
+    @property
+    def total(self) -> CountersSnapshot:
+        out = CountersSnapshot()
+        for sl in self.layers.values():
+            out = out + sl.total
+        return out
+
+    @property
+    def hit_rate(self) -> float:
+        return self.total.hit_rate
+
+    def per_token(self, n_bytes: int) -> float:
+        """GiB per counted token."""
+        return n_bytes / 2**30 / max(self.tokens, 1)
+
+    @property
+    def upload_gib(self) -> float:
+        """GiB moved to the device per token: uploads, plus bypassing lookups that read the host."""
+        return self.per_token(self.upload_bytes + self.bypass_bytes)
+
+    @property
+    def cpu_gib(self) -> float:
+        return self.per_token(self.cpu_bytes)
+
+
+def replay(
+    routing: Routing,
+    mib: float,
+    share: float = 0.0,
+    *,
+    warmup: int = WARMUP_TOKENS,
+    n_slots: Sequence[int] | None = None,
+) -> SimResult:
+    """Counters of a cache of `mib` MiB (or explicit slots per group) with a CPU share, after `warmup` tokens."""
+    slots = list(n_slots) if n_slots is not None else routing.slots(mib)
+    policies: dict[int, tuple[Group, ClassLRU | None]] = {}
+    for g, n in zip(routing.groups, slots, strict=True):
+        policy = ClassLRU(g.layers, g.n_expert, n) if n > 0 else None
+        for layer in g.layers:
+            policies[layer] = (g, policy)
+    cpu_share = CpuShare(share)
+    active = cpu_share.active()
+    res = SimResult(mib, share, tuple(slots), 0, {layer: SimLayer() for layer in policies})
+    max_batch, first = routing.max_batch, routing.first_layer
+    seen = 0
+    for layer, n_used, ids in routing.records:
+        n_tokens = len(ids) // n_used
+        if layer == first:
+            seen += n_tokens
+            if seen > warmup:
+                res.tokens += n_tokens
+        count = seen > warmup
+        g, policy = policies[layer]
+        sl = res.layers[layer]
+        c = sl.small if n_tokens <= SMALL_BATCH else sl.large
+        if policy is None or n_tokens > max_batch or min(n_tokens * n_used, g.n_expert) > policy.n_slots:
+            if count:
+                n = len(set(ids))
+                c.calls += 1
+                c.tokens += n_tokens
+                c.bypassed += n
+                c.bypassed_bytes += n * g.expert_bytes
+                res.bypass_bytes += n * g.expert_bytes
+            continue
+        plan = policy.plan(layer, ids, n_tokens, active)
+        if count:
+            n_hit, n_up, n_cpu = len(plan.hits), len(plan.uploads), len(plan.cpu)
+            c.calls += 1
+            c.tokens += n_tokens
+            c.lookups += n_hit + n_up + n_cpu
+            c.hits += n_hit
+            c.misses += n_up + n_cpu
+            c.cpu += n_cpu
+            c.uploads += n_up
+            c.uploaded_bytes += n_up * g.expert_bytes
+            res.upload_bytes += n_up * g.expert_bytes
+            res.cpu_bytes += n_cpu * g.expert_bytes
+    return res

@@ -1,0 +1,296 @@
+"""The calibration sweep: a few timed generations at 2 cache sizes x 3 CPU shares, in process.
+
+The model is loaded once; each arm gets a fresh cache (`LoadedModel.set_cache`), generates a fixed
+prompt for a few hundred tokens ignoring end-of-generation, and records its routing trace. The
+arm's traffic per token comes from replaying its own trace at its own settings over the timed
+window (exactly the engine's counters there). An arm whose second half is much slower than its
+first ran on a busy machine and runs once more, as the seed does.
+
+Finished arms are kept under the cache dir, keyed by the model file's identity and every
+argument that changes speed; a second sweep with the same arguments reuses them. An arm is
+written only once it has finished, so a cancelled sweep leaves no partial result.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import threading
+import time
+from collections.abc import Generator, Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+from moechat.engine.expert_cache import CacheSettings
+from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
+from moechat.engine.loader import LoadedModel, load_model
+
+from moechat import __version__
+
+from .simulator import load_routing, replay
+
+logger = logging.getLogger(__name__)
+
+CALIB_SHARES = (0.0, 0.5, 0.95)
+SMALL_FRACTION, LARGE_FRACTION = 0.10, 0.30
+BUSY_RATIO = 1.5  # second half this much slower than the first: the machine was busy
+PROMPT = (
+    "The lighthouse stood at the end of a long spit of rock, and every evening the keeper climbed its "
+    "stairs to light the lamp. He kept a journal of the ships he saw, the weather, and the birds that "
+    "rested on the rail. One autumn night a small boat without lights drifted toward the rocks, and"
+)
+
+
+class Cancelled(Exception):
+    """The sweep was stopped between tokens."""
+
+
+@dataclass(frozen=True)
+class SweepSettings:
+    model: Path
+    device: str = "cpu"
+    n_ctx: int = 2048
+    emulate_link_gbps: float = 0.0
+    load_mode: str = "mmap"
+    max_mib: float | None = None
+    tokens: int = 256  # generated per arm
+    warmup: int = 32  # first tokens of an arm, not timed
+    seed: int = 1
+    prompt: str = PROMPT
+
+    def key(self) -> str:
+        """Identity of the runs: the model file and every argument that changes their speed."""
+        st = self.model.stat()
+        ident = {
+            "model": str(self.model.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
+            "device": self.device, "n_ctx": self.n_ctx, "link": self.emulate_link_gbps, "load_mode": self.load_mode,
+            "tokens": self.tokens, "warmup": self.warmup, "seed": self.seed, "prompt": self.prompt,
+            "threads": torch.get_num_threads(), "version": __version__,
+        }  # fmt: skip
+        return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One measured run."""
+
+    mib: float
+    share: float
+    tokens: int  # timed tokens
+    ms_per_token: float
+    hit_rate: float
+    upload_gib: float  # per timed token
+    cpu_gib: float
+    first_half_tps: float
+    second_half_tps: float
+    attempts: int
+    trace: str  # file name in the run directory
+
+    @property
+    def tps(self) -> float:
+        return 1000.0 / self.ms_per_token
+
+
+@dataclass(frozen=True)
+class ArmStarted:
+    index: int  # 0-based
+    n_arms: int
+    mib: float
+    share: float
+
+
+@dataclass(frozen=True)
+class ArmProgress:
+    index: int
+    n_arms: int
+    tokens_done: int
+    tokens_total: int
+
+
+@dataclass(frozen=True)
+class ArmDone:
+    index: int
+    n_arms: int
+    arm: Arm
+    cached: bool  # reused from an earlier sweep
+
+
+@dataclass(frozen=True)
+class SweepDone:
+    run_dir: Path
+    arms: tuple[Arm, ...]
+    expert_mib: float
+    room_mib: float  # largest cache the device has room for (or --max-mib)
+    device: str
+
+
+SweepEvent = ArmStarted | ArmProgress | ArmDone | SweepDone
+
+
+def nice_mib(x: float) -> float:
+    """Round a cache size down to something a person would type: 64 MiB steps when large."""
+    if x >= 256:
+        return float(int(x) // 64 * 64)
+    if x >= 1:
+        return float(f"{x:.3g}")
+    return float(f"{x:.2g}")
+
+
+def available_mib(device: str) -> float:
+    """Room for a cache on the device, leaving headroom for everything else."""
+    if device == "cuda":
+        free, _ = torch.cuda.mem_get_info()
+        return max(0.0, free / 2**20 - 512)
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: int(line.split()[1]) for line in f}
+        avail = info["MemAvailable"] / 1024
+    except (OSError, KeyError, ValueError, IndexError):
+        return float("inf")
+    return max(0.0, 0.75 * avail - 1024)
+
+
+def min_cached_mib(lm: LoadedModel) -> float:
+    """The smallest budget that caches every group (each group's slots hold one token's experts)."""
+    host = lm.model.host_experts.layers
+    total = sum(lx.bytes_per_expert * lx.gate.raw.shape[0] for lx in host.values())
+    by_geometry: dict[tuple[object, ...], list[int]] = {}
+    for layer, lx in host.items():
+        key = tuple((tuple(t.raw.shape), t.qtype) for t in (lx.gate, lx.up, lx.down))
+        by_geometry.setdefault(key, []).append(layer)
+    need = 0.0
+    for layers in by_geometry.values():
+        lx = host[layers[0]]
+        group_bytes = len(layers) * lx.bytes_per_expert * lx.gate.raw.shape[0]
+        need = max(need, (lm.config.n_expert_used + 1) * lx.bytes_per_expert * total / group_bytes)
+    return need / 2**20
+
+
+def calibrate(
+    settings: SweepSettings,
+    *,
+    cache_dir: Path,
+    stop: threading.Event | None = None,
+    loaded: LoadedModel | None = None,
+) -> Iterator[SweepEvent]:
+    """Run (or reuse) the six arms; yields progress and, last, SweepDone."""
+    run_dir = cache_dir / "tune" / settings.key()
+    run_dir.mkdir(parents=True, exist_ok=True)
+    own = loaded is None
+    on_device = CacheSettings(mib=0, device=settings.device, load_mode=settings.load_mode)
+    lm = loaded or load_model(settings.model, n_ctx=settings.n_ctx, cache=on_device)
+    try:
+        if not lm.config.is_moe:
+            raise ValueError(f"{settings.model.name} is not a MoE model: there is no expert cache to tune")
+        host = lm.model.host_experts.layers
+        expert_mib = sum(lx.bytes_per_expert * lx.gate.raw.shape[0] for lx in host.values()) / 2**20
+        room = available_mib(settings.device)
+        if settings.max_mib is not None:
+            room = min(room, settings.max_mib)
+        small = nice_mib(max(SMALL_FRACTION * expert_mib, min_cached_mib(lm)))
+        large = nice_mib(min(LARGE_FRACTION * expert_mib, room))
+        if large <= small:
+            raise ValueError(
+                f"no room for a cache larger than {small:g} MiB on {settings.device} "
+                f"({room:.0f} MiB available); raise --max-mib or free memory"
+            )
+        plan = [(small, s) for s in CALIB_SHARES] + [(large, s) for s in CALIB_SHARES]
+        prompt = lm.tokenizer.encode(settings.prompt)
+        arms = []
+        for i, (mib, share) in enumerate(plan):
+            name = f"run-{mib:g}-{share:g}"
+            meta = run_dir / f"{name}.json"
+            if meta.is_file() and (run_dir / f"{name}.trace").is_file():
+                try:
+                    arm = Arm(**json.loads(meta.read_text()))
+                    arms.append(arm)
+                    yield ArmDone(i, len(plan), arm, cached=True)
+                    continue
+                except (ValueError, TypeError) as e:
+                    logger.warning("ignoring an unreadable cached run %s: %s", meta, e)
+            yield ArmStarted(i, len(plan), mib, share)
+            for attempt in (1, 2):
+                arm = yield from _run_arm(lm, settings, run_dir, name, mib, share, prompt, i, len(plan), stop, attempt)
+                if arm.second_half_tps * BUSY_RATIO >= arm.first_half_tps or attempt == 2:
+                    break
+                logger.info("arm %d: second half %.1f t/s vs %.1f: machine busy? running it again",
+                            i + 1, arm.second_half_tps, arm.first_half_tps)  # fmt: skip
+            _atomic_write(meta, json.dumps(asdict(arm), indent=1))
+            arms.append(arm)
+            yield ArmDone(i, len(plan), arm, cached=False)
+        yield SweepDone(run_dir, tuple(arms), expert_mib, room, settings.device)
+    finally:
+        lm.set_cache(None)
+        if own:
+            lm.close()
+
+
+def _run_arm(
+    lm: LoadedModel,
+    settings: SweepSettings,
+    run_dir: Path,
+    name: str,
+    mib: float,
+    share: float,
+    prompt: list[int],
+    index: int,
+    n_arms: int,
+    stop: threading.Event | None,
+    attempt: int,
+) -> Generator[SweepEvent, None, Arm]:
+    partial = run_dir / f"{name}.trace.part"
+    cache_settings = CacheSettings(
+        mib=mib, cpu_share=share, device=settings.device, emulate_link_gbps=settings.emulate_link_gbps,
+        trace=partial, load_mode=settings.load_mode,
+    )  # fmt: skip
+    seconds: list[float] = []
+    cancelled = False
+    try:
+        lm.set_cache(cache_settings)
+        params = SamplingParams(temperature=0.8, seed=settings.seed + index)
+        kv = lm.new_cache()
+        last_report = 0.0
+        for ev in generate(lm.model, lm.tokenizer, prompt, kv, max_tokens=settings.tokens, params=params,
+                           ignore_eos=True, stop=stop):  # fmt: skip
+            if isinstance(ev, TokenEvent) and ev.token >= 0:
+                seconds.append(ev.seconds)
+                now = time.monotonic()
+                if now - last_report >= 0.25 or len(seconds) == settings.tokens:
+                    last_report = now
+                    yield ArmProgress(index, n_arms, len(seconds), settings.tokens)
+            elif isinstance(ev, DoneEvent) and ev.stop_reason == "stopped":
+                cancelled = True
+        lm.set_cache(None)  # closes the trace
+        if cancelled or len(seconds) < settings.tokens:
+            raise Cancelled(f"arm {index + 1} stopped after {len(seconds)} tokens")
+        trace = run_dir / f"{name}.trace"
+        os.replace(partial, trace)
+    finally:
+        lm.set_cache(None)
+        partial.unlink(missing_ok=True)
+    timed = seconds[settings.warmup :]
+    if len(timed) < 4:
+        raise ValueError(f"--tokens must exceed the warm-up of {settings.warmup} tokens by at least 4")
+    half = len(timed) // 2
+    # Token j's time is the forward pass of position n_prompt + j - 1: replay counts from there.
+    res = replay(load_routing(trace), mib, share, warmup=len(prompt) + settings.warmup - 1)
+    return Arm(
+        mib=mib, share=share, tokens=len(timed), ms_per_token=1000 * sum(timed) / len(timed),
+        hit_rate=res.hit_rate, upload_gib=res.upload_gib, cpu_gib=res.cpu_gib,
+        first_half_tps=half / sum(timed[:half]), second_half_tps=(len(timed) - half) / sum(timed[half:]),
+        attempts=attempt, trace=trace.name,
+    )  # fmt: skip
+
+
+def _atomic_write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+def clear_runs(cache_dir: Path) -> None:
+    shutil.rmtree(cache_dir / "tune", ignore_errors=True)

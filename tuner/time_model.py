@@ -1,0 +1,115 @@
+"""Time per token from the expert traffic: fitted to measured runs, used to predict the rest.
+
+    ms/token = base + up_ms * upload GiB + cpu_ms * CPU GiB + split * [share > 0] + overlap * min(upload, CPU)
+
+`up_ms` and `cpu_ms` are milliseconds per GiB (1000 / speed in GiB/s); `split` is the fixed cost of
+having a CPU part at all; `overlap` (usually negative) is the time saved because the CPU part runs
+while the device uploads. Fitted by least squares (numpy); a fit that is not physical (a speed
+that is not positive, a base that is not a fair part of the fastest run, an overlap hiding more
+than the cheaper path) falls back to the model without the overlap term, and a negative split
+(noise) drops that term.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+TERMS = ("base", "up", "cpu", "split", "overlap")
+MAX_FIT_ERROR = 0.10  # a worse fit means the machine was busy, like the seed
+
+
+@dataclass(frozen=True)
+class Observation:
+    """One measured run: its traffic per token and its time per token."""
+
+    upload_gib: float
+    cpu_gib: float
+    share: float
+    ms_per_token: float
+
+
+@dataclass(frozen=True)
+class TimeModel:
+    base: float
+    up: float  # ms per GiB uploaded
+    cpu: float  # ms per GiB computed on the CPU
+    split: float = 0.0
+    overlap: float = 0.0
+    physical: bool = True
+    errors: tuple[float, ...] = ()  # relative error of the fit per run
+
+    def ms(self, upload_gib: float, cpu_gib: float, share: float) -> float:
+        return (self.base + self.up * upload_gib + self.cpu * cpu_gib + (self.split if share > 0 else 0.0)
+                + self.overlap * min(upload_gib, cpu_gib))  # fmt: skip
+
+    def tps(self, upload_gib: float, cpu_gib: float, share: float) -> float:
+        return 1000.0 / self.ms(upload_gib, cpu_gib, share)
+
+    @property
+    def upload_gibps(self) -> float:
+        return 1000.0 / self.up if self.up > 0 else float("inf")
+
+    @property
+    def cpu_gibps(self) -> float:
+        return 1000.0 / self.cpu if self.cpu > 0 else float("inf")
+
+    @property
+    def max_error(self) -> float:
+        return max((abs(e) for e in self.errors), default=0.0)
+
+    @property
+    def trustworthy(self) -> bool:
+        return self.physical and self.max_error <= MAX_FIT_ERROR
+
+    def closed_form_share(self) -> float:
+        """s* ~ 1 - B_upload / B_cpu: the CPU should take misses only when it reads experts faster than the link."""
+        if not (self.up > 0 and self.cpu > 0):
+            return 0.0
+        return float(min(1.0, max(0.0, 1.0 - self.upload_gibps / self.cpu_gibps)))
+
+
+class FitError(ValueError):
+    """The runs do not determine the time model."""
+
+
+def _row(o: Observation) -> list[float]:
+    return [1.0, o.upload_gib, o.cpu_gib, float(o.share > 0), min(o.upload_gib, o.cpu_gib)]
+
+
+def fit(runs: Sequence[Observation]) -> TimeModel:
+    if len(runs) < 3:
+        raise FitError(f"the time model needs at least 3 runs, got {len(runs)}")
+    a_full = np.array([_row(o) for o in runs], dtype=np.float64)  # [R, 5]
+    y = np.array([o.ms_per_token for o in runs], dtype=np.float64)  # [R]
+
+    def solve(terms: list[str]) -> dict[str, float]:
+        cols = [TERMS.index(t) for t in terms]
+        a = a_full[:, cols]
+        if np.linalg.matrix_rank(a) < len(cols):
+            if "split" in terms:
+                return solve([t for t in terms if t != "split"])
+            raise FitError("the runs do not determine the time model (too little variation in traffic)")
+        coef, *_ = np.linalg.lstsq(a, y, rcond=None)
+        out = dict(zip(terms, (float(c) for c in coef), strict=True))
+        if out.get("split", 0.0) < 0:  # a negative fixed cost is noise
+            return solve([t for t in terms if t != "split"])
+        return out
+
+    def physical(m: dict[str, float]) -> bool:
+        up, cpu, overlap = m.get("up", 0.0), m.get("cpu", 0.0), m.get("overlap", 0.0)
+        # Each path costs time, the rest of the token is a good part of the fastest run, and running
+        # the two paths together hides at most the cheaper one.
+        return up > 0 and cpu > 0 and m.get("base", 0.0) >= 0.2 * float(y.min()) and -overlap <= min(up, cpu)
+
+    m = solve(list(TERMS))
+    ok = physical(m)
+    if not ok:
+        m = solve([t for t in TERMS if t != "overlap"])
+        ok = physical(m)
+    base, up, cpu, split, overlap = (m.get(t, 0.0) for t in TERMS)
+    model = TimeModel(base, up, cpu, split, overlap, physical=ok)
+    errors = tuple((model.ms(o.upload_gib, o.cpu_gib, o.share) - o.ms_per_token) / o.ms_per_token for o in runs)
+    return TimeModel(base, up, cpu, split, overlap, physical=ok, errors=errors)
