@@ -99,29 +99,36 @@ class ClassLRU:
         if not need:
             return victims
         key_of, n_expert, clock, last_use = self.key_of, self.n_expert, self.clock, self.last_use
-        cands: list[list[tuple[float, int]]] = []
-        for c, lst in enumerate(lists):
-            if not lst:
-                continue
-            inv, got = _INV_POW2[c], []
-            for s in lst:
-                key = key_of[s]
-                if key >= 0 and key not in selected:
-                    got.append(((clock[key // n_expert] - last_use[key]) * inv, s))
-                    if len(got) == need:
+        scores, slots = [-2.0] * N_CLASS, [-1] * N_CLASS  # each class list's candidate; -2: none
+        for c in range(N_CLASS):
+            if lists[c]:
+                for s in lists[c]:
+                    key = key_of[s]
+                    if key >= 0 and key not in selected:
+                        scores[c] = (clock[key // n_expert] - last_use[key]) * _INV_POW2[c]
+                        slots[c] = s
                         break
-            if got:
-                cands.append(got)
-        pos = [0] * len(cands)
-        for _ in range(need):
+        taken: set[int] = set()
+        for n in range(need):
             best, best_score = -1, -1.0
-            for i, got in enumerate(cands):
-                if pos[i] < len(got) and got[pos[i]][0] > best_score:
-                    best, best_score = i, got[pos[i]][0]
+            for c in range(N_CLASS):
+                if scores[c] > best_score:
+                    best, best_score = c, scores[c]
             if best < 0:
                 raise CachePolicyError("no slot can be evicted")
-            victims.append(cands[best][pos[best]][1])
-            pos[best] += 1
+            victims.append(slots[best])
+            if n + 1 == need:
+                break
+            # The lists do not change until every victim is chosen: the next candidate of the list
+            # just used is its first slot neither selected nor taken.
+            taken.add(slots[best])
+            scores[best] = -2.0
+            for s in lists[best]:
+                key = key_of[s]
+                if key >= 0 and key not in selected and s not in taken:
+                    scores[best] = (clock[key // n_expert] - last_use[key]) * _INV_POW2[best]
+                    slots[best] = s
+                    break
         return victims
 
     def plan(self, layer: int, ids: Sequence[int], n_tokens: int, share: MissSplit | None = None) -> Plan:
