@@ -39,6 +39,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tune_arguments(sub.add_parser("tune", help="measure this machine and recommend cache size and CPU share"))
     add_sim_arguments(sub.add_parser("sim", help="replay a routing trace at other cache sizes, shares and policies"))
+    from .export_cmd import add_export_arguments
+
+    add_export_arguments(sub.add_parser("export", help="write the last session's stats as JSON, CSV or Markdown"))
     return parser
 
 
@@ -48,8 +51,20 @@ def _fail(message: str) -> int:
     return 2
 
 
+COMMANDS = ("inspect", "chat", "run", "tune", "sim", "export")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # `moechat MODEL.gguf [flags]` and `moechat [flags]` mean `moechat chat ...`.
+    i = 0
+    while i < len(argv) and argv[i] in ("-v", "--verbose"):
+        i += 1
+    if not (i < len(argv) and argv[i] in COMMANDS) and not any(
+        a in ("-h", "--help", "--version", "--paths") for a in argv
+    ):
+        argv = [*argv[:i], "chat", *argv[i:]]
     args = parser.parse_args(argv)
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
@@ -80,8 +95,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return run_tune(args) if args.command == "tune" else run_sim(args)
         from .repl import run_chat
 
-        if args.command is None:  # `moechat` alone: chat with the built-in demo
-            args = parser.parse_args(["chat"])
+        if args.command == "export":
+            from .export_cmd import run_export
+
+            return run_export(args)
         return run_chat(args)
     except (ValueError, OSError) as e:
         return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 from moechat.engine.demo import demo_path, ensure_demo
@@ -24,5 +25,19 @@ def resolve_model(model: str | None) -> Path:
         with Progress(transient=True, console=Console(file=sys.stderr)) as bar:
             task = bar.add_task("building the demo model (first use only)", total=1.0)
             return ensure_demo(cache, lambda done, what: bar.update(task, completed=done, description=what))
+    except DemoSourceMissing as e:
+        raise ValueError(f"{e}, or pass a model path") from None
+
+
+def resolve_model_quiet(model: str | None, progress: Callable[[str], None]) -> Path:
+    """resolve_model for the TUI: progress goes to a callback, not to stderr."""
+    if model:
+        return Path(model)
+    cache = app_paths().cache
+    try:
+        target = demo_path(cache)
+        if target.exists():
+            return target
+        return ensure_demo(cache, lambda done, what: progress(f"building the demo model: {what} ({100 * done:.0f}%)"))
     except DemoSourceMissing as e:
         raise ValueError(f"{e}, or pass a model path") from None

@@ -1,4 +1,4 @@
-"""`moechat chat` (and `moechat` with no command): a plain line-mode chat until the Textual app lands.
+"""`moechat chat` (and `moechat` alone): the full-screen app on a terminal, else a plain line-mode chat.
 
 Each turn renders the whole conversation through the chat template and streams the reply.
 Ctrl+C stops a reply (the partial reply is kept), Ctrl+D or an empty stdin ends the chat.
@@ -9,35 +9,76 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+from pathlib import Path
 
+from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
-from moechat.engine.loader import LoadedModel, load_model
+from moechat.engine.loader import LoadedModel, load_model, resolve_device
 
 from .demo_model import resolve_model
-from .run_cmd import add_cache_arguments, cache_settings
+from .settings import SPEC, Settings, resolve
 
 # A base model continuing the plain format writes the user's next line itself: stop there.
 PLAIN_STOPS = ("\nUser:", "\nuser:")
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
+    """Chat flags default to None: a value left out comes from MOECHAT_* env, then config.toml, then defaults."""
     p.add_argument("model", nargs="?", help="path to a .gguf model (default: the built-in demo)")
-    p.add_argument("-n", "--n-predict", type=int, default=256, help="most tokens per reply (default 256)")
-    p.add_argument("-c", "--ctx-size", type=int, default=4096)
-    p.add_argument("--temp", type=float, default=0.7)
+    p.add_argument("-n", "--n-predict", type=int, default=None, help="most tokens per reply (default 512)")
+    p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default 4096)")
+    p.add_argument("--temp", type=float, default=None, help="temperature (default 0.7)")
+    p.add_argument("--top-k", type=int, default=None)
+    p.add_argument("--top-p", type=float, default=None)
+    p.add_argument("--min-p", type=float, default=None)
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--chat-template", default=None, metavar="FILE")
-    add_cache_arguments(p)
+    p.add_argument("--device", default=None, help="auto, cuda or cpu")
+    p.add_argument("--moe-cache-mib", type=float, default=None, metavar="N", help="device expert cache in MiB; 0 = off")
+    p.add_argument("--moe-cache-cpu-share", type=float, default=None, metavar="F",
+                   help="share of the misses computed on the CPU once the cache is full, 0..1")  # fmt: skip
+    p.add_argument("--emulate-link-gbps", type=float, default=None, metavar="X",
+                   help="CPU device: uploads also cost bytes / X GB/s")  # fmt: skip
+    p.add_argument("--refresh-ms", type=int, default=None, help="dashboard refresh interval (default 250)")
+    p.add_argument("--theme", default=None, help="Textual theme (remembered in config.toml)")
+    p.add_argument("--config", default=None, metavar="PATH", help="config.toml to read (default: the config dir)")
+    p.add_argument("--plain", action="store_true", help="line-mode chat instead of the full-screen app")
+
+
+def chat_settings(args: argparse.Namespace) -> tuple[Settings, list[str], Path]:
+    from .paths import app_paths
+
+    config = Path(args.config) if args.config else app_paths().config / "config.toml"
+    if args.config and not config.is_file():
+        raise ValueError(f"--config {config}: no such file")
+    flags = {name: getattr(args, name, None) for name in SPEC}
+    settings, warnings = resolve(flags, config_path=config)
+    return settings, warnings, config
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    params = SamplingParams(temperature=args.temp, seed=args.seed)
+    settings, warnings, config = chat_settings(args)
+    if not args.plain and sys.stdin.isatty() and sys.stdout.isatty():
+        from .paths import app_paths
+        from .tui import MoechatApp, real_engine_factory, run_tui
+
+        app = MoechatApp(real_engine_factory(args.model, settings, args.chat_template), settings,
+                         config_path=config, warnings=warnings)  # fmt: skip
+        return run_tui(app, app_paths().log / "moechat.log")
+    for w in warnings:
+        print(f"moechat: warning: {w}", file=sys.stderr)
+    params = SamplingParams(temperature=settings.temp, top_k=settings.top_k, top_p=settings.top_p,
+                            min_p=settings.min_p, seed=args.seed)  # fmt: skip
     params.validate()
-    lm = load_model(resolve_model(args.model), n_ctx=args.ctx_size, chat_template=args.chat_template,
-                    cache=cache_settings(args))  # fmt: skip
+    cache = CacheSettings(
+        mib=settings.moe_cache_mib, cpu_share=settings.moe_cache_cpu_share,
+        device=resolve_device(settings.device), emulate_link_gbps=settings.emulate_link_gbps,
+    )  # fmt: skip
+    cache.validate()
+    lm = load_model(resolve_model(args.model), n_ctx=settings.ctx_size, chat_template=args.chat_template, cache=cache)
     plain = lm.template.origin == "plain fallback"
-    messages: list[dict[str, str]] = [{"role": "system", "content": args.system}] if args.system else []
+    messages: list[dict[str, str]] = [{"role": "system", "content": settings.system}] if settings.system else []
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"moechat: {lm.config.name} ({lm.config.arch}). Ctrl+C stops a reply, Ctrl+D quits.", file=sys.stderr)
@@ -55,7 +96,7 @@ def run_chat(args: argparse.Namespace) -> int:
                 print("moechat: the conversation no longer fits the context; start a new chat", file=sys.stderr)
                 messages.pop()
                 continue
-            reply = _reply(lm, prompt, args.n_predict, params, plain)
+            reply = _reply(lm, prompt, settings.n_predict, params, plain)
             messages.append({"role": "assistant", "content": reply})
     finally:
         lm.close()

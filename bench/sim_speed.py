@@ -66,8 +66,10 @@ def main() -> None:
         predict_rows(routing, sizes, model, workers=workers)
         dt = time.perf_counter() - t
         n = len(sizes) * len(TABLE_SHARES) * n_lookups
-        print(f"table {len(sizes)} sizes x {len(TABLE_SHARES)} shares, {workers} process(es): {dt:.1f} s, "
-              f"{n / dt / 1e6:.2f} M lookups/s")
+        print(
+            f"table {len(sizes)} sizes x {len(TABLE_SHARES)} shares, {workers} process(es): {dt:.1f} s, "
+            f"{n / dt / 1e6:.2f} M lookups/s"
+        )
     sys.stdout.flush()
 
 

@@ -1,0 +1,188 @@
+"""What the app needs of an engine, and the real one: a loaded model behind a small, thread-safe API.
+
+The TUI talks only to `ChatEngine`; tests drive the UI with a scripted fake that emits the same
+events. Methods are called from one worker thread at a time (the app runs one job at a time).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import platform
+import threading
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Protocol
+
+import torch
+from moechat.engine.expert_cache import CacheSettings
+from moechat.engine.generate import Event, SamplingParams, TokenEvent, generate
+from moechat.engine.loader import LoadedModel
+from moechat.engine.stats import StatsSnapshot
+from moechat.tuner.recommend import TuneReport, recommend
+from moechat.tuner.sweep import SweepDone, SweepEvent, SweepSettings, calibrate
+
+from .paths import app_paths
+
+logger = logging.getLogger(__name__)
+
+Message = dict[str, str]  # {"role": ..., "content": ...}
+
+# A base model continuing the plain format writes the user's next line itself: stop there.
+PLAIN_STOPS = ("\nUser:", "\nuser:")
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str  # file name
+    path: str
+    sha256_head: str  # hash of the first 16 MiB and the size: identifies the file cheaply
+    arch: str
+    n_layers: int
+    n_expert: int
+    n_expert_used: int
+    n_ctx: int
+    device: str
+    hardware: str
+    template: str  # where the chat template came from
+
+
+class ChatEngine(Protocol):
+    info: ModelInfo
+
+    def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int]:
+        """Prompt tokens for the conversation, dropping the oldest turns if needed; (tokens, n dropped)."""
+        ...
+
+    def reply(
+        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
+    ) -> Iterator[Event]: ...
+
+    def snapshot(self) -> StatsSnapshot | None: ...
+
+    def cache(self) -> tuple[float, float]:
+        """(MiB, CPU share) of the expert cache now."""
+        ...
+
+    def set_cache(self, mib: float, share: float) -> None: ...
+
+    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int) -> Iterator[SweepEvent]: ...
+
+    def recommend(self, done: SweepDone) -> TuneReport: ...
+
+    def close(self) -> None: ...
+
+
+class StopStrings:
+    """Cuts a streamed reply at the first stop string, holding back text that could start one."""
+
+    def __init__(self, stops: Sequence[str]) -> None:
+        self.stops = tuple(stops)
+        self.hold = max((len(s) for s in stops), default=0)
+        self.text = ""
+        self.shown = 0
+        self.hit = False
+
+    def push(self, piece: str) -> str:
+        """The new text that is safe to show."""
+        self.text += piece
+        for s in self.stops:
+            cut = self.text.find(s)
+            if cut >= 0:
+                self.text, self.hit = self.text[:cut], True
+        safe = len(self.text) if self.hit else max(self.shown, len(self.text) - self.hold)
+        out, self.shown = self.text[self.shown : safe], safe
+        return out
+
+    def flush(self) -> str:
+        out, self.shown = self.text[self.shown :], len(self.text)
+        return out
+
+
+def file_identity(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        h.update(f.read(16 << 20))
+    h.update(str(path.stat().st_size).encode())
+    return h.hexdigest()
+
+
+class RealEngine:
+    def __init__(self, lm: LoadedModel, base: CacheSettings) -> None:
+        self.lm = lm
+        self.base = base  # device, link, load mode: what a cache change keeps
+        cfg = lm.config
+        dev = base.device
+        hw = torch.cuda.get_device_name() if dev == "cuda" else (platform.processor() or platform.machine())
+        self.info = ModelInfo(
+            name=lm.gguf.path.name, path=str(lm.gguf.path), sha256_head=file_identity(lm.gguf.path), arch=cfg.arch,
+            n_layers=cfg.n_layers, n_expert=cfg.n_expert, n_expert_used=cfg.n_expert_used, n_ctx=lm.n_ctx,
+            device=dev, hardware=f"{hw}, {torch.get_num_threads()} threads", template=lm.template.origin,
+        )  # fmt: skip
+        self.plain = lm.template.origin == "plain fallback"
+
+    def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int]:
+        msgs = list(messages)
+        dropped = 0
+        while True:
+            text = self.lm.template.render(msgs, add_generation_prompt=True)
+            tokens = self.lm.tokenizer.encode(text, parse_special=True)
+            # Leave room to answer: a quarter of the context, at most 256 tokens.
+            if len(tokens) + min(256, self.lm.n_ctx // 4) <= self.lm.n_ctx:
+                return tokens, dropped
+            first = 1 if msgs and msgs[0]["role"] == "system" else 0
+            if len(msgs) - first <= 1:
+                return tokens[-(self.lm.n_ctx * 3 // 4) :], dropped  # one huge message: keep its end
+            del msgs[first]
+            dropped += 1
+
+    def reply(
+        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
+    ) -> Iterator[Event]:
+        cutter = StopStrings(PLAIN_STOPS if self.plain else ())
+        max_tokens = max(1, min(max_tokens, self.lm.n_ctx - len(prompt)))
+        for ev in generate(self.lm.model, self.lm.tokenizer, prompt, self.lm.new_cache(), max_tokens=max_tokens,
+                           params=params, stop=stop):  # fmt: skip
+            if isinstance(ev, TokenEvent):
+                text = cutter.push(ev.text)
+                if cutter.hit:
+                    stop.set()
+                yield replace(ev, text=text)
+            else:
+                tail = cutter.flush()
+                if tail:
+                    yield TokenEvent(-1, tail, ev.n_generated)
+                if cutter.hit and ev.stop_reason == "stopped":
+                    ev = replace(ev, stop_reason="eos")
+                yield ev
+
+    def snapshot(self) -> StatsSnapshot | None:
+        return self.lm.cache.snapshot() if self.lm.cache is not None else None
+
+    def cache(self) -> tuple[float, float]:
+        c = self.lm.cache
+        return (c.settings.mib, c.settings.cpu_share) if c is not None else (0.0, 0.0)
+
+    def set_cache(self, mib: float, share: float) -> None:
+        settings = replace(self.base, mib=mib, cpu_share=share, trace=None)
+        settings.validate()
+        self.lm.set_cache(settings)
+
+    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int) -> Iterator[SweepEvent]:
+        mib, share = self.cache()
+        settings = SweepSettings(
+            model=Path(self.info.path), device=self.base.device, n_ctx=min(self.lm.n_ctx, 4096),
+            emulate_link_gbps=self.base.emulate_link_gbps, load_mode=self.base.load_mode, max_mib=max_mib,
+            tokens=tokens, warmup=min(32, tokens // 4),
+        )  # fmt: skip
+        try:
+            yield from calibrate(settings, cache_dir=app_paths().cache, stop=stop, loaded=self.lm)
+        finally:
+            self.set_cache(mib, share)  # the session's own cache again, whatever happened
+
+    def recommend(self, done: SweepDone) -> TuneReport:
+        return recommend(done, self.info.name, workers=1)
+
+    def close(self) -> None:
+        self.lm.close()

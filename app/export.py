@@ -1,0 +1,184 @@
+"""Session statistics and transcripts to JSON, CSV and Markdown. Every write is atomic.
+
+JSON is the source of truth (schema_version 1); CSV has one header row and one row per layer;
+the Markdown report follows llama-bench's table style and adds plotext charts as plain text.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import json
+from collections import deque
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from moechat.engine.stats import StatsSnapshot
+
+from moechat import __version__
+
+from .atomic import write_atomic
+from .conversations import Conversation, now_iso
+
+SCHEMA_VERSION = 1
+SERIES_MAX = 2000  # points kept; older ones are dropped (one point per stats update, ~4/s)
+
+
+@dataclass(frozen=True)
+class Point:
+    time: str  # ISO-8601 UTC
+    tokens: int
+    tps: float
+    hit_rate: float
+    uploaded_mib: float
+    cpu_misses: int
+
+
+@dataclass
+class SessionStats:
+    """What an export holds: the run's identity and settings, the latest counters and a bounded time series."""
+
+    model: dict[str, Any]
+    settings: dict[str, Any]
+    started: str = field(default_factory=now_iso)
+    snapshot: StatsSnapshot | None = None
+    series: deque[Point] = field(default_factory=lambda: deque(maxlen=SERIES_MAX))
+    replies: list[dict[str, Any]] = field(default_factory=list)  # per reply: tokens, t/s, ttft
+
+    def add(self, snap: StatsSnapshot | None, tokens: int, tps: float) -> None:
+        if snap is not None:
+            self.snapshot = snap
+        t = self.snapshot.total if self.snapshot is not None else None
+        self.series.append(Point(now_iso(), tokens, tps, t.hit_rate if t else 0.0,
+                                 t.uploaded_bytes / 2**20 if t else 0.0, t.cpu if t else 0))  # fmt: skip
+
+    def to_dict(self) -> dict[str, Any]:
+        layers = []
+        if self.snapshot is not None:
+            for ls in self.snapshot.layers:
+                t = ls.total
+                layers.append({
+                    "layer": ls.layer, "group": ls.group, "lookups": t.lookups, "hits": t.hits, "misses": t.misses,
+                    "cpu": t.cpu, "uploads": t.uploads, "uploaded_bytes": t.uploaded_bytes, "bypassed": t.bypassed,
+                    "hit_rate": t.hit_rate, "occupancy": ls.occupancy, "small": asdict(ls.small),
+                    "large": asdict(ls.large),
+                })  # fmt: skip
+        return {
+            "schema_version": SCHEMA_VERSION,
+            "moechat_version": __version__,
+            "exported": now_iso(),
+            "started": self.started,
+            "model": self.model,
+            "settings": self.settings,
+            "tokens": self.snapshot.tokens if self.snapshot else 0,
+            "cpu_share": self.snapshot.cpu_share if self.snapshot else 0.0,
+            "groups": [asdict(g) for g in self.snapshot.groups] if self.snapshot else [],
+            "layers": layers,
+            "replies": self.replies,
+            "series": [asdict(p) for p in self.series],
+        }
+
+
+CSV_FIELDS = ["layer", "group", "lookups", "hits", "misses", "cpu", "uploads", "uploaded_bytes", "bypassed",
+              "hit_rate", "occupancy"]  # fmt: skip
+
+
+def to_csv(d: dict[str, Any]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=CSV_FIELDS, extrasaction="ignore", lineterminator="\n")
+    w.writeheader()
+    for row in d["layers"]:
+        w.writerow(row)
+    return buf.getvalue()
+
+
+def _chart(title: str, xs: list[float], ys: list[float], ylabel: str) -> str:
+    import plotext as plt
+
+    plt.clear_figure()
+    plt.plotsize(70, 15)
+    plt.theme("clear")  # no colours: the chart is plain text in a Markdown code block
+    plt.plot(xs, ys, marker="braille")
+    plt.title(title)
+    plt.xlabel("tokens")
+    plt.ylabel(ylabel)
+    out = plt.build()
+    plt.clear_figure()
+    return str(plt.uncolorize(out))
+
+
+def to_markdown(d: dict[str, Any]) -> str:
+    m, s = d["model"], d["settings"]
+    replies = d["replies"]
+    gen = [r["gen_tps"] for r in replies if r.get("gen_tps")]
+    pp = [r["prompt_tps"] for r in replies if r.get("prompt_tps")]
+    total = {k: sum(layer[k] for layer in d["layers"]) for k in ("lookups", "hits", "cpu", "uploaded_bytes")}
+    out = [
+        f"# moechat session report ({d['started']})",
+        "",
+        f"moechat {d['moechat_version']}, exported {d['exported']}",
+        "",
+        "| model | arch | device | cache MiB | cpu share | test | t/s |",
+        "| ----- | ---- | ------ | --------: | --------: | ---: | --: |",
+    ]
+    base = f"| {m.get('name', '?')} | {m.get('arch', '?')} | {m.get('device', '?')} | {s.get('moe_cache_mib', 0):g} " \
+           f"| {s.get('moe_cache_cpu_share', 0):g} "  # fmt: skip
+    if pp:
+        out.append(
+            base + f"| pp{round(sum(r['n_prompt'] for r in replies) / len(replies))} | {sum(pp) / len(pp):.2f} |"
+        )
+    if gen:
+        out.append(
+            base + f"| tg{round(sum(r['n_generated'] for r in replies) / len(replies))} | {sum(gen) / len(gen):.2f} |"
+        )
+    hit = total["hits"] / total["lookups"] if total["lookups"] else 0.0
+    out += [
+        "",
+        f"Expert cache: {d['tokens']} tokens, hit rate {100 * hit:.1f}%, {total['cpu']} misses on the CPU, "
+        f"{total['uploaded_bytes'] / 2**20:.1f} MiB uploaded.",
+        "",
+        "| layer | lookups | hits | hit rate | cpu | uploads | uploaded MiB | slots held |",
+        "| ----: | ------: | ---: | -------: | --: | ------: | -----------: | ---------: |",
+    ]
+    for r in d["layers"]:
+        out.append(f"| {r['layer']} | {r['lookups']} | {r['hits']} | {100 * r['hit_rate']:.1f}% | {r['cpu']} | "
+                   f"{r['uploads']} | {r['uploaded_bytes'] / 2**20:.2f} | {r['occupancy']} |")  # fmt: skip
+    series = d["series"]
+    if len(series) >= 2:
+        xs = [float(p["tokens"]) for p in series]
+        out += ["", "```", _chart("tokens/s", xs, [p["tps"] for p in series], "t/s"), "```"]
+        out += ["", "```", _chart("hit rate", xs, [100 * p["hit_rate"] for p in series], "%"), "```"]
+    return "\n".join(out) + "\n"
+
+
+def write_stats(d: dict[str, Any], path: Path, fmt: str) -> Path:
+    if fmt == "json":
+        text = json.dumps(d, indent=1)
+    elif fmt == "csv":
+        text = to_csv(d)
+    elif fmt in ("md", "markdown"):
+        text = to_markdown(d)
+    else:
+        raise ValueError(f"unknown export format '{fmt}' (json, csv or md)")
+    return write_atomic(path, text)
+
+
+def transcript_markdown(conv: Conversation) -> str:
+    out = [f"# {conv.title}", "", f"{conv.model}, {conv.created}", ""]
+    if conv.system:
+        out += ["**system**", "", conv.system, ""]
+    for msg in conv.messages:
+        mark = " (stopped)" if msg.get("stopped") else ""
+        out += [f"**{msg['role']}**{mark}", "", msg["content"], ""]
+    return "\n".join(out)
+
+
+def read_stats(path: Path) -> dict[str, Any]:
+    try:
+        d = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ValueError(f"{path}: not a moechat stats file ({e})") from None
+    if not isinstance(d, dict) or d.get("schema_version") != SCHEMA_VERSION:
+        raise ValueError(f"{path}: not a moechat stats file of schema version {SCHEMA_VERSION}")
+    return d

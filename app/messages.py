@@ -1,0 +1,68 @@
+"""Messages from the engine worker thread to the UI. Payloads are frozen; stats updates coalesce."""
+
+from __future__ import annotations
+
+from moechat.engine.generate import DoneEvent
+from moechat.engine.stats import StatsSnapshot
+from moechat.tuner.recommend import TuneReport
+from moechat.tuner.sweep import SweepEvent
+from textual.message import Message
+
+
+class TokenText(Message):
+    def __init__(self, text: str) -> None:
+        super().__init__()
+        self.text = text
+
+
+class StatsUpdate(Message):
+    """The latest numbers; a newer one waiting in the queue replaces an older one."""
+
+    def __init__(self, snapshot: StatsSnapshot | None, tokens: int, tps: float, upload_mib_per_token: float) -> None:
+        super().__init__()
+        self.snapshot, self.tokens, self.tps, self.upload_mib_per_token = snapshot, tokens, tps, upload_mib_per_token
+
+    def can_replace(self, message: Message) -> bool:
+        return isinstance(message, StatsUpdate)
+
+
+class ReplyDone(Message):
+    def __init__(self, done: DoneEvent, ttft: float) -> None:
+        super().__init__()
+        self.done, self.ttft = done, ttft
+
+
+class ReplyFailed(Message):
+    def __init__(self, error: str) -> None:
+        super().__init__()
+        self.error = error
+
+
+class ContextTrimmed(Message):
+    def __init__(self, dropped: int) -> None:
+        super().__init__()
+        self.dropped = dropped
+
+
+class SweepUpdate(Message):
+    def __init__(self, event: SweepEvent) -> None:
+        super().__init__()
+        self.event = event
+
+
+class TuneReady(Message):
+    def __init__(self, report: TuneReport) -> None:
+        super().__init__()
+        self.report = report
+
+
+class SweepFailed(Message):
+    def __init__(self, error: str, cancelled: bool) -> None:
+        super().__init__()
+        self.error, self.cancelled = error, cancelled
+
+
+class CacheApplied(Message):
+    def __init__(self, mib: float, share: float, error: str | None) -> None:
+        super().__init__()
+        self.mib, self.share, self.error = mib, share, error

@@ -1,0 +1,331 @@
+"""The chat screen: conversation, input, status line and the live dashboard.
+
+The engine runs in a thread worker. The worker never touches widgets: it posts messages
+(token text, coalescing stats snapshots at most every `refresh_ms`, the end of a reply) and
+the handlers here own all UI state.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent
+from moechat.widgets.dashboard import Dashboard
+from textual import events, on, work
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.message import Message
+from textual.screen import Screen
+from textual.widgets import Footer, Markdown, Static, TextArea
+from textual.widgets.markdown import MarkdownStream
+
+from ..conversations import Conversation
+from ..engine_api import ChatEngine
+from ..messages import ContextTrimmed, ReplyDone, ReplyFailed, StatsUpdate, TokenText
+
+if TYPE_CHECKING:
+    from ..tui import MoechatApp
+
+
+class ChatInput(TextArea):
+    """Enter sends; Shift+Enter or Ctrl+J adds a newline; Up on the first line recalls earlier prompts."""
+
+    class Submitted(Message):
+        def __init__(self, text: str) -> None:
+            super().__init__()
+            self.text = text
+
+    def __init__(self, **kw: Any) -> None:
+        super().__init__(soft_wrap=True, show_line_numbers=False, **kw)
+        self.prompt_history: list[str] = []
+        self.recall = -1
+
+    async def _on_key(self, event: events.Key) -> None:
+        if event.key == "enter":
+            event.stop()
+            event.prevent_default()
+            text = self.text.strip()
+            if text:
+                self.prompt_history.append(text)
+                self.recall = -1
+                self.post_message(self.Submitted(text))
+                self.clear()
+            return
+        if event.key in ("shift+enter", "ctrl+j"):
+            event.stop()
+            event.prevent_default()
+            self.insert("\n")
+            return
+        if event.key == "up" and self.cursor_location[0] == 0 and self.prompt_history:
+            event.stop()
+            event.prevent_default()
+            self.recall = len(self.prompt_history) - 1 if self.recall < 0 else max(0, self.recall - 1)
+            self.load_text(self.prompt_history[self.recall])
+            return
+        await super()._on_key(event)
+
+
+class Turn(Vertical):
+    DEFAULT_CSS = """
+    Turn { height: auto; margin: 0 0 1 0; }
+    Turn > .role { text-style: bold; color: $accent; }
+    Turn.user > .role { color: $success; }
+    Turn > Markdown { margin: 0; padding: 0 1; }
+    """
+
+    def __init__(self, role: str, content: str, note: str = "") -> None:
+        super().__init__(classes=role)
+        self.role, self.content, self.note = role, content, note
+
+    def compose(self) -> ComposeResult:
+        yield Static(self.role + (f"  [{self.note}]" if self.note else ""), classes="role")
+        yield Markdown(self.content)
+
+    def set_note(self, note: str) -> None:
+        self.note = note
+        self.query_one(".role", Static).update(self.role + (f"  [{note}]" if note else ""))
+
+
+class ChatScreen(Screen[None]):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "stop", "Stop", priority=True),
+        Binding("ctrl+r", "regenerate", "Regenerate"),
+        Binding("ctrl+n", "new_chat", "New chat"),
+        Binding("ctrl+o", "open_chat", "Open"),
+        Binding("ctrl+t", "tune", "Tune"),
+        Binding("ctrl+e", "export", "Export", priority=True),  # over the input's end-of-line: End does that
+        Binding("ctrl+s", "settings", "Settings"),
+        Binding("ctrl+b", "toggle_dashboard", "Dashboard"),
+    ]
+    DEFAULT_CSS = """
+    #chat-pane { width: 1fr; }
+    #info { height: auto; color: $text-muted; padding: 0 1; }
+    #log { height: 1fr; padding: 0 1; }
+    #status { height: 1; color: $text-muted; padding: 0 1; }
+    ChatInput { height: 5; }
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stop_event = threading.Event()
+        self.generating = False
+        self.conv = Conversation()
+        self._stream: MarkdownStream | None = None
+        self._reply_text = ""
+        self._reply_turn: Turn | None = None
+        self.stats_updates = 0  # StatsUpdate messages handled (tests bound their rate)
+
+    @property
+    def moechat(self) -> MoechatApp:
+        return self.app  # type: ignore[return-value]
+
+    def compose(self) -> ComposeResult:
+        with Horizontal():
+            with Vertical(id="chat-pane"):
+                yield Static(id="info")
+                yield VerticalScroll(id="log")
+                yield Static("", id="status")
+                yield ChatInput(id="input")
+            yield Dashboard(id="dashboard")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.conv.model = self.moechat.engine.info.name
+        self.conv.system = self.moechat.settings.system
+        self.query_one("#log", VerticalScroll).anchor()
+        self.refresh_info()
+        self.query_one(ChatInput).focus()
+
+    def refresh_info(self) -> None:
+        app = self.moechat
+        s, info = app.settings, app.engine.info
+        mib, share = app.engine.cache()
+        system = (s.system[:40] + "...") if len(s.system) > 40 else (s.system or "none")
+        self.query_one("#info", Static).update(
+            f"{info.name} ({info.arch}, {info.device}) | template: {info.template} | cache {mib:g} MiB, "
+            f"share {share:g}\nsystem: {system} | temp {s.temp:g}, top-k {s.top_k}, top-p {s.top_p:g}, "
+            f"min-p {s.min_p:g}, max {s.n_predict} tokens"
+        )
+
+    # -- sending and streaming ------------------------------------------------------------
+
+    @on(ChatInput.Submitted)
+    async def send(self, event: ChatInput.Submitted) -> None:
+        if self.generating:
+            self.notify("a reply is still being written: Esc stops it", severity="warning")
+            return
+        self.conv.messages.append({"role": "user", "content": event.text})
+        await self.query_one("#log").mount(Turn("user", event.text))
+        await self.start_reply()
+
+    async def start_reply(self) -> None:
+        turn = Turn("assistant", "")
+        await self.query_one("#log").mount(turn)
+        self._reply_turn, self._reply_text = turn, ""
+        self._stream = Markdown.get_stream(turn.query_one(Markdown))
+        self.generating = True
+        self.stop_event.clear()
+        self.query_one("#status", Static).update("reading the prompt...")
+        s = self.moechat.settings
+        params = SamplingParams(temperature=s.temp, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+        self.generate(self.conv.chat_messages(), params, s.n_predict, s.refresh_ms / 1000)
+
+    @work(thread=True, exclusive=True, group="engine")
+    def generate(self, messages: list[dict[str, str]], params: SamplingParams, n_predict: int, every: float) -> None:
+        engine = self.moechat.engine
+        try:
+            with self.moechat.engine_lock:
+                self._generate(engine, messages, params, n_predict, every)
+        except Exception as e:  # the UI shows it; the conversation so far is saved
+            self.post_message(ReplyFailed(f"{type(e).__name__}: {e}"))
+
+    def _generate(
+        self, engine: ChatEngine, messages: list[dict[str, str]], params: SamplingParams, n_predict: int, every: float
+    ) -> None:
+        prompt, dropped = engine.fit_messages(messages)
+        if dropped:
+            self.post_message(ContextTrimmed(dropped))
+        t0 = time.perf_counter()
+        first = last_post = 0.0
+        n = 0
+        for ev in engine.reply(prompt, params, n_predict, self.stop_event):
+            if isinstance(ev, TokenEvent):
+                if ev.token >= 0:
+                    n += 1
+                    if n == 1:
+                        first = time.perf_counter()
+                if ev.text:
+                    self.post_message(TokenText(ev.text))
+                now = time.monotonic()
+                if now - last_post >= every:
+                    last_post = now
+                    self._post_stats(n, first)
+            elif isinstance(ev, DoneEvent):
+                self._post_stats(n, first)
+                self.post_message(ReplyDone(ev, (first or time.perf_counter()) - t0))
+
+    def _post_stats(self, n: int, first: float) -> None:
+        snap = self.moechat.engine.snapshot()
+        elapsed = time.perf_counter() - first if first else 0.0
+        tps = (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0
+        up = snap.total.uploaded_bytes / 2**20 / max(snap.tokens, 1) if snap is not None else 0.0
+        self.post_message(StatsUpdate(snap, n, tps, up))
+
+    async def on_token_text(self, msg: TokenText) -> None:
+        self._reply_text += msg.text
+        if self._stream is not None:
+            await self._stream.write(msg.text)
+
+    def on_stats_update(self, msg: StatsUpdate) -> None:
+        self.stats_updates += 1
+        self.moechat.session.add(msg.snapshot, msg.tokens, msg.tps)
+        self.query_one(Dashboard).show(msg.snapshot, msg.tokens, msg.tps, msg.upload_mib_per_token)
+        if self.generating and msg.tps:
+            self.query_one("#status", Static).update(f"writing... {msg.tokens} tokens, {msg.tps:.1f} t/s")
+
+    def on_context_trimmed(self, msg: ContextTrimmed) -> None:
+        self.notify(f"the conversation outgrew the context: the {msg.dropped} oldest message(s) are left out")
+
+    async def _finish(self, note: str) -> None:
+        if self._stream is not None:
+            await self._stream.stop()
+            self._stream = None
+        self.generating = False
+        stopped = note == "stopped"
+        msg: dict[str, Any] = {"role": "assistant", "content": self._reply_text.strip(), "stopped": stopped}
+        self.conv.messages.append(msg)
+        if self._reply_turn is not None and note:
+            self._reply_turn.set_note(note)
+        self.moechat.save_conversation(self.conv)
+
+    async def on_reply_done(self, msg: ReplyDone) -> None:
+        d = msg.done
+        await self._finish("stopped" if d.stop_reason == "stopped" else "")
+        stats = {"n_prompt": d.n_prompt, "n_generated": d.n_generated, "prompt_tps": d.prompt_tps,
+                 "gen_tps": d.gen_tps, "ttft": msg.ttft}  # fmt: skip
+        self.conv.messages[-1]["stats"] = stats
+        self.moechat.session.replies.append(self.conv.messages[-1]["stats"] | {"stop": d.stop_reason})
+        self.moechat.save_conversation(self.conv)
+        self.moechat.save_session()
+        n_ctx = self.moechat.engine.info.n_ctx
+        self.query_one("#status", Static).update(
+            f"prompt {d.n_prompt} tok, {d.prompt_tps:.1f} t/s | reply {d.n_generated} tok, {d.gen_tps:.1f} t/s | "
+            f"first token {msg.ttft:.2f} s | context {d.n_prompt + d.n_generated}/{n_ctx} | {d.stop_reason}"
+        )
+
+    async def on_reply_failed(self, msg: ReplyFailed) -> None:
+        await self._finish("error")
+        self.query_one("#status", Static).update(f"error: {msg.error}")
+        self.notify(f"the engine failed: {msg.error}", severity="error", timeout=10)
+
+    # -- actions ------------------------------------------------------------------------
+
+    def action_stop(self) -> None:
+        if self.generating:
+            self.stop_event.set()
+
+    async def action_regenerate(self) -> None:
+        if self.generating or not self.conv.messages or self.conv.messages[-1]["role"] != "assistant":
+            self.notify("nothing to regenerate", severity="warning")
+            return
+        self.conv.messages.pop()
+        turns = self.query(Turn)
+        if turns:
+            await turns.last().remove()
+        await self.start_reply()
+
+    async def action_new_chat(self) -> None:
+        if self.generating:
+            self.notify("stop the reply first (Esc)", severity="warning")
+            return
+        self.conv = Conversation(model=self.moechat.engine.info.name, system=self.moechat.settings.system)
+        await self.query_one("#log").remove_children()
+        self.query_one("#status", Static).update("new chat")
+
+    async def load_conversation(self, conv: Conversation) -> None:
+        self.conv = conv
+        log = self.query_one("#log")
+        await log.remove_children()
+        await log.mount_all([Turn(m["role"], m["content"], "stopped" if m.get("stopped") else "")
+                             for m in conv.messages])  # fmt: skip
+        self.query_one("#status", Static).update(f"reopened: {conv.title}")
+
+    def action_open_chat(self) -> None:
+        if self.generating:
+            self.notify("stop the reply first (Esc)", severity="warning")
+            return
+        from .dialogs import OpenChat
+
+        async def opened(conv: Conversation | None) -> None:
+            if conv is not None:
+                await self.load_conversation(conv)
+
+        self.app.push_screen(OpenChat(self.moechat.store.list()), opened)
+
+    def action_settings(self) -> None:
+        from .dialogs import SettingsDialog
+
+        def done(changed: bool | None) -> None:
+            if changed:
+                self.conv.system = self.moechat.settings.system
+                self.refresh_info()
+
+        self.app.push_screen(SettingsDialog(self.moechat.settings), done)
+
+    def action_tune(self) -> None:
+        if self.generating:
+            self.notify("stop the reply first (Esc)", severity="warning")
+            return
+        from .wizard import TuneWizard
+
+        self.app.push_screen(TuneWizard(), lambda _: self.refresh_info())
+
+    def action_export(self) -> None:
+        self.moechat.export_all()
+
+    def action_toggle_dashboard(self) -> None:
+        dash = self.query_one(Dashboard)
+        dash.display = not dash.display

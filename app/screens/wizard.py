@@ -1,0 +1,186 @@
+"""The tuning wizard: the calibration sweep in a cancellable worker, then the advice.
+
+Cancel (Esc) stops the sweep between tokens and returns with the session's cache unchanged;
+`a` applies the recommendation to the running session, `s` saves it to config.toml.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import TYPE_CHECKING, ClassVar
+
+from moechat.tuner.recommend import TuneReport
+from moechat.tuner.sweep import ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone
+from rich.text import Text
+from textual import work
+from textual.app import ComposeResult
+from textual.binding import Binding, BindingType
+from textual.containers import Vertical, VerticalScroll
+from textual.screen import Screen
+from textual.widgets import DataTable, Footer, Label, ProgressBar, Static
+
+from ..messages import CacheApplied, SweepFailed, SweepUpdate, TuneReady
+from ..settings import save_config
+
+if TYPE_CHECKING:
+    from ..tui import MoechatApp
+
+N_ARMS = 6
+
+
+class TuneWizard(Screen[bool]):
+    BINDINGS: ClassVar[list[BindingType]] = [
+        Binding("escape", "cancel", "Cancel / back", priority=True),
+        Binding("a", "apply", "Apply"),
+        Binding("s", "save", "Save to config"),
+    ]
+    DEFAULT_CSS = """
+    TuneWizard VerticalScroll { padding: 0 2; }
+    TuneWizard .arm { height: 1; }
+    TuneWizard DataTable { height: auto; max-height: 14; margin: 1 0; }
+    #advice { text-style: bold; margin: 1 0; }
+    """
+
+    def __init__(self, tokens: int = 256) -> None:
+        super().__init__()
+        self.tokens = tokens
+        self.stop = threading.Event()
+        self.report: TuneReport | None = None
+        self.running = False
+
+    @property
+    def moechat(self) -> MoechatApp:
+        return self.app  # type: ignore[return-value]
+
+    def compose(self) -> ComposeResult:
+        with VerticalScroll():
+            yield Label("Tuning: 2 cache sizes x 3 CPU shares, then a fitted time model predicts the rest")
+            with Vertical(id="arms"):
+                for i in range(N_ARMS):
+                    yield Static(f"arm {i + 1}/{N_ARMS}: waiting", id=f"arm-label-{i}", classes="arm")
+                    yield ProgressBar(total=self.tokens, show_eta=False, id=f"arm-{i}")
+            yield Static("", id="machine")
+            yield DataTable(id="runs")
+            yield DataTable(id="table")
+            yield Static("", id="advice")
+        yield Footer()
+
+    def on_mount(self) -> None:
+        self.running = True
+        self.sweep()
+
+    @work(thread=True, exclusive=True, group="engine")
+    def sweep(self) -> None:
+        try:
+            with self.moechat.engine_lock:
+                self._sweep()
+        except Cancelled as e:
+            self.post_message(SweepFailed(str(e), cancelled=True))
+        except Exception as e:  # shown on the screen; the session keeps its cache
+            self.post_message(SweepFailed(f"{type(e).__name__}: {e}", cancelled=False))
+
+    def _sweep(self) -> None:
+        engine = self.moechat.engine
+        done = None
+        for ev in engine.sweep(self.stop, None, self.tokens):
+            self.post_message(SweepUpdate(ev))
+            if isinstance(ev, SweepDone):
+                done = ev
+        if done is not None:
+            self.post_message(TuneReady(engine.recommend(done)))
+
+    def on_sweep_update(self, msg: SweepUpdate) -> None:
+        ev = msg.event
+        if isinstance(ev, ArmStarted):
+            self.query_one(f"#arm-label-{ev.index}", Static).update(
+                f"arm {ev.index + 1}/{ev.n_arms}: {ev.mib:g} MiB, share {ev.share:g}"
+            )
+        elif isinstance(ev, ArmProgress):
+            self.query_one(f"#arm-{ev.index}", ProgressBar).update(total=ev.tokens_total, progress=ev.tokens_done)
+        elif isinstance(ev, ArmDone):
+            a = ev.arm
+            self.query_one(f"#arm-{ev.index}", ProgressBar).update(total=1, progress=1)
+            self.query_one(f"#arm-label-{ev.index}", Static).update(
+                f"arm {ev.index + 1}/{ev.n_arms}: {a.mib:g} MiB, share {a.share:g}: {a.tps:.1f} t/s, "
+                f"hits {100 * a.hit_rate:.0f}%" + (" (reused)" if ev.cached else "")
+            )
+
+    def on_tune_ready(self, msg: TuneReady) -> None:
+        self.running = False
+        self.report = r = msg.report
+        m = r.time_model
+        self.query_one("#machine", Static).update(
+            f"machine: uploads {m.upload_gibps:.2f} GiB/s, CPU {m.cpu_gibps:.2f} GiB/s, rest {m.base:.2f} ms/token; "
+            f"fit within {100 * m.max_error:.1f}%" + "".join(f"\nwarning: {w}" for w in r.warnings)
+        )
+        runs = self.query_one("#runs", DataTable)
+        runs.add_columns("cache MiB", "share", "t/s", "hits")
+        for a in r.arms:
+            runs.add_row(f"{a.mib:g}", f"{a.share:g}", f"{a.tps:.1f}", f"{100 * a.hit_rate:.0f}%")
+        table = self.query_one("#table", DataTable)
+        table.add_columns("cache MiB", *[f"share {s:g}" for s in r.shares])
+        top = max(max(row.tps) for row in r.rows)
+        for row in r.rows:
+            cells: list[str | Text] = [f"{row.mib:g}"]
+            for i, tps in enumerate(row.tps):
+                # A heat map in the 16 basic colours: the faster, the greener.
+                style = (
+                    "bold reverse green"
+                    if i == row.best
+                    else ("green" if tps > 0.9 * top else "yellow" if tps > 0.7 * top else "red")
+                )
+                cells.append(Text(f"{tps:.1f}", style=style))
+            table.add_row(*cells)
+        rec = r.recommendation
+        self.query_one("#advice", Static).update(
+            f"recommended: {rec.command()} ({rec.tps:.1f} t/s)  -  a: apply now, s: save to config.toml, Esc: back"
+        )
+
+    def on_sweep_failed(self, msg: SweepFailed) -> None:
+        self.running = False
+        if msg.cancelled:
+            return
+        self.query_one("#advice", Static).update(f"the sweep failed: {msg.error}")
+        self.notify(msg.error, severity="error")
+
+    def action_cancel(self) -> None:
+        if self.running:
+            self.stop.set()  # the worker stops between tokens; the engine restores the session's cache
+            self.notify("tuning cancelled; settings unchanged")
+        self.dismiss(False)
+
+    def action_apply(self) -> None:
+        if self.report is None:
+            self.notify("wait for the recommendation", severity="warning")
+            return
+        rec = self.report.recommendation
+        self.apply_cache(rec.mib, rec.share)
+
+    @work(thread=True, exclusive=True, group="engine")
+    def apply_cache(self, mib: float, share: float) -> None:
+        try:
+            with self.moechat.engine_lock:
+                self.moechat.engine.set_cache(mib, share)
+            self.post_message(CacheApplied(mib, share, None))
+        except Exception as e:
+            self.post_message(CacheApplied(mib, share, str(e)))
+
+    def on_cache_applied(self, msg: CacheApplied) -> None:
+        if msg.error:
+            self.notify(f"could not apply: {msg.error}", severity="error")
+            return
+        self.moechat.apply_cache_settings(msg.mib, msg.share)
+        self.notify(f"applied: cache {msg.mib:g} MiB, share {msg.share:g}")
+        self.dismiss(True)
+
+    def action_save(self) -> None:
+        if self.report is None:
+            self.notify("wait for the recommendation", severity="warning")
+            return
+        rec = self.report.recommendation
+        try:
+            path = save_config(self.moechat.config_path, {"moe_cache_mib": rec.mib, "moe_cache_cpu_share": rec.share})
+        except (OSError, ValueError) as e:
+            self.notify(f"could not save: {e}", severity="error")
+            return
+        self.notify(f"saved to {path}")

@@ -1,0 +1,175 @@
+"""Settings from four layers: flag > MOECHAT_* env > config.toml > defaults, each value knowing its source.
+
+A bad value names the setting and where it came from. A config.toml that is not valid TOML
+gives a warning and the defaults; the file is left untouched, and set aside (renamed, never
+deleted) only when the app saves a new one over it.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+import tomllib
+
+from .atomic import write_atomic
+
+logger = logging.getLogger(__name__)
+
+
+class SettingError(ValueError):
+    """A setting with a value that cannot work; the message names the setting and its source."""
+
+
+def _nonneg(x: float) -> bool:
+    return x >= 0 and math.isfinite(x)
+
+
+def _unit(x: float) -> bool:
+    return 0 <= x <= 1
+
+
+# name: (type, check, what a good value is)
+SPEC: dict[str, tuple[type, Callable[[Any], bool], str]] = {
+    "device": (str, lambda v: v in ("auto", "cpu", "cuda"), "auto, cpu or cuda"),
+    "moe_cache_mib": (float, _nonneg, ">= 0"),
+    "moe_cache_cpu_share": (float, _unit, "in [0, 1]"),
+    "emulate_link_gbps": (float, _nonneg, ">= 0"),
+    "ctx_size": (int, lambda v: 16 <= v <= 1 << 20, "in 16..1048576"),
+    "n_predict": (int, lambda v: v > 0, "> 0"),
+    "temp": (float, _nonneg, ">= 0"),
+    "top_k": (int, lambda v: v >= 0, ">= 0"),
+    "top_p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
+    "min_p": (float, lambda v: 0 <= v < 1, "in [0, 1)"),
+    "system": (str, lambda v: True, "text"),
+    "refresh_ms": (int, lambda v: 50 <= v <= 10_000, "in 50..10000"),
+    "theme": (str, lambda v: bool(v), "a theme name"),
+}
+
+
+@dataclass(frozen=True)
+class Settings:
+    device: str = "auto"
+    moe_cache_mib: float = 0.0
+    moe_cache_cpu_share: float = 0.0
+    emulate_link_gbps: float = 0.0
+    ctx_size: int = 4096
+    n_predict: int = 512
+    temp: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    system: str = ""
+    refresh_ms: int = 250
+    theme: str = "textual-dark"
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, "default")
+
+
+def env_name(name: str) -> str:
+    return "MOECHAT_" + name.upper()
+
+
+def flag_name(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _coerce(name: str, raw: Any, source: str) -> Any:
+    kind, check, want = SPEC[name]
+    try:
+        if (kind is float and isinstance(raw, bool)) or (kind is int and isinstance(raw, bool)):
+            raise TypeError
+        value = kind(raw) if not (kind is int and isinstance(raw, float) and not raw.is_integer()) else None
+        if value is None:
+            raise TypeError
+    except (TypeError, ValueError):
+        raise SettingError(
+            f"{name} from {source}: {raw!r} is not {'a number' if kind is not str else 'text'}"
+        ) from None
+    if not check(value):
+        raise SettingError(f"{name} from {source}: {value!r} must be {want}")
+    return value
+
+
+def read_config(path: Path) -> tuple[dict[str, Any], str | None]:
+    """The settings in config.toml, and a warning if the file could not be used (then no settings)."""
+    if not path.is_file():
+        return {}, None
+    try:
+        data = tomllib.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, tomllib.TOMLDecodeError) as e:
+        return {}, f"{path} is not valid TOML ({e}); using the defaults, the file is left as it is"
+    for key in list(data):
+        if key not in SPEC:
+            logger.warning("%s: unknown setting %r ignored", path, key)
+            del data[key]
+    return data, None
+
+
+def resolve(
+    flags: Mapping[str, Any] | None = None,
+    env: Mapping[str, str] | None = None,
+    config_path: Path | None = None,
+) -> tuple[Settings, list[str]]:
+    """Settings with each value from the highest layer that has it; returns (settings, warnings)."""
+    env = os.environ if env is None else env
+    values: dict[str, Any] = {}
+    sources: dict[str, str] = {}
+    warnings = []
+    if config_path is not None:
+        config, warning = read_config(config_path)
+        if warning:
+            warnings.append(warning)
+        for name, raw in config.items():
+            src = f"{config_path}"
+            values[name], sources[name] = _coerce(name, raw, src), src
+    for name in SPEC:
+        raw = env.get(env_name(name))
+        if raw is not None and raw != "":
+            src = f"env {env_name(name)}"
+            values[name], sources[name] = _coerce(name, raw, src), src
+    for name, raw in (flags or {}).items():
+        if raw is not None and name in SPEC:
+            src = f"flag {flag_name(name)}"
+            values[name], sources[name] = _coerce(name, raw, src), src
+    return replace(Settings(), **values, sources=sources), warnings
+
+
+def save_config(path: Path, updates: Mapping[str, Any]) -> Path:
+    """Merge `updates` into config.toml atomically. A corrupt file is renamed aside, never overwritten."""
+    for name, value in updates.items():
+        _coerce(name, value, "the value to save")
+    current: dict[str, Any] = {}
+    if path.is_file():
+        current, warning = read_config(path)
+        if warning:
+            aside = path.with_name(f"{path.name}.corrupt-{time.strftime('%Y%m%d-%H%M%S')}")
+            os.replace(path, aside)
+            logger.warning("%s was not valid TOML: kept as %s", path, aside)
+    current.update(updates)
+    lines = ["# moechat settings (flags and MOECHAT_* variables override these)"]
+    for name in SPEC:
+        if name in current:
+            lines.append(f"{name} = {_toml_value(current[name])}")
+    return write_atomic(path, "\n".join(lines) + "\n")
+
+
+def _toml_value(v: Any) -> str:
+    if isinstance(v, bool):
+        return "true" if v else "false"
+    if isinstance(v, int | float):
+        return repr(v)
+    s = str(v).replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+    return f'"{s}"'
+
+
+def names() -> list[str]:
+    return [f.name for f in fields(Settings) if f.name != "sources"]

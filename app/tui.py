@@ -1,0 +1,211 @@
+"""The moechat Textual app: loads the engine in a worker, then the chat screen takes over."""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import threading
+from collections.abc import Callable, Iterable
+from dataclasses import asdict, replace
+from pathlib import Path
+from typing import Any
+
+from textual import work
+from textual.app import App, ComposeResult, SystemCommand
+from textual.screen import Screen
+from textual.widgets import Label, LoadingIndicator
+
+from .conversations import Conversation, ConversationStore, now_iso
+from .engine_api import ChatEngine
+from .export import SessionStats, transcript_markdown, write_stats
+from .paths import AppPaths, app_paths
+from .settings import Settings, save_config
+
+logger = logging.getLogger(__name__)
+
+EngineFactory = Callable[[Callable[[str], None]], ChatEngine]
+
+
+class Loading(Screen[None]):
+    DEFAULT_CSS = "Loading { align: center middle; } Loading Label { margin: 1; }"
+
+    def compose(self) -> ComposeResult:
+        yield Label("loading the model...", id="what")
+        yield LoadingIndicator()
+
+
+class MoechatApp(App[int]):
+    TITLE = "moechat"
+
+    def __init__(self, factory: EngineFactory, settings: Settings, *, paths: AppPaths | None = None,
+                 config_path: Path | None = None, warnings: Iterable[str] = ()) -> None:  # fmt: skip
+        super().__init__()
+        self.factory = factory
+        self.settings = settings
+        self.paths = paths or app_paths()
+        self.config_path = config_path or self.paths.config / "config.toml"
+        self.startup_warnings = list(warnings)
+        self.engine: ChatEngine = None  # type: ignore[assignment]  # set once loaded
+        self.engine_lock = threading.Lock()  # one engine job at a time (a reply, a sweep, a cache change)
+        self.store = ConversationStore(self.paths.data / "conversations")
+        self.session: SessionStats = SessionStats({}, {})
+        self.session_file = self.paths.data / "sessions" / f"{now_iso().replace(':', '')}.json"
+        self.exit_code = 0
+
+    def on_mount(self) -> None:
+        if self.settings.theme in self.available_themes:
+            self.theme = self.settings.theme
+        for w in self.startup_warnings:
+            self.notify(w, severity="warning", timeout=10)
+        self.push_screen(Loading())
+        self.load_engine()
+
+    @work(thread=True, exclusive=True, group="load")
+    def load_engine(self) -> None:
+        def progress(text: str) -> None:
+            self.call_from_thread(self._loading_text, text)
+
+        try:
+            engine = self.factory(progress)
+        except Exception as e:  # a bad file: one line, then exit 2
+            self.call_from_thread(self._failed, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            return
+        self.call_from_thread(self._engine_ready, engine)
+
+    def _loading_text(self, text: str) -> None:
+        if isinstance(self.screen, Loading):
+            self.screen.query_one("#what", Label).update(text)
+
+    def _failed(self, message: str) -> None:
+        self.exit(2, message=f"moechat: error: {message}")
+
+    def _engine_ready(self, engine: ChatEngine) -> None:
+        from .screens.chat import ChatScreen
+
+        self.engine = engine
+        self.session = SessionStats(asdict(engine.info), self.settings_dict())
+        self.switch_screen(ChatScreen())
+
+    def settings_dict(self) -> dict[str, Any]:
+        d = {k: v for k, v in asdict(self.settings).items() if k != "sources"}
+        if self.engine is not None:
+            d["moe_cache_mib"], d["moe_cache_cpu_share"] = self.engine.cache()
+        return d
+
+    def apply_cache_settings(self, mib: float, share: float) -> None:
+        self.settings = replace(self.settings, moe_cache_mib=mib, moe_cache_cpu_share=share)
+        self.session.settings = self.settings_dict()
+
+    # -- persistence --------------------------------------------------------------------------
+
+    def save_conversation(self, conv: Conversation) -> None:
+        try:
+            self.store.save(conv)
+        except OSError as e:
+            self.notify(f"could not save the conversation: {e}", severity="error", timeout=10)
+
+    def save_session(self) -> None:
+        try:
+            write_stats(self.session.to_dict(), self.session_file, "json")
+        except OSError as e:
+            self.notify(f"could not save the session stats: {e}", severity="error")
+
+    def export_all(self, folder: Path | None = None) -> list[Path]:
+        """Session stats as JSON, CSV and Markdown, and the chat as Markdown, into the exports folder."""
+        folder = folder or self.paths.data / "exports"
+        stamp = now_iso().replace(":", "")
+        d = self.session.to_dict()
+        written = []
+        try:
+            for fmt, ext in (("json", "json"), ("csv", "csv"), ("md", "md")):
+                written.append(write_stats(d, folder / f"stats-{stamp}.{ext}", fmt))
+            from .atomic import write_atomic
+            from .screens.chat import ChatScreen
+
+            if isinstance(self.screen, ChatScreen):
+                written.append(write_atomic(folder / f"chat-{stamp}.md", transcript_markdown(self.screen.conv)))
+        except OSError as e:
+            self.notify(f"export failed: {e}; earlier files are intact", severity="error", timeout=10)
+            return written
+        self.notify(f"exported to {folder}: " + ", ".join(p.name for p in written))
+        return written
+
+    def watch_theme(self, theme: str) -> None:
+        # The theme is remembered in config.toml (best effort: a read-only config dir is not an error).
+        if self.engine is None or theme == self.settings.theme:
+            return
+        self.settings = replace(self.settings, theme=theme)
+        try:
+            save_config(self.config_path, {"theme": theme})
+        except (OSError, ValueError) as e:
+            logger.warning("theme not saved: %s", e)
+
+    def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
+        yield from super().get_system_commands(screen)
+        from .screens.chat import ChatScreen
+
+        if isinstance(screen, ChatScreen):
+            for title, help_text, action in (
+                ("Stop reply", "stop the reply being written (Esc)", screen.action_stop),
+                ("Regenerate", "write the last reply again (Ctrl+R)", screen.action_regenerate),
+                ("New chat", "start an empty conversation (Ctrl+N)", screen.action_new_chat),
+                ("Open chat", "reopen a saved conversation (Ctrl+O)", screen.action_open_chat),
+                ("Settings", "system prompt and sampling (Ctrl+S)", screen.action_settings),
+                ("Tune cache", "run the tuning wizard (Ctrl+T)", screen.action_tune),
+                ("Export", "stats as JSON, CSV, Markdown and the chat as Markdown (Ctrl+E)", screen.action_export),
+                ("Toggle dashboard", "show or hide the cache dashboard (Ctrl+B)", screen.action_toggle_dashboard),
+            ):
+                yield SystemCommand(title, help_text, action)
+
+    def on_unmount(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+
+
+def real_engine_factory(model: str | None, settings: Settings, chat_template: str | None) -> EngineFactory:
+    def build(progress: Callable[[str], None]) -> ChatEngine:
+        from moechat.engine.expert_cache import CacheSettings
+        from moechat.engine.loader import load_model, resolve_device
+
+        from .demo_model import resolve_model_quiet
+        from .engine_api import RealEngine
+
+        path = resolve_model_quiet(model, progress)
+        progress(f"loading {path.name}...")
+        base = CacheSettings(
+            mib=settings.moe_cache_mib, cpu_share=settings.moe_cache_cpu_share,
+            device=resolve_device(settings.device), emulate_link_gbps=settings.emulate_link_gbps,
+        )  # fmt: skip
+        lm = load_model(path, n_ctx=settings.ctx_size, chat_template=chat_template, cache=base)
+        return RealEngine(lm, replace(base, mib=0.0))
+
+    return build
+
+
+def run_tui(app: MoechatApp, log_path: Path) -> int:
+    """Run the app with native stderr (torch, CUDA) going to the log file, never onto the screen.
+
+    Textual draws on `sys.__stderr__`: it gets a private duplicate of the terminal, and fd 2,
+    where C++ code writes, goes to the log file.
+    """
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    saved = os.dup(2)
+    terminal = os.fdopen(os.dup(2), "w", encoding="utf-8", errors="replace")
+    original = sys.__stderr__
+    with open(log_path, "a") as log:
+        handler = logging.StreamHandler(log)
+        logging.getLogger().addHandler(handler)
+        sys.__stderr__ = terminal
+        os.dup2(log.fileno(), 2)
+        try:
+            code = app.run()
+        finally:
+            os.dup2(saved, 2)
+            os.close(saved)
+            sys.__stderr__ = original
+            terminal.close()
+            logging.getLogger().removeHandler(handler)
+    if isinstance(code, int):
+        return code
+    return app.return_code or 0

@@ -1,0 +1,306 @@
+"""The Textual app with a scripted engine (and once with the real one): Pilot, polling, no sleeps."""
+
+from __future__ import annotations
+
+import asyncio
+import csv
+import io
+import json
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+from moechat.app.screens.chat import ChatScreen, Turn
+from moechat.app.screens.wizard import TuneWizard
+from moechat.app.settings import Settings, resolve
+from moechat.app.tui import MoechatApp
+from moechat.widgets.dashboard import Dashboard
+from moechat.widgets.layer_stats import LayerStats
+from testkit.fake_engine import FakeEngine
+from textual.pilot import Pilot
+from textual.widgets import Markdown, Static
+
+WORDS = ["The", " river", " rose", " in", " spring", "."]
+
+
+async def until(pilot: Pilot[int], cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Poll the condition between UI cycles; fail after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("condition not met in time")
+        await pilot.pause(0.02)
+
+
+def make_app(tmp_path: Path, engine: FakeEngine, settings: Settings | None = None) -> MoechatApp:
+    from moechat.app.paths import AppPaths
+
+    paths = AppPaths(tmp_path / "config", tmp_path / "data", tmp_path / "cache", tmp_path / "log")
+    return MoechatApp(lambda progress: engine, settings or Settings(), paths=paths)
+
+
+async def ready(pilot: Pilot[int]) -> ChatScreen:
+    await until(pilot, lambda: isinstance(pilot.app.screen, ChatScreen))
+    return pilot.app.screen  # type: ignore[return-value]
+
+
+async def say(pilot: Pilot[int], screen: ChatScreen, text: str) -> None:
+    n = len(screen.conv.messages)
+    for ch in text:
+        await pilot.press(ch if ch != " " else "space")
+    await pilot.press("enter")
+    await until(pilot, lambda: len(screen.conv.messages) >= n + 2 and not screen.generating)
+
+
+def reply_markdown(screen: ChatScreen) -> str:
+    return screen.query(Turn).last().query_one(Markdown).source
+
+
+async def test_send_streams_a_reply_and_saves_the_conversation(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "hi")
+        assert screen.conv.messages[0] == {"role": "user", "content": "hi"}
+        assert screen.conv.messages[1]["content"] == "The river rose in spring."
+        await until(pilot, lambda: "The river rose" in reply_markdown(screen))
+        status = str(screen.query_one("#status", Static).content)
+        assert "reply 6 tok" in status and "first token" in status and "context" in status
+        saved = json.loads(app.store.path(screen.conv.id).read_text())
+        assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
+        # Up recalls the earlier prompt.
+        await pilot.press("up")
+        assert screen.query_one("#input").text == "hi"  # type: ignore[attr-defined]
+
+
+async def test_escape_stops_within_a_token_and_the_next_request_works(tmp_path: Path) -> None:
+    engine = FakeEngine([f" w{i}" for i in range(400)], delay=0.01)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await pilot.press("h", "enter")
+        await until(pilot, lambda: engine.tokens >= 5)
+        await pilot.press("escape")
+        await until(pilot, lambda: not screen.generating)
+        last = screen.conv.messages[-1]
+        assert last["stopped"] is True and 0 < len(last["content"].split()) < 400
+        assert engine.tokens < 400
+        assert "stopped" in str(screen.query(Turn).last().query_one(".role", Static).content)
+        engine.words, engine.delay = WORDS, 0.0
+        await say(pilot, screen, "again")
+        assert screen.conv.messages[-1]["content"] == "The river rose in spring."
+
+
+async def test_regenerate_replaces_the_last_reply(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "hi")
+        engine.words = ["Another", " reply"]
+        await pilot.press("ctrl+r")
+        await until(pilot, lambda: engine.replies == 2 and not screen.generating)
+        assert [m["role"] for m in screen.conv.messages] == ["user", "assistant"]
+        assert screen.conv.messages[-1]["content"] == "Another reply"
+        assert len(screen.query(Turn)) == 2
+
+
+async def test_dashboard_updates_at_a_bounded_rate(tmp_path: Path) -> None:
+    engine = FakeEngine([f" t{i}" for i in range(600)], delay=0.002)  # ~500 tokens/s
+    app = make_app(tmp_path, engine, Settings(refresh_ms=250, n_predict=600))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        t0 = time.monotonic()
+        await say(pilot, screen, "go")
+        elapsed = time.monotonic() - t0
+        dash = screen.query_one(Dashboard)
+        assert dash.updates >= 2
+        assert dash.updates <= elapsed / 0.25 + 3, (dash.updates, elapsed)
+        layers = screen.query_one(LayerStats)
+        assert layers.snapshot is not None and layers.snapshot.total.hits > 0
+
+
+async def test_engine_failure_is_shown_and_the_app_stays_usable(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS, fail_after=3)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "hi")
+        assert "injected engine failure" in str(screen.query_one("#status", Static).content)
+        saved = json.loads(app.store.path(screen.conv.id).read_text())
+        assert saved["messages"][1]["content"] == "The river rose"  # the part written before the failure
+        engine.fail_after = None
+        await say(pilot, screen, "again")
+        assert screen.conv.messages[-1]["content"] == "The river rose in spring."
+
+
+async def test_wizard_apply_and_save(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await pilot.press("ctrl+t")
+        await until(pilot, lambda: isinstance(app.screen, TuneWizard) and app.screen.report is not None)
+        wizard = app.screen
+        assert "recommended: --moe-cache-mib 1.5 --moe-cache-cpu-share 0.9" in str(
+            wizard.query_one("#advice", Static).content)  # fmt: skip
+        await pilot.press("s")
+        await until(pilot, lambda: app.config_path.is_file())
+        saved = resolve({}, {}, app.config_path)[0]
+        assert (saved.moe_cache_mib, saved.moe_cache_cpu_share) == (1.5, 0.9)
+        await pilot.press("a")
+        await until(pilot, lambda: app.screen is screen)
+        assert engine.set_cache_calls == [(1.5, 0.9)] and engine.cache() == (1.5, 0.9)
+        assert app.settings.moe_cache_mib == 1.5
+
+
+async def test_wizard_cancel_changes_nothing(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS, sweep_delay=0.05)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await pilot.press("ctrl+t")
+        await until(pilot, lambda: isinstance(app.screen, TuneWizard))
+        await pilot.pause(0.1)
+        await pilot.press("escape")
+        await until(pilot, lambda: app.screen is screen)
+        await until(pilot, lambda: not app.engine_lock.locked())  # the sweep thread saw the stop
+        assert engine.set_cache_calls == [] and engine.cache() == (1.0, 0.0)
+        assert not app.config_path.exists()
+        await say(pilot, screen, "still here")
+
+
+async def test_export_files_parse_and_match_the_counters(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "hi")
+        await pilot.press("ctrl+e")  # the key works from the input box
+        await until(pilot, lambda: (tmp_path / "data" / "exports").is_dir())
+        assert len(list((tmp_path / "data" / "exports").glob("stats-*"))) == 3
+        written = app.export_all(tmp_path / "out")
+        snap = engine.snapshot()
+        assert snap is not None
+        by_ext = {p.suffix: p for p in written if p.name.startswith("stats")}
+        d = json.loads(by_ext[".json"].read_text())
+        assert d["schema_version"] == 1 and d["model"]["name"] == "fake.gguf" and d["started"].endswith("+00:00")
+        assert [row["hits"] for row in d["layers"]] == [ls.total.hits for ls in snap.layers]
+        assert d["replies"][0]["n_generated"] == 6
+        rows = list(csv.DictReader(io.StringIO(by_ext[".csv"].read_text())))
+        assert len(rows) == len(snap.layers) and int(rows[0]["lookups"]) == snap.layers[0].total.lookups
+        md = by_ext[".md"].read_text()
+        assert "| model |" in md and "| tg6 |" in md and "\x1b" not in md
+        chat = next(p for p in written if p.name.startswith("chat"))
+        assert "The river rose in spring." in chat.read_text()
+
+
+async def test_export_to_a_read_only_folder_keeps_the_old_file(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS)
+    app = make_app(tmp_path, engine)
+    out = tmp_path / "ro"
+    out.mkdir()
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "hi")
+        out.chmod(0o500)
+        try:
+            if (out / "probe").parent.stat().st_mode & 0o200 == 0 and not _writable(out):
+                assert app.export_all(out) == []
+                assert list(out.iterdir()) == []
+        finally:
+            out.chmod(0o700)
+
+
+def _writable(folder: Path) -> bool:
+    try:
+        (folder / ".probe").write_text("x")
+    except OSError:
+        return False
+    (folder / ".probe").unlink()
+    return True
+
+
+async def test_runs_at_80x24(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(80, 24)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "hi")
+        await pilot.press("ctrl+b")
+        assert not screen.query_one(Dashboard).display
+        await pilot.press("ctrl+b")
+        assert screen.query_one(Dashboard).display
+
+
+def test_real_engine_end_to_end(tmp_path: Path) -> None:
+    from moechat.app.engine_api import RealEngine
+    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.loader import load_model
+    from testkit.ggufgen import tiny_moe
+
+    path = tiny_moe(tmp_path / "m.gguf", n_expert=8, n_expert_used=2)
+    lm = load_model(path, n_ctx=256, cache=CacheSettings(mib=1.5))
+    engine = RealEngine(lm, CacheSettings(mib=0.0))
+    from moechat.app.paths import AppPaths
+
+    paths = AppPaths(tmp_path / "config", tmp_path / "data", tmp_path / "cache", tmp_path / "log")
+    app = MoechatApp(lambda progress: engine, Settings(n_predict=12, temp=0.0), paths=paths)
+
+    async def run() -> None:
+        async with app.run_test(size=(120, 40)) as pilot:
+            screen = await ready(pilot)
+            await say(pilot, screen, "Hello")
+            assert screen.conv.messages[-1]["role"] == "assistant"
+            snap = screen.query_one(LayerStats).snapshot
+            assert snap is not None and snap.total.hits > 0
+
+    asyncio.run(run())
+
+
+@pytest.mark.parametrize(
+    ("low", "high"),
+    [
+        ("default", "config"),
+        ("default", "env"),
+        ("default", "flag"),
+        ("config", "env"),
+        ("config", "flag"),
+        ("env", "flag"),
+    ],
+)
+def test_settings_layers(tmp_path: Path, low: str, high: str) -> None:
+    config = tmp_path / "config.toml"
+    values = {"default": None, "config": 0.3, "env": 0.6, "flag": 0.9}
+    if "config" in (low, high):
+        config.write_text(f"moe_cache_cpu_share = {values['config']}\n")
+    env = {"MOECHAT_MOE_CACHE_CPU_SHARE": str(values["env"])} if "env" in (low, high) else {}
+    flags = {"moe_cache_cpu_share": values["flag"]} if "flag" in (low, high) else {}
+    s, warnings = resolve(flags, env, config)
+    assert not warnings
+    assert s.moe_cache_cpu_share == values[high]
+    assert s.source("moe_cache_cpu_share").startswith({"config": str(config), "env": "env", "flag": "flag"}[high])
+
+
+def test_bad_settings_name_the_setting_and_source(tmp_path: Path) -> None:
+    from moechat.app.settings import SettingError, save_config
+
+    with pytest.raises(SettingError, match=r"moe_cache_mib from env MOECHAT_MOE_CACHE_MIB: -1.0 must be >= 0"):
+        resolve({}, {"MOECHAT_MOE_CACHE_MIB": "-1"}, None)
+    with pytest.raises(SettingError, match=r"moe_cache_cpu_share from flag --moe-cache-cpu-share"):
+        resolve({"moe_cache_cpu_share": 1.5}, {}, None)
+    config = tmp_path / "config.toml"
+    config.write_text('device = "tpu"\n')
+    with pytest.raises(SettingError, match=rf"device from {config}"):
+        resolve({}, {}, config)
+    # A corrupt file: a warning, the defaults, the file untouched; saving sets it aside.
+    config.write_text("moe_cache_mib = = 3\n")
+    s, warnings = resolve({}, {}, config)
+    assert s == Settings() and warnings and "not valid TOML" in warnings[0]
+    assert config.read_text() == "moe_cache_mib = = 3\n"
+    save_config(config, {"theme": "nord"})
+    aside = list(tmp_path.glob("config.toml.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_text() == "moe_cache_mib = = 3\n"
+    assert resolve({}, {}, config)[0].theme == "nord"

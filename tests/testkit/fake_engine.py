@@ -1,0 +1,104 @@
+"""A scripted engine for UI tests: the same events and snapshots as the real one, no model.
+
+Only the UI tests use it; everything below the UI is tested on real models.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+from moechat.app.engine_api import Message, ModelInfo
+from moechat.engine.generate import DoneEvent, Event, SamplingParams, TokenEvent
+from moechat.engine.stats import CountersSnapshot, GroupInfo, LayerSnapshot, StatsSnapshot
+from moechat.tuner.recommend import Recommendation, Row, TuneReport
+from moechat.tuner.sweep import Arm, ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone, SweepEvent
+from moechat.tuner.time_model import TimeModel
+
+N_LAYERS, N_EXPERT, K = 4, 8, 2
+
+
+class FakeEngine:
+    def __init__(self, words: Sequence[str] = ("Hello", " there", ",", " friend", "."), *, delay: float = 0.0,
+                 fail_after: int | None = None, sweep_delay: float = 0.0, n_ctx: int = 256) -> None:  # fmt: skip
+        self.words = list(words)
+        self.delay, self.fail_after, self.sweep_delay = delay, fail_after, sweep_delay
+        self.info = ModelInfo("fake.gguf", "/nonexistent/fake.gguf", "0" * 64, "fakemoe", N_LAYERS, N_EXPERT, K,
+                              n_ctx, "cpu", "test machine", "gguf")  # fmt: skip
+        self.mib, self.share = 1.0, 0.0
+        self.tokens = 0
+        self.set_cache_calls: list[tuple[float, float]] = []
+        self.replies = 0
+        self.closed = False
+
+    def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int]:
+        n = sum(len(m["content"].split()) + 4 for m in messages)
+        return list(range(n)), 0
+
+    def reply(
+        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
+    ) -> Iterator[Event]:
+        self.replies += 1
+        t0 = time.perf_counter()
+        n = 0
+        reason = "eos"
+        for i, w in enumerate(self.words[:max_tokens]):
+            if stop.is_set():
+                reason = "stopped"
+                break
+            if self.fail_after is not None and i == self.fail_after:
+                raise RuntimeError("injected engine failure")
+            if self.delay:
+                time.sleep(self.delay)
+            self.tokens += 1
+            n += 1
+            yield TokenEvent(i, w, i, self.delay)
+        yield DoneEvent(len(prompt), n, 0.01, time.perf_counter() - t0, reason)
+
+    def snapshot(self) -> StatsSnapshot | None:
+        t = self.tokens
+        layers = []
+        for layer in range(N_LAYERS):
+            hits = t * K * 3 // 4
+            miss = t * K - hits
+            c = CountersSnapshot(lookups=t * K, hits=hits, misses=miss, cpu=miss // 2, uploads=miss - miss // 2,
+                                 uploaded_bytes=1000 * t, calls=t, tokens=t)  # fmt: skip
+            use = tuple((t * (e + 1)) // N_EXPERT for e in range(N_EXPERT))
+            layers.append(LayerSnapshot(layer, 0, c, CountersSnapshot(), 3, (0, 1, 2), use))
+        group = GroupInfo(0, tuple(range(N_LAYERS)), N_EXPERT, 1000, 12, 12000)
+        return StatsSnapshot(time.time(), t, 0.0, (group,), tuple(layers), self.share)
+
+    def cache(self) -> tuple[float, float]:
+        return self.mib, self.share
+
+    def set_cache(self, mib: float, share: float) -> None:
+        self.set_cache_calls.append((mib, share))
+        self.mib, self.share = mib, share
+
+    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int) -> Iterator[SweepEvent]:
+        arms = []
+        for i, (mib, share) in enumerate([(0.5, 0.0), (0.5, 0.5), (0.5, 0.95), (1.5, 0.0), (1.5, 0.5), (1.5, 0.95)]):
+            yield ArmStarted(i, 6, mib, share)
+            for k in range(0, tokens + 1, max(1, tokens // 4)):
+                if stop.is_set():
+                    raise Cancelled(f"arm {i + 1} stopped")
+                if self.sweep_delay:
+                    time.sleep(self.sweep_delay)
+                yield ArmProgress(i, 6, k, tokens)
+            arm = Arm(mib, share, tokens, 10.0 + i, 0.5 + 0.05 * i, 0.001, 0.001 * share, 100.0, 100.0, 1, f"{i}.trace")
+            arms.append(arm)
+            yield ArmDone(i, 6, arm, cached=False)
+        yield SweepDone(Path("/nonexistent"), tuple(arms), 2.0, 8.0, "cpu")
+
+    def recommend(self, done: SweepDone) -> TuneReport:
+        shares = (0.0, 0.5, 0.8, 0.9, 0.95, 0.98)
+        rows = (Row(0.5, (50.0, 60.0, 61.0, 62.0, 62.5, 62.0), (0.5,) * 6, 3),
+                Row(1.5, (70.0, 80.0, 84.0, 85.0, 85.5, 85.0), (0.8,) * 6, 3))  # fmt: skip
+        model = TimeModel(5.0, 300.0, 200.0, 0.5, -10.0, True, (0.01,) * 6)
+        rec = Recommendation(1.5, 0.9, 85.0, 70.0, all_fit=False)
+        return TuneReport("fake.gguf", "cpu", 2.0, 8.0, done.arms, model, shares, rows, rec, 0.5, ())
+
+    def close(self) -> None:
+        self.closed = True
