@@ -196,14 +196,14 @@ def run_tui(app: MoechatApp, log_path: Path) -> int:
     with open(log_path, "a") as log:
         handler = logging.StreamHandler(log)
         logging.getLogger().addHandler(handler)
-        sys.__stderr__ = terminal
+        sys.__stderr__ = terminal  # type: ignore[misc]  # what Textual draws on
         os.dup2(log.fileno(), 2)
         try:
             code = app.run()
         finally:
             os.dup2(saved, 2)
             os.close(saved)
-            sys.__stderr__ = original
+            sys.__stderr__ = original  # type: ignore[misc]
             terminal.close()
             logging.getLogger().removeHandler(handler)
     if isinstance(code, int):

@@ -42,7 +42,7 @@ def make_app(tmp_path: Path, engine: FakeEngine, settings: Settings | None = Non
 
 async def ready(pilot: Pilot[int]) -> ChatScreen:
     await until(pilot, lambda: isinstance(pilot.app.screen, ChatScreen))
-    return pilot.app.screen  # type: ignore[return-value]
+    return pilot.app.screen
 
 
 async def say(pilot: Pilot[int], screen: ChatScreen, text: str) -> None:
@@ -72,7 +72,7 @@ async def test_send_streams_a_reply_and_saves_the_conversation(tmp_path: Path) -
         assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
         # Up recalls the earlier prompt.
         await pilot.press("up")
-        assert screen.query_one("#input").text == "hi"  # type: ignore[attr-defined]
+        assert screen.query_one("#input").text == "hi"
 
 
 async def test_escape_stops_within_a_token_and_the_next_request_works(tmp_path: Path) -> None:
