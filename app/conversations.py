@@ -54,7 +54,7 @@ class ConversationStore:
         return self.root / f"{conv_id}.json"
 
     def save(self, conv: Conversation) -> Path:
-        conv.updated = now_iso()
+        conv.updated = datetime.now(UTC).isoformat(timespec="microseconds")  # orders saves within a second
         return write_atomic(self.path(conv.id), json.dumps(asdict(conv), indent=1, ensure_ascii=False))
 
     def load(self, conv_id: str) -> Conversation:

@@ -164,21 +164,16 @@ class MoechatApp(App[int]):
 
 
 def real_engine_factory(model: str | None, settings: Settings, chat_template: str | None) -> EngineFactory:
+    """The engine for the app: the model in a child process (see engine_process.py)."""
+
     def build(progress: Callable[[str], None]) -> ChatEngine:
-        from moechat.engine.expert_cache import CacheSettings
-        from moechat.engine.loader import load_model, resolve_device
+        from moechat.engine.loader import resolve_device
 
-        from .demo_model import resolve_model_quiet
-        from .engine_api import RealEngine
+        from .engine_process import EngineSpec, ProcessEngine
 
-        path = resolve_model_quiet(model, progress)
-        progress(f"loading {path.name}...")
-        base = CacheSettings(
-            mib=settings.moe_cache_mib, cpu_share=settings.moe_cache_cpu_share,
-            device=resolve_device(settings.device), emulate_link_gbps=settings.emulate_link_gbps,
-        )  # fmt: skip
-        lm = load_model(path, n_ctx=settings.ctx_size, chat_template=chat_template, cache=base)
-        return RealEngine(lm, replace(base, mib=0.0))
+        spec = EngineSpec(model, settings.ctx_size, chat_template, resolve_device(settings.device),
+                          settings.moe_cache_mib, settings.moe_cache_cpu_share, settings.emulate_link_gbps)  # fmt: skip
+        return ProcessEngine(spec, progress)
 
     return build
 

@@ -41,8 +41,9 @@ def make_app(tmp_path: Path, engine: FakeEngine, settings: Settings | None = Non
 
 
 async def ready(pilot: Pilot[int]) -> ChatScreen:
-    await until(pilot, lambda: isinstance(pilot.app.screen, ChatScreen))
-    return pilot.app.screen
+    app = pilot.app
+    await until(pilot, lambda: isinstance(app.screen, ChatScreen) and app.focused is app.screen.query_one("#input"))
+    return app.screen  # type: ignore[return-value]
 
 
 async def say(pilot: Pilot[int], screen: ChatScreen, text: str) -> None:
@@ -304,3 +305,97 @@ def test_bad_settings_name_the_setting_and_source(tmp_path: Path) -> None:
     aside = list(tmp_path.glob("config.toml.corrupt-*"))
     assert len(aside) == 1 and aside[0].read_text() == "moe_cache_mib = = 3\n"
     assert resolve({}, {}, config)[0].theme == "nord"
+
+
+async def test_conversations_reopen_and_theme_is_remembered(tmp_path: Path) -> None:
+    from moechat.app.screens.dialogs import OpenChat
+
+    engine = FakeEngine(WORDS)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "first chat")
+        first_id = screen.conv.id
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: not screen.conv.messages and not screen.query(Turn))
+        await say(pilot, screen, "second")
+        await pilot.press("ctrl+o")
+        await until(pilot, lambda: isinstance(app.screen, OpenChat))
+        titles = [c.title for c in app.screen.conversations]  # type: ignore[attr-defined]
+        assert titles == ["second", "first chat"]
+        await pilot.press("down", "enter")
+        await until(pilot, lambda: app.screen is screen and screen.conv.id == first_id)
+        await until(pilot, lambda: len(screen.query(Turn)) == 2)
+        assert screen.conv.messages[0]["content"] == "first chat"
+        app.theme = "nord"
+        await until(pilot, lambda: app.config_path.is_file())
+        assert resolve({}, {}, app.config_path)[0].theme == "nord"
+
+
+def test_export_command_renders_a_saved_session(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    from moechat.app.cli import main
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("MOECHAT_HOME", str(home))
+    assert main(["export"]) == 2
+    assert "no saved sessions" in capsys.readouterr().err
+    engine = FakeEngine(WORDS)
+    from moechat.app.paths import app_paths
+
+    app = MoechatApp(lambda progress: engine, Settings(), paths=app_paths())
+
+    async def chat() -> None:
+        async with app.run_test(size=(120, 40)) as pilot:
+            await say(pilot, await ready(pilot), "hi")
+
+    asyncio.run(chat())
+    assert main(["export", "--format", "csv"]) == 0
+    rows = list(csv.DictReader(io.StringIO(capsys.readouterr().out)))
+    assert len(rows) == 4 and int(rows[0]["lookups"]) > 0
+    out = tmp_path / "r.md"
+    assert main(["export", "-f", "md", "-o", str(out)]) == 0
+    assert "| layer |" in out.read_text()
+    bad = tmp_path / "bad.json"
+    bad.write_text("{")
+    assert main(["export", str(bad)]) == 2
+
+
+def test_process_engine_streams_stops_and_reports_errors(tmp_path: Path) -> None:
+    import threading
+
+    from moechat.app.engine_process import EngineSpec, ProcessEngine
+    from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent
+    from testkit.ggufgen import tiny_moe
+
+    path = tiny_moe(tmp_path / "m.gguf")
+    progress: list[str] = []
+    engine = ProcessEngine(EngineSpec(str(path), 256, None, "cpu", 1.0, 0.5), progress.append)
+    try:
+        assert engine.info.name == "m.gguf" and any("loading" in p for p in progress)
+        prompt, dropped = engine.fit_messages([{"role": "user", "content": "Hello"}])
+        assert prompt and dropped == 0
+        events = list(engine.reply(prompt, SamplingParams(temperature=0.0), 12, threading.Event()))
+        assert isinstance(events[-1], DoneEvent) and events[-1].n_generated == 12
+        snap = engine.snapshot()
+        assert snap is not None and snap.total.lookups > 0 and snap.cpu_share == 0.5
+        stop = threading.Event()
+        n = 0
+        for ev in engine.reply(prompt, SamplingParams(temperature=0.0), 200, stop):
+            if isinstance(ev, TokenEvent):
+                n += 1
+                if n == 3:
+                    stop.set()
+            elif isinstance(ev, DoneEvent):
+                assert ev.stop_reason == "stopped" and ev.n_generated <= 5
+        engine.set_cache(2.0, 0.0)
+        assert engine.cache() == (2.0, 0.0)
+        with pytest.raises(ValueError, match="cpu-share"):
+            engine.set_cache(1.0, 3.0)
+        assert engine.cache() == (2.0, 0.0)  # a refused change keeps the cache it had
+    finally:
+        engine.close()
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + bytes(10))
+    with pytest.raises(ValueError, match="bad.gguf"):
+        ProcessEngine(EngineSpec(str(bad), 256, None, "cpu", 0.0, 0.0))

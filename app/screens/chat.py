@@ -30,6 +30,9 @@ if TYPE_CHECKING:
     from ..tui import MoechatApp
 
 
+TEXT_EVERY = 0.1  # seconds: streamed text reaches the screen in pieces, at most 10 a second
+
+
 class ChatInput(TextArea):
     """Enter sends; Shift+Enter or Ctrl+J adds a newline; Up on the first line recalls earlier prompts."""
 
@@ -189,23 +192,33 @@ class ChatScreen(Screen[None]):
         if dropped:
             self.post_message(ContextTrimmed(dropped))
         t0 = time.perf_counter()
-        first = last_post = 0.0
+        first = last_post = last_text = 0.0
         n = 0
-        for ev in engine.reply(prompt, params, n_predict, self.stop_event):
-            if isinstance(ev, TokenEvent):
-                if ev.token >= 0:
-                    n += 1
-                    if n == 1:
-                        first = time.perf_counter()
-                if ev.text:
-                    self.post_message(TokenText(ev.text))
-                now = time.monotonic()
-                if now - last_post >= every:
-                    last_post = now
+        pending = ""  # text not yet posted: the UI gets it in pieces at most TEXT_EVERY apart
+        try:
+            for ev in engine.reply(prompt, params, n_predict, self.stop_event):
+                if isinstance(ev, TokenEvent):
+                    if ev.token >= 0:
+                        n += 1
+                        if n == 1:
+                            first = time.perf_counter()
+                    pending += ev.text
+                    now = time.monotonic()
+                    if pending and now - last_text >= TEXT_EVERY:
+                        self.post_message(TokenText(pending))
+                        pending, last_text = "", now
+                    if now - last_post >= every:
+                        last_post = now
+                        self._post_stats(n, first)
+                elif isinstance(ev, DoneEvent):
+                    if pending:
+                        self.post_message(TokenText(pending))
+                        pending = ""
                     self._post_stats(n, first)
-            elif isinstance(ev, DoneEvent):
-                self._post_stats(n, first)
-                self.post_message(ReplyDone(ev, (first or time.perf_counter()) - t0))
+                    self.post_message(ReplyDone(ev, (first or time.perf_counter()) - t0))
+        finally:
+            if pending:  # the engine failed: what it wrote so far still reaches the screen and the save
+                self.post_message(TokenText(pending))
 
     def _post_stats(self, n: int, first: float) -> None:
         snap = self.moechat.engine.snapshot()

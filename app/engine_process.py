@@ -1,0 +1,212 @@
+"""The engine in a child process: the UI process only draws, the model runs on its own main thread.
+
+Why a process and not a thread: on a small machine the UI's rendering and the engine's Python
+code share one GIL, and torch's intra-op threads run measurably slower when called from a worker
+thread than from a main thread (bench/tui_overhead.py). A child process also keeps a crash in
+native code from taking the UI down with it.
+
+`ProcessEngine` is a `ChatEngine`: each call sends (name, args) over a pipe and reads the
+answer; streaming calls (reply, sweep) read events until "end". Stop requests travel through a
+shared Event that the child's generation loop checks before every token.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+from moechat.engine.generate import DoneEvent, Event, SamplingParams
+from moechat.engine.stats import StatsSnapshot
+from moechat.tuner.recommend import TuneReport
+from moechat.tuner.sweep import Cancelled, SweepDone, SweepEvent
+
+from .engine_api import Message, ModelInfo
+
+logger = logging.getLogger(__name__)
+
+SNAPSHOT_EVERY = 0.1  # seconds between snapshots sent along a reply
+
+
+@dataclass(frozen=True)
+class EngineSpec:
+    model: str | None  # None: the built-in demo
+    ctx_size: int
+    chat_template: str | None
+    device: str
+    mib: float
+    share: float
+    emulate_link_gbps: float = 0.0
+
+
+class EngineProcessError(RuntimeError):
+    """The engine process failed or went away."""
+
+
+def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
+    """The child: load the model, then answer calls until "close" or the pipe closes."""
+    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.loader import load_model, resolve_device
+
+    from .demo_model import resolve_model_quiet
+    from .engine_api import RealEngine
+
+    try:
+        path = resolve_model_quiet(spec.model, lambda text: conn.send(("progress", text)))
+        conn.send(("progress", f"loading {path.name}..."))
+        base = CacheSettings(mib=spec.mib, cpu_share=spec.share, device=resolve_device(spec.device),
+                             emulate_link_gbps=spec.emulate_link_gbps)  # fmt: skip
+        base.validate()
+        lm = load_model(path, n_ctx=spec.ctx_size, chat_template=spec.chat_template, cache=base)
+        engine = RealEngine(lm, CacheSettings(device=base.device, emulate_link_gbps=base.emulate_link_gbps))
+    except Exception as e:
+        conn.send(("error", type(e).__name__, str(e).splitlines()[0] if str(e) else type(e).__name__))
+        return
+    conn.send(("ready", engine.info))
+    calls: dict[str, Callable[..., Any]] = {
+        "fit_messages": engine.fit_messages, "snapshot": engine.snapshot, "cache": engine.cache,
+        "set_cache": engine.set_cache, "recommend": engine.recommend,
+    }  # fmt: skip
+    try:
+        while True:
+            try:
+                name, args = conn.recv()
+            except EOFError:
+                break
+            if name == "close":
+                break
+            try:
+                if name == "reply":
+                    last = 0.0
+                    prompt, params, max_tokens = args
+                    for ev in engine.reply(prompt, params, max_tokens, stop):
+                        now = time.monotonic()
+                        # Snapshots ride along with the tokens (the parent cannot ask mid-stream),
+                        # and the last one comes before the end of the reply.
+                        if now - last >= SNAPSHOT_EVERY or isinstance(ev, DoneEvent):
+                            conn.send(("snap", engine.snapshot()))
+                            last = now
+                        conn.send(("event", ev))
+                    conn.send(("end", None))
+                elif name == "sweep":
+                    for sev in engine.sweep(stop, *args):
+                        conn.send(("event", sev))
+                    conn.send(("end", None))
+                else:
+                    conn.send(("result", calls[name](*args)))
+            except Exception as e:
+                logger.debug("engine call %s failed:\n%s", name, traceback.format_exc())
+                conn.send(("error", type(e).__name__, str(e)))
+    finally:
+        engine.close()
+
+
+class ProcessEngine:
+    def __init__(self, spec: EngineSpec, progress: Callable[[str], None] = lambda text: None) -> None:
+        ctx = mp.get_context("spawn")  # a fresh interpreter: no copied UI state, no forked threads
+        # multiprocessing hands the child sys.stderr's descriptor; under Textual sys.stderr is a
+        # capture object without one, so the real streams stand in while the child starts.
+        with contextlib.redirect_stdout(sys.__stdout__), contextlib.redirect_stderr(sys.__stderr__):
+            self._conn, child = ctx.Pipe()
+            self._stop = ctx.Event()
+            self._proc = ctx.Process(target=_serve, args=(child, spec, self._stop), daemon=True, name="moechat-engine")
+            self._proc.start()
+        child.close()
+        self._lock = threading.Lock()
+        self._snap: StatsSnapshot | None = None
+        while True:
+            msg = self._recv()
+            if msg[0] == "progress":
+                progress(msg[1])
+            elif msg[0] == "ready":
+                self.info: ModelInfo = msg[1]
+                return
+            else:
+                self._proc.join(5)
+                raise ValueError(msg[2])
+
+    def _recv(self) -> tuple[Any, ...]:
+        try:
+            return self._conn.recv()
+        except (EOFError, OSError):
+            code = self._proc.exitcode
+            raise EngineProcessError(f"the engine process ended unexpectedly (exit code {code}); see the log") from None
+
+    @staticmethod
+    def _raise(kind: str, message: str) -> None:
+        if kind == "Cancelled":
+            raise Cancelled(message)
+        if kind in ("ValueError", "ContextFull", "CacheError", "SettingError", "GGUFError", "FitError"):
+            raise ValueError(message)
+        raise EngineProcessError(f"{kind}: {message}")
+
+    def _call(self, name: str, *args: Any) -> Any:
+        with self._lock:
+            self._conn.send((name, args))
+            msg = self._recv()
+        if msg[0] == "error":
+            self._raise(msg[1], msg[2])
+        return msg[1]
+
+    def _stream(self, name: str, args: tuple[Any, ...], stop: threading.Event) -> Iterator[Any]:
+        with self._lock:
+            self._stop.clear()
+            self._conn.send((name, args))
+            while True:
+                if stop.is_set():
+                    self._stop.set()  # the child checks it before its next token
+                msg = self._recv()
+                if msg[0] == "event":
+                    yield msg[1]
+                elif msg[0] == "snap":
+                    self._snap = msg[1]
+                elif msg[0] == "end":
+                    return
+                else:
+                    self._raise(msg[1], msg[2])
+
+    def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int]:
+        return self._call("fit_messages", list(messages))
+
+    def reply(
+        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
+    ) -> Iterator[Event]:
+        return self._stream("reply", (prompt, params, max_tokens), stop)
+
+    def snapshot(self) -> StatsSnapshot | None:
+        if self._lock.locked():
+            return self._snap  # a stream is running: the latest snapshot it carried
+        self._snap = self._call("snapshot")
+        return self._snap
+
+    def cache(self) -> tuple[float, float]:
+        return self._call("cache")
+
+    def set_cache(self, mib: float, share: float) -> None:
+        self._call("set_cache", mib, share)
+
+    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int) -> Iterator[SweepEvent]:
+        return self._stream("sweep", (max_mib, tokens), stop)
+
+    def recommend(self, done: SweepDone) -> TuneReport:
+        return self._call("recommend", done)
+
+    def close(self) -> None:
+        if self._proc.is_alive():
+            try:
+                with self._lock:
+                    self._conn.send(("close", ()))
+            except OSError:
+                pass
+            self._proc.join(10)
+            if self._proc.is_alive():
+                self._proc.kill()
+        self._conn.close()
