@@ -57,7 +57,7 @@ def with_tui(path: Path, n: int, home: Path) -> tuple[float, float]:
             while not isinstance(app.screen, ChatScreen) or app.focused is not app.screen.query_one("#input"):
                 await pilot.pause(0.05)
             screen = app.screen
-            screen.query_one("#input").load_text(PROMPT)  # type: ignore[attr-defined]
+            screen.query_one("#input").load_text(PROMPT)
             cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             await pilot.press("enter")
             while len(screen.conv.messages) < 2 or screen.generating:

@@ -43,7 +43,7 @@ def make_app(tmp_path: Path, engine: FakeEngine, settings: Settings | None = Non
 async def ready(pilot: Pilot[int]) -> ChatScreen:
     app = pilot.app
     await until(pilot, lambda: isinstance(app.screen, ChatScreen) and app.focused is app.screen.query_one("#input"))
-    return app.screen  # type: ignore[return-value]
+    return app.screen
 
 
 async def say(pilot: Pilot[int], screen: ChatScreen, text: str) -> None:
@@ -321,7 +321,7 @@ async def test_conversations_reopen_and_theme_is_remembered(tmp_path: Path) -> N
         await say(pilot, screen, "second")
         await pilot.press("ctrl+o")
         await until(pilot, lambda: isinstance(app.screen, OpenChat))
-        titles = [c.title for c in app.screen.conversations]  # type: ignore[attr-defined]
+        titles = [c.title for c in app.screen.conversations]
         assert titles == ["second", "first chat"]
         await pilot.press("down", "enter")
         await until(pilot, lambda: app.screen is screen and screen.conv.id == first_id)
