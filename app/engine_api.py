@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from moechat.engine.chat_template import ChatTemplateError, plain_template
 from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import Event, SamplingParams, TokenEvent, generate
 from moechat.engine.loader import LoadedModel
@@ -46,13 +47,18 @@ class ModelInfo:
     device: str
     hardware: str
     template: str  # where the chat template came from
+    template_note: str = ""  # why the model's own template is not used, if it is not
 
 
 class ChatEngine(Protocol):
     info: ModelInfo
 
-    def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int]:
-        """Prompt tokens for the conversation, dropping the oldest turns if needed; (tokens, n dropped)."""
+    def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
+        """Prompt tokens for the conversation, dropping the oldest turns if needed.
+
+        Returns (tokens, messages dropped, a note when the chat template failed and the plain
+        format was used instead).
+        """
         ...
 
     def reply(
@@ -119,21 +125,31 @@ class RealEngine:
             name=lm.gguf.path.name, path=str(lm.gguf.path), sha256_head=file_identity(lm.gguf.path), arch=cfg.arch,
             n_layers=cfg.n_layers, n_expert=cfg.n_expert, n_expert_used=cfg.n_expert_used, n_ctx=lm.n_ctx,
             device=dev, hardware=f"{hw}, {torch.get_num_threads()} threads", template=lm.template.origin,
+            template_note=lm.template.fallback_reason,
         )  # fmt: skip
         self.plain = lm.template.origin == "plain fallback"
 
-    def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int]:
+    def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
         msgs = list(messages)
         dropped = 0
+        note = ""
         while True:
-            text = self.lm.template.render(msgs, add_generation_prompt=True)
+            try:
+                text = self.lm.template.render(msgs, add_generation_prompt=True)
+            except ChatTemplateError as e:
+                # Untrusted template code failed on this conversation: plain format from now on.
+                note = f"{e}; using the plain User:/Assistant: format from now on"
+                logger.warning("%s", note)
+                self.lm.template = plain_template(self.lm.template.bos_token, self.lm.template.eos_token, str(e))
+                self.plain = True
+                continue
             tokens = self.lm.tokenizer.encode(text, parse_special=True)
             # Leave room to answer: a quarter of the context, at most 256 tokens.
             if len(tokens) + min(256, self.lm.n_ctx // 4) <= self.lm.n_ctx:
-                return tokens, dropped
+                return tokens, dropped, note
             first = 1 if msgs and msgs[0]["role"] == "system" else 0
             if len(msgs) - first <= 1:
-                return tokens[-(self.lm.n_ctx * 3 // 4) :], dropped  # one huge message: keep its end
+                return tokens[-(self.lm.n_ctx * 3 // 4) :], dropped, note  # one huge message: keep its end
             del msgs[first]
             dropped += 1
 

@@ -45,6 +45,7 @@ class EngineSpec:
     mib: float
     share: float
     emulate_link_gbps: float = 0.0
+    ctx_source: str = "default"  # where ctx_size came from, for the error if it does not fit
 
 
 class EngineProcessError(RuntimeError):
@@ -68,7 +69,10 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
         lm = load_model(path, n_ctx=spec.ctx_size, chat_template=spec.chat_template, cache=base)
         engine = RealEngine(lm, CacheSettings(device=base.device, emulate_link_gbps=base.emulate_link_gbps))
     except Exception as e:
-        conn.send(("error", type(e).__name__, str(e).splitlines()[0] if str(e) else type(e).__name__))
+        text = str(e).splitlines()[0] if str(e) else type(e).__name__
+        if type(e).__name__ == "ContextTooLarge":
+            text = f"ctx_size from {spec.ctx_source}: {text}"
+        conn.send(("error", type(e).__name__, text))
         return
     conn.send(("ready", engine.info))
     calls: dict[str, Callable[..., Any]] = {
@@ -173,7 +177,7 @@ class ProcessEngine:
                 else:
                     self._raise(msg[1], msg[2])
 
-    def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int]:
+    def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
         return self._call("fit_messages", list(messages))
 
     def reply(

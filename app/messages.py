@@ -39,9 +39,11 @@ class ReplyFailed(Message):
 
 
 class ContextTrimmed(Message):
-    def __init__(self, dropped: int) -> None:
+    """The prompt was adapted: oldest turns left out, or the chat template replaced (note says why)."""
+
+    def __init__(self, dropped: int, note: str = "") -> None:
         super().__init__()
-        self.dropped = dropped
+        self.dropped, self.note = dropped, note
 
 
 class SweepUpdate(Message):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
-from moechat.engine.loader import LoadedModel, load_model, resolve_device
+from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, resolve_device
 
 from .demo_model import resolve_model
 from .settings import SPEC, Settings, resolve
@@ -76,7 +76,11 @@ def run_chat(args: argparse.Namespace) -> int:
         device=resolve_device(settings.device), emulate_link_gbps=settings.emulate_link_gbps,
     )  # fmt: skip
     cache.validate()
-    lm = load_model(resolve_model(args.model), n_ctx=settings.ctx_size, chat_template=args.chat_template, cache=cache)
+    try:
+        lm = load_model(resolve_model(args.model), n_ctx=settings.ctx_size, chat_template=args.chat_template,
+                        cache=cache)  # fmt: skip
+    except ContextTooLarge as e:
+        raise ValueError(f"ctx_size from {settings.source('ctx_size')}: {e}") from None
     plain = lm.template.origin == "plain fallback"
     messages: list[dict[str, str]] = [{"role": "system", "content": settings.system}] if settings.system else []
     interactive = sys.stdin.isatty()

@@ -13,18 +13,8 @@ from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, gener
 from moechat.engine.loader import load_model, resolve_device
 
 
-def _env_float(name: str, default: float) -> float:
-    raw = os.environ.get(name)
-    if raw is None:
-        return default
-    try:
-        return float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-
-
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default=os.environ.get("MOECHAT_DEVICE", "auto"), help="auto, cuda or cpu")
+    p.add_argument("--device", default=None, help="auto, cuda or cpu (env MOECHAT_DEVICE)")
     p.add_argument(
         "--moe-cache-mib",
         type=float,
@@ -57,17 +47,25 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def cache_settings(args: argparse.Namespace) -> CacheSettings:
-    trace = args.moe_cache_trace or os.environ.get("MOECHAT_MOE_CACHE_TRACE")
-    settings = CacheSettings(
-        mib=args.moe_cache_mib if args.moe_cache_mib is not None else _env_float("MOECHAT_MOE_CACHE_MIB", 0.0),
-        cpu_share=args.moe_cache_cpu_share
-        if args.moe_cache_cpu_share is not None
-        else _env_float("MOECHAT_MOE_CACHE_CPU_SHARE", 0.0),
-        device=resolve_device(args.device),
-        emulate_link_gbps=args.emulate_link_gbps or 0.0,
-        trace=Path(trace) if trace else None,
-        load_mode=args.load_mode,
+    """Cache settings from flags, then MOECHAT_* env, then config.toml: a bad value names its source."""
+    from .paths import app_paths
+    from .settings import resolve
+
+    names = ("device", "moe_cache_mib", "moe_cache_cpu_share", "emulate_link_gbps")
+    layered, warnings = resolve(
+        {n: getattr(args, n, None) for n in names}, config_path=app_paths().config / "config.toml"
     )
+    for w in warnings:
+        print(f"moechat: warning: {w}", file=sys.stderr)
+    trace = args.moe_cache_trace or os.environ.get("MOECHAT_MOE_CACHE_TRACE")
+    try:
+        device = resolve_device(layered.device)
+    except ValueError as e:
+        raise ValueError(f"device from {layered.source('device')}: {e}") from None
+    settings = CacheSettings(
+        mib=layered.moe_cache_mib, cpu_share=layered.moe_cache_cpu_share, device=device,
+        emulate_link_gbps=layered.emulate_link_gbps, trace=Path(trace) if trace else None, load_mode=args.load_mode,
+    )  # fmt: skip
     settings.validate()
     return settings
 

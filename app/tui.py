@@ -172,7 +172,8 @@ def real_engine_factory(model: str | None, settings: Settings, chat_template: st
         from .engine_process import EngineSpec, ProcessEngine
 
         spec = EngineSpec(model, settings.ctx_size, chat_template, resolve_device(settings.device),
-                          settings.moe_cache_mib, settings.moe_cache_cpu_share, settings.emulate_link_gbps)  # fmt: skip
+                          settings.moe_cache_mib, settings.moe_cache_cpu_share, settings.emulate_link_gbps,
+                          settings.source("ctx_size"))  # fmt: skip
         return ProcessEngine(spec, progress)
 
     return build

@@ -36,7 +36,7 @@ PROMPT = "Write a long story about a lighthouse keeper and the ships he watched.
 
 
 def headless(engine: RealEngine, n: int) -> float:
-    prompt, _ = engine.fit_messages([{"role": "user", "content": PROMPT}])
+    prompt, _, _ = engine.fit_messages([{"role": "user", "content": PROMPT}])
     lm = engine.lm
     for ev in generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=n, params=GREEDY, ignore_eos=True):
         if isinstance(ev, DoneEvent):

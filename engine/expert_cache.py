@@ -142,15 +142,24 @@ class ExpertCache:
                 self.group_of[layer] = group
 
     def _allocate(self, lx: LayerExperts, n_slots: int) -> tuple[torch.Tensor, ...]:
+        need = n_slots * lx.bytes_per_expert
+        free = device_free_bytes(self.device)
+        if need > free:
+            # Say so before the allocator fails somewhere less clear, and propose what fits.
+            # Every group takes the same fraction of the budget, so scaling the budget scales this group.
+            fits = self.settings.mib * 0.9 * free / need
+            raise CacheError(
+                f"--moe-cache-mib {self.settings.mib:g}: the slots need {need / 2**20:.0f} MiB but {self.device} "
+                f"has {free / 2**20:.0f} MiB free; try --moe-cache-mib {int(fits)}"
+            )
         banks = []
         try:
             for t in (lx.gate, lx.up, lx.down):
                 banks.append(torch.empty((n_slots, *t.raw.shape[1:]), dtype=torch.uint8, device=self.device))
         except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            need = n_slots * lx.bytes_per_expert / 2**20
             raise CacheError(
-                f"--moe-cache-mib: cannot allocate {need:.0f} MiB of expert slots on {self.device} ({e}); "
-                "try a smaller cache"
+                f"--moe-cache-mib {self.settings.mib:g}: cannot allocate {need / 2**20:.0f} MiB of expert slots on "
+                f"{self.device} ({str(e).splitlines()[0]}); try --moe-cache-mib {int(self.settings.mib / 2)}"
             ) from None
         return tuple(banks)
 
@@ -345,6 +354,21 @@ class ExpertCache:
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """Memory the device can still give: CUDA's free memory, or the host's available RAM."""
+    if device.type == "cuda":
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 1 << 62  # unknown: let the allocator decide
 
 
 def _pinned(host: HostExperts) -> HostExperts:

@@ -22,6 +22,10 @@ logger = logging.getLogger(__name__)
 UBATCH = 512
 
 
+class Stopped(Exception):
+    """A stop request arrived while the prompt was being read."""
+
+
 class ContextFull(ValueError):
     """The prompt does not fit in the context."""
 
@@ -92,13 +96,20 @@ Event = TokenEvent | DoneEvent
 
 
 @torch.inference_mode()
-def prefill(model: Model, tokens: Sequence[int], cache: KVCache, ubatch: int = UBATCH) -> torch.Tensor:
-    """Run the prompt through the model in ubatches; returns the last position's logits [V]."""
+def prefill(
+    model: Model, tokens: Sequence[int], cache: KVCache, ubatch: int = UBATCH, stop: threading.Event | None = None
+) -> torch.Tensor:
+    """Run the prompt through the model in ubatches; returns the last position's logits [V].
+
+    With `stop` set it raises Stopped between ubatches; the KV cache then holds the ubatches that ran.
+    """
     if cache.pos + len(tokens) > cache.n_ctx:
         raise ContextFull(f"the prompt needs {cache.pos + len(tokens)} positions; the context holds {cache.n_ctx}")
     ids = torch.tensor(list(tokens), dtype=torch.long)
     logits = None
     for start in range(0, len(tokens), ubatch):
+        if stop is not None and stop.is_set():
+            raise Stopped(f"stopped after {start} of {len(tokens)} prompt tokens")
         logits = model(ids[start : start + ubatch], cache.pos, cache)
     if logits is None:
         raise ValueError("empty prompt")
@@ -148,7 +159,12 @@ def generate(
     params.validate()
     gen = torch.Generator().manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
     t0 = time.perf_counter()
-    logits = prefill(model, prompt, cache)
+    try:
+        logits = prefill(model, prompt, cache, stop=stop)
+    except Stopped:  # while reading the prompt
+        model.end_of_generation()
+        yield DoneEvent(len(prompt), 0, time.perf_counter() - t0, 0.0, "stopped")
+        return
     t1 = time.perf_counter()
     history = list(prompt)
     decoder = tokenizer.stream_decoder()

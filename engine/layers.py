@@ -101,6 +101,11 @@ class LayerCache:
     v: torch.Tensor  # [n_ctx, n_kv, head_dim_v]
 
 
+def kv_cache_bytes(cfg: ModelConfig, n_ctx: int, itemsize: int = 4) -> int:
+    """Bytes of a KVCache of n_ctx positions (fp32 by default)."""
+    return sum(n_ctx * cfg.n_head_kv[i] * (cfg.head_dim + cfg.head_dim_v) * itemsize for i in range(cfg.n_layers))
+
+
 class KVCache:
     """Keys and values of every layer for positions 0..n_ctx-1."""
 

@@ -13,7 +13,7 @@ from .chat_template import ChatTemplate, load_chat_template
 from .config import ModelConfig
 from .expert_cache import CacheSettings, ExpertCache
 from .gguf_file import GGUFFile
-from .layers import KVCache
+from .layers import KVCache, kv_cache_bytes
 from .model_file import open_model
 from .models import build_model, family_for
 from .models.decoder import MoeDecoder
@@ -84,6 +84,54 @@ def resolve_device(name: str) -> str:
     return name
 
 
+class ContextTooLarge(ValueError):
+    """The KV cache of the asked context does not fit in the device's memory."""
+
+
+def check_context(cfg: ModelConfig, n_ctx: int, device: torch.device) -> None:
+    from .expert_cache import device_free_bytes
+
+    need = kv_cache_bytes(cfg, n_ctx)
+    free = device_free_bytes(device)
+    if need > 0.8 * free:
+        fits = int(n_ctx * 0.8 * free / need) // 256 * 256
+        raise ContextTooLarge(
+            f"context size {n_ctx} needs {need / 2**20:.0f} MiB of KV cache but {device} has "
+            f"{free / 2**20:.0f} MiB free; try a context of {max(fits, 16)}"
+        )
+
+
+def check_fit(gguf: GGUFFile, cfg: ModelConfig, model: MoeDecoder | Gemma3, tok: Tokenizer) -> None:
+    """Refuse a file whose tensors do not fit its metadata, before a user's prompt finds out.
+
+    Each tensor may be well formed on its own and still not fit the others (a hostile or broken
+    file): the vocabulary must fit the embedding and the output, and one token must go through
+    every layer. Errors become one ValueError naming the file.
+    """
+    rows = min(model.embed.shape[0], model.output.shape[0])
+    if tok.n_vocab > rows:
+        raise ValueError(
+            f"{gguf.path}: the vocabulary has {tok.n_vocab} tokens but the embedding or output has {rows} rows"
+        )
+    if cfg.is_moe:
+        for layer, lx in model.host_experts.layers.items():
+            counts = {t.raw.shape[0] for t in (lx.gate, lx.up, lx.down)}
+            if counts != {cfg.n_expert} or lx.gate.raw.shape[1] != lx.up.raw.shape[1]:
+                raise ValueError(
+                    f"{gguf.path}: layer {layer}: expert tensors hold {sorted(counts)} experts of mismatched shapes; "
+                    f"the metadata says {cfg.n_expert}"
+                )
+    try:
+        with torch.inference_mode():
+            logits = model(torch.tensor([tok.n_vocab - 1]), 0, KVCache(cfg, 1, device=model.device))
+    except (RuntimeError, IndexError, TypeError, ZeroDivisionError) as e:
+        raise ValueError(
+            f"{gguf.path}: the model's tensors do not fit its metadata ({str(e).splitlines()[0]})"
+        ) from None
+    if logits.shape[-1] < tok.n_vocab:
+        raise ValueError(f"{gguf.path}: the output gives {logits.shape[-1]} logits for {tok.n_vocab} tokens")
+
+
 def load_model(
     path: str | os.PathLike[str],
     *,
@@ -96,6 +144,7 @@ def load_model(
     gguf, cfg = open_model(path)
     try:
         family_for(gguf, cfg)  # refuse an unrunnable model before any other work or warning
+        check_context(cfg, n_ctx, torch.device(cache.device if cache is not None else "cpu"))
         tok = Tokenizer.from_metadata(gguf.metadata, str(gguf.path))
         sp = tok.special
         template = load_chat_template(
@@ -107,6 +156,7 @@ def load_model(
         model = build_model(gguf, cfg, n_ctx)
         if cache is not None and cache.device != "cpu":
             model.to_device(torch.device(cache.device))
+        check_fit(gguf, cfg, model, tok)
         expert_cache = None
         if cache is not None and cache.mib > 0 and cfg.is_moe:
             expert_cache = ExpertCache(model.host_experts, cfg.n_expert_used, cache)

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 
 import pytest
-from moechat.engine.chat_template import PLAIN_TEMPLATE, ChatTemplateError, load_chat_template
+from moechat.engine.chat_template import PLAIN_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template
 from moechat.engine.gguf_file import GGUFFile
 
 CHAT = [
@@ -51,7 +51,7 @@ def test_no_template_warns_and_falls_back(caplog: pytest.LogCaptureFixture) -> N
 def test_tojson_and_raise_exception() -> None:
     t = load_chat_template({"tokenizer.chat_template": "{{ messages | tojson }}"})
     assert t.render([{"role": "user", "content": "é"}]) == '[{"role": "user", "content": "é"}]'
-    t = load_chat_template({"tokenizer.chat_template": "{{ raise_exception('roles must alternate') }}"})
+    t = ChatTemplate("{{ raise_exception('roles must alternate') }}", "gguf")
     with pytest.raises(ChatTemplateError, match="roles must alternate"):
         t.render(CHAT)
 
@@ -76,9 +76,11 @@ HOSTILE = [
 @pytest.mark.parametrize("source", HOSTILE)
 def test_hostile_templates_fail_safely(source: str, tmp_path: Path) -> None:
     marker = tmp_path / "pwned"
-    t = load_chat_template({"tokenizer.chat_template": source.replace("{marker}", str(marker))})
+    source = source.replace("{marker}", str(marker))
     with pytest.raises(ChatTemplateError) as e:
-        t.render(CHAT)
+        ChatTemplate(source, "gguf").render(CHAT)
     assert "\n" not in str(e.value).strip()
+    t = load_chat_template({"tokenizer.chat_template": source})  # a model carrying it: the plain format instead
+    assert t.origin == "plain fallback" and t.fallback_reason
     assert not marker.exists()
     assert len(CHAT) == 4  # the template could not mutate our messages

@@ -162,9 +162,15 @@ def test_cli_cache_flags_and_env(tmp_path: Path) -> None:
     assert "MoE cache: batch <= 8: hits = " in r.stderr
     env = {"MOECHAT_MOE_CACHE_MIB": "1", "MOECHAT_MOE_CACHE_CPU_SHARE": "2", "PATH": "/usr/bin:/bin"}
     r = subprocess.run(base, capture_output=True, text=True, timeout=120, env=env)
-    assert r.returncode == 2 and "--moe-cache-cpu-share must be in [0, 1], got 2.0" in r.stderr
+    # The message names the setting and where the bad value came from.
+    assert (
+        r.returncode == 2
+        and "moe_cache_cpu_share from env MOECHAT_MOE_CACHE_CPU_SHARE: 2.0 must be in [0, 1]" in r.stderr
+    )
     r = subprocess.run([*base, "--device", "tpu"], capture_output=True, text=True, timeout=120)
-    assert r.returncode == 2 and "--device must be auto, cpu or cuda" in r.stderr
+    assert r.returncode == 2 and "device from flag --device: 'tpu' must be auto, cpu or cuda" in r.stderr
+    r = subprocess.run([*base, "--moe-cache-mib", "-3"], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "moe_cache_mib from flag --moe-cache-mib: -3.0 must be >= 0" in r.stderr
 
 
 def test_snapshots_are_bounded_in_rate_and_final_at_the_end(tmp_path: Path) -> None:

@@ -373,8 +373,8 @@ def test_process_engine_streams_stops_and_reports_errors(tmp_path: Path) -> None
     engine = ProcessEngine(EngineSpec(str(path), 256, None, "cpu", 1.0, 0.5), progress.append)
     try:
         assert engine.info.name == "m.gguf" and any("loading" in p for p in progress)
-        prompt, dropped = engine.fit_messages([{"role": "user", "content": "Hello"}])
-        assert prompt and dropped == 0
+        prompt, dropped, note = engine.fit_messages([{"role": "user", "content": "Hello"}])
+        assert prompt and dropped == 0 and note == ""
         events = list(engine.reply(prompt, SamplingParams(temperature=0.0), 12, threading.Event()))
         assert isinstance(events[-1], DoneEvent) and events[-1].n_generated == 12
         snap = engine.snapshot()

@@ -259,7 +259,8 @@ def _run_arm(
             if isinstance(ev, TokenEvent) and ev.token >= 0:
                 seconds.append(ev.seconds)
                 now = time.monotonic()
-                if now - last_report >= 0.25 or len(seconds) == settings.tokens:
+                # The first tokens report at once (the bar moves as soon as the arm runs), then 4 a second.
+                if now - last_report >= 0.25 or len(seconds) <= 4 or len(seconds) == settings.tokens:
                     last_report = now
                     yield ArmProgress(index, n_arms, len(seconds), settings.tokens)
             elif isinstance(ev, DoneEvent) and ev.stop_reason == "stopped":

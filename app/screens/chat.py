@@ -140,6 +140,8 @@ class ChatScreen(Screen[None]):
         self.conv.system = self.moechat.settings.system
         self.query_one("#log", VerticalScroll).anchor()
         self.refresh_info()
+        if self.moechat.engine.info.template_note:
+            self.notify(f"{self.moechat.engine.info.template_note}; using the plain format", severity="warning")
         self.query_one(ChatInput).focus()
 
     def refresh_info(self) -> None:
@@ -188,9 +190,9 @@ class ChatScreen(Screen[None]):
     def _generate(
         self, engine: ChatEngine, messages: list[dict[str, str]], params: SamplingParams, n_predict: int, every: float
     ) -> None:
-        prompt, dropped = engine.fit_messages(messages)
-        if dropped:
-            self.post_message(ContextTrimmed(dropped))
+        prompt, dropped, note = engine.fit_messages(messages)
+        if dropped or note:
+            self.post_message(ContextTrimmed(dropped, note))
         t0 = time.perf_counter()
         first = last_post = last_text = 0.0
         n = 0
@@ -240,7 +242,11 @@ class ChatScreen(Screen[None]):
             self.query_one("#status", Static).update(f"writing... {msg.tokens} tokens, {msg.tps:.1f} t/s")
 
     def on_context_trimmed(self, msg: ContextTrimmed) -> None:
-        self.notify(f"the conversation outgrew the context: the {msg.dropped} oldest message(s) are left out")
+        if msg.dropped:
+            self.notify(f"the conversation outgrew the context: the {msg.dropped} oldest message(s) are left out")
+        if msg.note:
+            self.notify(msg.note, severity="warning", timeout=10)
+            self.refresh_info()
 
     async def _finish(self, note: str) -> None:
         if self._stream is not None:

@@ -33,9 +33,9 @@ class FakeEngine:
         self.replies = 0
         self.closed = False
 
-    def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int]:
+    def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
         n = sum(len(m["content"].split()) + 4 for m in messages)
-        return list(range(n)), 0
+        return list(range(n)), 0, ""
 
     def reply(
         self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event

@@ -1,0 +1,180 @@
+"""Faults: stops at every stage, engine errors, a device without room, failing writes, corrupt stores, full context."""
+
+from __future__ import annotations
+
+import errno
+import json
+import threading
+from pathlib import Path
+
+import pytest
+from moechat.app.engine_api import RealEngine
+from moechat.engine.expert_cache import CacheError, CacheSettings
+from moechat.engine.generate import GREEDY, DoneEvent, TokenEvent
+from moechat.engine.loader import load_model
+from moechat.tuner.sweep import ArmProgress, ArmStarted, Cancelled, SweepDone
+from testkit.ggufgen import tiny_moe
+
+HELLO = [{"role": "user", "content": "Tell me about the river and the ferry."}]
+
+
+def _engine(path: Path, mib: float = 1.0, share: float = 0.5, n_ctx: int = 1024) -> RealEngine:
+    return RealEngine(load_model(path, n_ctx=n_ctx, cache=CacheSettings(mib=mib, cpu_share=share)), CacheSettings())
+
+
+def _tokens(engine: RealEngine, n: int = 10, stop: threading.Event | None = None) -> list[int]:
+    prompt, _, _ = engine.fit_messages(HELLO)
+    return [e.token for e in engine.reply(prompt, GREEDY, n, stop or threading.Event())
+            if isinstance(e, TokenEvent) and e.token >= 0]  # fmt: skip
+
+
+def _consistent(engine: RealEngine) -> None:
+    snap = engine.snapshot()
+    assert snap is not None
+    for layer in snap.layers:
+        t = layer.total
+        assert t.hits + t.misses == t.lookups and t.misses == t.uploads + t.cpu
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_moe(tmp_path_factory.mktemp("faults") / "m.gguf", n_expert=8, n_expert_used=2)
+
+
+@pytest.fixture(scope="module")
+def reference(model: Path) -> list[int]:
+    engine = _engine(model, mib=0.0)
+    out = _tokens(engine)
+    engine.close()
+    return out
+
+
+def test_stop_during_prefill_then_the_next_request_works(model: Path, reference: list[int]) -> None:
+    engine = _engine(model)
+    # A prompt longer than one ubatch: the stop lands between ubatches.
+    long_prompt = engine.lm.tokenizer.encode("river ferry " * 400)[:700]
+    stop = threading.Event()
+    stop.set()
+    events = list(engine.reply(long_prompt, GREEDY, 10, stop))
+    assert isinstance(events[-1], DoneEvent) and events[-1].stop_reason == "stopped" and events[-1].n_generated == 0
+    _consistent(engine)
+    assert _tokens(engine) == reference
+    engine.close()
+
+
+@pytest.mark.parametrize("after", [1, 4])
+def test_stop_during_decode_then_the_next_request_works(model: Path, reference: list[int], after: int) -> None:
+    engine = _engine(model)
+    stop = threading.Event()
+    prompt, _, _ = engine.fit_messages(HELLO)
+    got = []
+    for ev in engine.reply(prompt, GREEDY, 50, stop):
+        if isinstance(ev, TokenEvent) and ev.token >= 0:
+            got.append(ev.token)
+            if len(got) == after:
+                stop.set()
+        elif isinstance(ev, DoneEvent):
+            assert ev.stop_reason == "stopped"
+    assert got == reference[: len(got)] and len(got) <= after + 1
+    _consistent(engine)
+    assert _tokens(engine) == reference  # KV cache, expert cache and statistics all still fine
+    engine.close()
+
+
+def test_stop_in_every_calibration_arm_keeps_the_session(model: Path, reference: list[int], tmp_path: Path,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setenv("MOECHAT_HOME", str(tmp_path / "home"))
+    engine = _engine(model, mib=1.0, share=0.5)
+    for arm in range(6):
+        stop = threading.Event()
+        with pytest.raises(Cancelled):
+            for ev in engine.sweep(stop, None, 24):
+                if isinstance(ev, ArmProgress) and ev.index == arm and ev.tokens_done >= 2:
+                    stop.set()
+                assert not isinstance(ev, SweepDone)
+        assert engine.cache() == (1.0, 0.5), "the session's cache was not restored"
+        runs = next((tmp_path / "home" / "cache" / "tune").iterdir())
+        assert len(list(runs.glob("*.json"))) == arm  # the finished arms are kept, the stopped one is not
+        assert not list(runs.glob("*.part")) and not list(runs.glob("*.tmp"))
+        _consistent(engine)
+    assert _tokens(engine) == reference
+    # With nothing stopping it, the sweep now finishes (reusing the five finished arms).
+    events = list(engine.sweep(threading.Event(), None, 24))
+    assert sum(isinstance(e, ArmStarted) for e in events) == 1 and isinstance(events[-1], SweepDone)
+    engine.close()
+
+
+def test_a_cache_larger_than_the_device_allows_proposes_one_that_fits(
+    model: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import moechat.engine.expert_cache as ec
+
+    monkeypatch.setattr(ec, "device_free_bytes", lambda device: 2 * 2**20)
+    with pytest.raises(CacheError, match=r"has 2 MiB free; try --moe-cache-mib (\d+)") as info:
+        load_model(model, n_ctx=64, cache=CacheSettings(mib=3.0))
+    proposed = int(str(info.value).rsplit(" ", 1)[1])
+    load_model(model, n_ctx=64, cache=CacheSettings(mib=proposed)).close()  # the proposal does fit
+    from moechat.app.cli import main
+
+    assert main(["run", str(model), "-p", "hi", "-n", "1", "--moe-cache-mib", "3"]) == 2
+
+
+def test_full_context_drops_the_oldest_turns(model: Path) -> None:
+    engine = _engine(model, n_ctx=96)
+    chat = [{"role": "system", "content": "Be brief."}]
+    for i in range(12):
+        chat.append({"role": "user" if i % 2 == 0 else "assistant", "content": f"message number {i} about rivers"})
+    prompt, dropped, _ = engine.fit_messages(chat)
+    assert dropped > 0 and len(prompt) < 96
+    events = list(engine.reply(prompt, GREEDY, 200, threading.Event()))
+    done = events[-1]
+    assert isinstance(done, DoneEvent) and done.n_prompt + done.n_generated <= 96
+    huge = [{"role": "user", "content": "flood " * 500}]
+    prompt, _, _ = engine.fit_messages(huge)
+    assert 0 < len(prompt) <= 96
+    assert isinstance(list(engine.reply(prompt, GREEDY, 8, threading.Event()))[-1], DoneEvent)
+    engine.close()
+
+
+def test_failed_saves_keep_the_previous_file(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import moechat.app.atomic as atomic
+    from moechat.app.conversations import Conversation, ConversationStore
+    from moechat.app.export import write_stats
+
+    store = ConversationStore(tmp_path / "conv")
+    conv = Conversation(messages=[{"role": "user", "content": "first"}])
+    path = store.save(conv)
+    before = path.read_bytes()
+    real_replace = atomic.os.replace
+
+    def full_disk(src: str, dst: str) -> None:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(atomic.os, "replace", full_disk)
+    conv.messages.append({"role": "assistant", "content": "second"})
+    with pytest.raises(OSError, match="No space"):
+        store.save(conv)
+    assert path.read_bytes() == before
+    assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temp file left behind
+    out = tmp_path / "stats.json"
+    monkeypatch.setattr(atomic.os, "replace", real_replace)
+    write_stats({"schema_version": 1, "layers": []}, out, "json")
+    old = out.read_text()
+    monkeypatch.setattr(atomic.os, "replace", full_disk)
+    with pytest.raises(OSError):
+        write_stats({"schema_version": 1, "layers": [1]}, out, "json")
+    assert out.read_text() == old
+
+
+def test_corrupt_conversations_are_set_aside(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from moechat.app.conversations import Conversation, ConversationStore
+
+    store = ConversationStore(tmp_path / "conv")
+    good = store.save(Conversation(messages=[{"role": "user", "content": "ok"}]))
+    (tmp_path / "conv" / "broken.json").write_text('{"id": "broken", "messages": [')
+    (tmp_path / "conv" / "odd.json").write_text(json.dumps({"id": "odd", "messages": [{"x": 1}]}))
+    listed = store.list()
+    assert [c.id for c in listed] == [good.stem]
+    aside = sorted(p.name for p in (tmp_path / "conv" / "corrupt").iterdir())
+    assert aside == ["broken.json", "odd.json"]  # kept, not deleted or overwritten
+    assert "could not be read" in caplog.text
