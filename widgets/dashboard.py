@@ -31,10 +31,12 @@ class Dashboard(VerticalScroll):
         yield Static("experts by use (reverse = cached)", classes="title")
         yield ExpertHeatmap(id="heatmap")
 
-    def show(self, snap: StatsSnapshot | None, tokens: int, tps: float, uploaded_per_token_mib: float) -> None:
+    def show(
+        self, snap: StatsSnapshot | None, tokens: int, tps: float, uploaded_per_token_mib: float, final: bool = False
+    ) -> None:
         self.updates += 1
         if tps > 0:
-            self.query_one(ThroughputPlot).add(tokens, tps)
+            self.query_one(ThroughputPlot).add(tokens, tps, final=final)
         if snap is None:
             self.query_one("#totals", Static).update(f"no expert cache  |  {tps:.1f} t/s")
             return
@@ -45,5 +47,7 @@ class Dashboard(VerticalScroll):
             f"({uploaded_per_token_mib:.2f} MiB/token)\n"
             f"share {snap.cpu_share:g}  |  slots " + ", ".join(f"{g.n_slots}" for g in snap.groups)
         )
+        if not self.display:
+            return  # hidden: the totals above stay current, the costlier parts wait
         self.query_one(LayerStats).show(snap)
         self.query_one(ExpertHeatmap).show(snap)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from textual_plotext import PlotextPlot
 
 POINTS = 300
+REDRAW_EVERY = 1.0  # seconds
 
 
 class ThroughputPlot(PlotextPlot):
@@ -15,12 +17,18 @@ class ThroughputPlot(PlotextPlot):
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.points: deque[tuple[int, float]] = deque(maxlen=POINTS)
+        self._drawn = 0.0
 
     def on_mount(self) -> None:
         self.plt.title("tokens/s")
 
-    def add(self, tokens: int, tps: float) -> None:
+    def add(self, tokens: int, tps: float, *, final: bool = False) -> None:
+        """Record a point; redraw at most once a second (plotext drawing is the dashboard's costliest part)."""
         self.points.append((tokens, tps))
+        now = time.monotonic()
+        if not final and now - self._drawn < REDRAW_EVERY:
+            return
+        self._drawn = now
         self.plt.clear_data()
         if len(self.points) >= 2:
             self.plt.plot([p[0] for p in self.points], [p[1] for p in self.points], marker="braille")

@@ -216,18 +216,18 @@ class ChatScreen(Screen[None]):
                     if pending:
                         self.post_message(TokenText(pending))
                         pending = ""
-                    self._post_stats(n, first)
+                    self._post_stats(n, first, final=True)
                     self.post_message(ReplyDone(ev, (first or time.perf_counter()) - t0))
         finally:
             if pending:  # the engine failed: what it wrote so far still reaches the screen and the save
                 self.post_message(TokenText(pending))
 
-    def _post_stats(self, n: int, first: float) -> None:
+    def _post_stats(self, n: int, first: float, final: bool = False) -> None:
         snap = self.moechat.engine.snapshot()
         elapsed = time.perf_counter() - first if first else 0.0
         tps = (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0
         up = snap.total.uploaded_bytes / 2**20 / max(snap.tokens, 1) if snap is not None else 0.0
-        self.post_message(StatsUpdate(snap, n, tps, up))
+        self.post_message(StatsUpdate(snap, n, tps, up, final))
 
     async def on_token_text(self, msg: TokenText) -> None:
         self._reply_text += msg.text
@@ -237,7 +237,7 @@ class ChatScreen(Screen[None]):
     def on_stats_update(self, msg: StatsUpdate) -> None:
         self.stats_updates += 1
         self.moechat.session.add(msg.snapshot, msg.tokens, msg.tps)
-        self.query_one(Dashboard).show(msg.snapshot, msg.tokens, msg.tps, msg.upload_mib_per_token)
+        self.query_one(Dashboard).show(msg.snapshot, msg.tokens, msg.tps, msg.upload_mib_per_token, msg.final)
         if self.generating and msg.tps:
             self.query_one("#status", Static).update(f"writing... {msg.tokens} tokens, {msg.tps:.1f} t/s")
 
