@@ -54,7 +54,7 @@ def with_tui(path: Path, n: int, home: Path) -> tuple[float, float]:
 
     async def run() -> None:
         async with app.run_test(size=(120, 40)) as pilot:
-            while not isinstance(app.screen, ChatScreen) or app.focused is not app.screen.query_one("#input"):
+            while not (isinstance(app.screen, ChatScreen) and app.focused is not None and app.focused.id == "input"):
                 await pilot.pause(0.05)
             screen = app.screen
             screen.query_one("#input").load_text(PROMPT)
