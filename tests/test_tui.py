@@ -399,3 +399,32 @@ def test_process_engine_streams_stops_and_reports_errors(tmp_path: Path) -> None
     bad.write_bytes(b"GGUF" + bytes(10))
     with pytest.raises(ValueError, match="bad.gguf"):
         ProcessEngine(EngineSpec(str(bad), 256, None, "cpu", 0.0, 0.0))
+
+
+async def test_a_failing_save_is_reported_and_the_old_file_kept(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import moechat.app.atomic as atomic
+
+    engine = FakeEngine(WORDS)
+    app = make_app(tmp_path, engine)
+    shown: list[str] = []
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "first")
+        saved = app.store.path(screen.conv.id)
+        before = saved.read_bytes()
+
+        def full_disk(src: str, dst: str) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(atomic.os, "replace", full_disk)
+        monkeypatch.setattr(app, "notify", lambda message, **kw: shown.append(str(message)))
+        await say(pilot, screen, "second")
+        assert any("could not save the conversation" in m and "No space" in m for m in shown)
+        assert saved.read_bytes() == before
+        assert app.export_all(tmp_path / "exports") == []
+        assert any("export failed" in m for m in shown)
+        assert [m["content"] for m in screen.conv.messages][-2:] == ["second", "The river rose in spring."]
