@@ -16,7 +16,7 @@ from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, gener
 from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, resolve_device
 
 from .demo_model import resolve_model
-from .settings import SPEC, Settings, resolve
+from .settings import SPEC, Settings, for_demo, resolve
 
 # A base model continuing the plain format writes the user's next line itself: stop there.
 PLAIN_STOPS = ("\nUser:", "\nuser:")
@@ -40,6 +40,8 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
                    help="share of the misses computed on the CPU once the cache is full, 0..1")  # fmt: skip
     p.add_argument("--emulate-link-gbps", type=float, default=None, metavar="X",
                    help="CPU device: uploads also cost bytes / X GB/s")  # fmt: skip
+    p.add_argument("--cpu-dequant-mib", type=float, default=None, metavar="N",
+                   help="keep up to N MiB of dequantized experts for CPU compute (exact; 0 = off)")  # fmt: skip
     p.add_argument("--refresh-ms", type=int, default=None, help="dashboard refresh interval (default 250)")
     p.add_argument("--theme", default=None, help="Textual theme (remembered in config.toml)")
     p.add_argument("--config", default=None, metavar="PATH", help="config.toml to read (default: the config dir)")
@@ -59,6 +61,7 @@ def chat_settings(args: argparse.Namespace) -> tuple[Settings, list[str], Path]:
 
 def run_chat(args: argparse.Namespace) -> int:
     settings, warnings, config = chat_settings(args)
+    settings = for_demo(settings, args.model)
     if not args.plain and sys.stdin.isatty() and sys.stdout.isatty():
         from .paths import app_paths
         from .tui import MoechatApp, real_engine_factory, run_tui
@@ -78,7 +81,7 @@ def run_chat(args: argparse.Namespace) -> int:
     cache.validate()
     try:
         lm = load_model(resolve_model(args.model), n_ctx=settings.ctx_size, chat_template=args.chat_template,
-                        cache=cache)  # fmt: skip
+                        cache=cache, cpu_dequant_mib=settings.cpu_dequant_mib)  # fmt: skip
     except ContextTooLarge as e:
         raise ValueError(f"ctx_size from {settings.source('ctx_size')}: {e}") from None
     plain = lm.template.origin == "plain fallback"

@@ -42,16 +42,23 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         help="CUDA: keep the host experts memory-mapped (fast start) or copy them to pinned memory "
         "(uploads at full link speed, slower start, locked RAM)",
     )
+    p.add_argument("--cpu-dequant-mib", type=float, default=None, metavar="N",
+                   help="keep up to N MiB of dequantized experts for CPU compute (exact; 0 = off)")  # fmt: skip
     p.add_argument("--emulate-link-gbps", type=float, default=None, metavar="X",
                    help="CPU device: make each upload also cost bytes / X GB/s, like a PCIe link")  # fmt: skip
 
 
 def cache_settings(args: argparse.Namespace) -> CacheSettings:
     """Cache settings from flags, then MOECHAT_* env, then config.toml: a bad value names its source."""
+    return layered_settings(args)[0]
+
+
+def layered_settings(args: argparse.Namespace) -> tuple[CacheSettings, float]:
+    """(cache settings, --cpu-dequant-mib), each from flag > MOECHAT_* env > config.toml > default."""
     from .paths import app_paths
     from .settings import resolve
 
-    names = ("device", "moe_cache_mib", "moe_cache_cpu_share", "emulate_link_gbps")
+    names = ("device", "moe_cache_mib", "moe_cache_cpu_share", "emulate_link_gbps", "cpu_dequant_mib")
     layered, warnings = resolve(
         {n: getattr(args, n, None) for n in names}, config_path=app_paths().config / "config.toml"
     )
@@ -67,7 +74,9 @@ def cache_settings(args: argparse.Namespace) -> CacheSettings:
         emulate_link_gbps=layered.emulate_link_gbps, trace=Path(trace) if trace else None, load_mode=args.load_mode,
     )  # fmt: skip
     settings.validate()
-    return settings
+    from .settings import for_demo
+
+    return settings, for_demo(layered, getattr(args, "model", None)).cpu_dequant_mib
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -99,8 +108,13 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"-n/--n-predict must be >= 0, got {args.n_predict}")
     from .demo_model import resolve_model
 
+    cache, dequant = layered_settings(args)
     lm = load_model(
-        resolve_model(args.model), n_ctx=args.ctx_size, chat_template=args.chat_template, cache=cache_settings(args)
+        resolve_model(args.model),
+        n_ctx=args.ctx_size,
+        chat_template=args.chat_template,
+        cache=cache,
+        cpu_dequant_mib=dequant,
     )
     chat = args.chat if args.chat is not None else lm.template.origin != "plain fallback"
     prompt = lm.chat_prompt(args.prompt) if chat else lm.tokenizer.encode(args.prompt)

@@ -41,6 +41,7 @@ SPEC: dict[str, tuple[type, Callable[[Any], bool], str]] = {
     "moe_cache_mib": (float, _nonneg, ">= 0"),
     "moe_cache_cpu_share": (float, _unit, "in [0, 1]"),
     "emulate_link_gbps": (float, _nonneg, ">= 0"),
+    "cpu_dequant_mib": (float, _nonneg, ">= 0"),
     "ctx_size": (int, lambda v: 16 <= v <= 1 << 20, "in 16..1048576"),
     "n_predict": (int, lambda v: v > 0, "> 0"),
     "temp": (float, _nonneg, ">= 0"),
@@ -59,6 +60,7 @@ class Settings:
     moe_cache_mib: float = 0.0
     moe_cache_cpu_share: float = 0.0
     emulate_link_gbps: float = 0.0
+    cpu_dequant_mib: float = 0.0
     ctx_size: int = 4096
     n_predict: int = 512
     temp: float = 0.7
@@ -72,6 +74,17 @@ class Settings:
 
     def source(self, name: str) -> str:
         return self.sources.get(name, "default")
+
+
+DEMO_CPU_DEQUANT_MIB = 512.0  # the demo's experts in fp32 take 283 MiB: all of them fit
+
+
+def for_demo(settings: Settings, model: str | None) -> Settings:
+    """The built-in demo is small: unless the user set it, keep all its experts dequantized (3-4x decode)."""
+    if model is None and settings.source("cpu_dequant_mib") == "default":
+        sources = {**settings.sources, "cpu_dequant_mib": "the demo's default"}
+        return replace(settings, cpu_dequant_mib=DEMO_CPU_DEQUANT_MIB, sources=sources)
+    return settings
 
 
 def env_name(name: str) -> str:

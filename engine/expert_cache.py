@@ -218,16 +218,20 @@ class ExpertCache:
                 counters.uploads += len(plan.uploads)
                 counters.uploaded_bytes += len(plan.uploads) * group.info.expert_bytes
         if plan is None or policy is None:
-            fetch = None if self.device.type == "cpu" else self._host_fetch(lx)
+            fetch = self.host.fetcher(layer) if self.device.type == "cpu" else self._host_fetch(lx)
             out = combine(x, run_experts(lx, x, ids, weights, self.host.act, uniq, fetch=fetch))
         else:
             future: Future[list[Contribution]] | None = None
             if plan.cpu and self._worker is not None:
                 xh, wh = x.cpu(), weights.cpu()  # the CPU part reads host copies
-                future = self._worker.submit(run_experts, lx, xh, ids, wh, self.host.act, list(plan.cpu))
+                future = self._worker.submit(run_experts, lx, xh, ids, wh, self.host.act, list(plan.cpu),
+                                             fetch=self.host.fetcher(layer))  # fmt: skip
             self._upload(group, lx, plan.uploads)
             on_device = sorted([*plan.hits, *(e for e, _ in plan.uploads)])
-            fetch = self._slot_fetch(policy, group.banks, lx, layer)
+            # On the CPU device a slot holds the host expert's very bytes: the dequant cache, when
+            # there is one, serves both.
+            host_fetch = self.host.fetcher(layer) if self.device.type == "cpu" else None
+            fetch = host_fetch or self._slot_fetch(policy, group.banks, lx, layer)
             parts = run_experts(lx, x, ids, weights, self.host.act, on_device, fetch=fetch)
             if future is not None:
                 parts += future.result()

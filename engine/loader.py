@@ -18,6 +18,7 @@ from .model_file import open_model
 from .models import build_model, family_for
 from .models.decoder import MoeDecoder
 from .models.gemma3 import Gemma3
+from .moe import DequantCache
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -138,6 +139,7 @@ def load_model(
     n_ctx: int = 4096,
     chat_template: str | Path | None = None,
     cache: CacheSettings | None = None,
+    cpu_dequant_mib: float = 0.0,
 ) -> LoadedModel:
     if n_ctx < 16:
         raise ValueError(f"context size must be at least 16, got {n_ctx}")
@@ -157,6 +159,10 @@ def load_model(
         if cache is not None and cache.device != "cpu":
             model.to_device(torch.device(cache.device))
         check_fit(gguf, cfg, model, tok)
+        if cpu_dequant_mib < 0:
+            raise ValueError(f"--cpu-dequant-mib must be >= 0, got {cpu_dequant_mib}")
+        if cpu_dequant_mib > 0 and cfg.is_moe:
+            model.host_experts.dequant = DequantCache(int(cpu_dequant_mib * 2**20))
         expert_cache = None
         if cache is not None and cache.mib > 0 and cfg.is_moe:
             expert_cache = ExpertCache(model.host_experts, cfg.n_expert_used, cache)

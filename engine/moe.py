@@ -10,6 +10,8 @@ never the whole layer.
 
 from __future__ import annotations
 
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -118,17 +120,65 @@ class ExpertExecutor(Protocol):
 Contribution = tuple[int, torch.Tensor, torch.Tensor]  # (expert, token rows, weighted output rows)
 
 
+Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+
+
+class DequantCache:
+    """Dequantized (gate, up, down) of recently used experts, least recently used dropped past a byte budget.
+
+    Dequantizing is most of a CPU expert's time (bench/kernels.py: 0.03 to 0.9 GB/s against
+    ~15 GB/s of RAM reads); a hot expert kept in fp32 skips it. The values are the exact
+    dequantizer's, so results do not change. It costs 4 bytes per weight (7 to 14 times the
+    quantized size), which is why it is an explicit option (`--cpu-dequant-mib`), off by default.
+    """
+
+    def __init__(self, budget_bytes: int) -> None:
+        self.budget = budget_bytes
+        self.used = 0
+        self.items: OrderedDict[tuple[int, int], Triple] = OrderedDict()
+        self.hits = self.misses = 0
+        self._lock = threading.Lock()  # the CPU-share worker and the main path both use it
+
+    def get(self, key: tuple[int, int], make: Callable[[], Triple]) -> Triple:
+        with self._lock:
+            got = self.items.get(key)
+            if got is not None:
+                self.items.move_to_end(key)
+                self.hits += 1
+                return got
+        value = make()
+        size = sum(t.numel() * t.element_size() for t in value)
+        with self._lock:
+            self.misses += 1
+            if size <= self.budget and key not in self.items:
+                self.items[key] = value
+                self.used += size
+                while self.used > self.budget:
+                    _, old = self.items.popitem(last=False)
+                    self.used -= sum(t.numel() * t.element_size() for t in old)
+        return value
+
+
 class HostExperts:
     """Expert execution straight from the host copy: dequantize each selected expert, run it."""
 
     def __init__(self, layers: dict[int, LayerExperts], act: Activation) -> None:
         self.layers = layers
         self.act = act
+        self.dequant: DequantCache | None = None  # set by the loader when asked for
+
+    def fetcher(self, layer: int) -> Callable[[int], Triple] | None:
+        """How CPU code gets an expert's fp32 matrices: through the dequant cache when there is one."""
+        cache = self.dequant
+        if cache is None:
+            return None
+        lx = self.layers[layer]
+        return lambda e: cache.get((layer, e), lambda: (lx.gate.expert(e), lx.up.expert(e), lx.down.expert(e)))
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # The experts live in host memory and run there; x may be on a device.
         xh, ih, wh = x.cpu(), ids.cpu(), weights.cpu()
-        parts = run_experts(self.layers[layer], xh, ih, wh, self.act, ih.unique().tolist())
+        parts = run_experts(self.layers[layer], xh, ih, wh, self.act, ih.unique().tolist(), fetch=self.fetcher(layer))
         return combine(x, parts)
 
     def end_of_generation(self) -> None:

@@ -213,3 +213,30 @@ def test_device_fetch_paths_agree_with_the_host(tmp_path: Path) -> None:
     dev = combine(x, run_experts(lx, x, ids, w, lm.model.host_experts.act, [0, 2, 5, 7],
                                  fetch=lm.cache._host_fetch(lx)))  # fmt: skip
     assert torch.equal(host, dev)
+
+
+def test_dequant_cache_is_exact_and_bounded(tmp_path: Path) -> None:
+    """Keeping dequantized experts (--cpu-dequant-mib) changes no logit, with or without the device cache."""
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=8, n_expert_used=2)
+    ids = torch.tensor(load_model(path, n_ctx=64).tokenizer.encode(PROMPT)[:10])
+    expert_fp32 = 3 * 256 * 256 * 4  # one expert's gate, up and down in fp32
+
+    def logits(**kw: object) -> tuple[torch.Tensor, LoadedModel]:
+        lm = load_model(path, n_ctx=64, **kw)
+        kv = lm.new_cache()
+        with torch.inference_mode():
+            out = [lm.model(ids[i : i + 1], i, kv) for i in range(len(ids))]
+        return torch.cat(out), lm
+
+    ref, _ = logits()
+    budget_mib = 3 * expert_fp32 / 2**20  # room for 3 experts: eviction happens
+    got, lm = logits(cpu_dequant_mib=budget_mib)
+    assert torch.equal(got, ref)
+    dq = lm.model.host_experts.dequant
+    assert dq is not None and dq.hits > 0 and dq.misses > 0 and 0 < dq.used <= dq.budget
+    assert len(dq.items) <= 3
+    got2, lm2 = logits(cpu_dequant_mib=64, cache=CacheSettings(mib=EXPERT_MIB / 2, cpu_share=0.5))
+    assert torch.equal(got2, ref)
+    assert lm2.model.host_experts.dequant is not None and lm2.model.host_experts.dequant.hits > 0
+    with pytest.raises(ValueError, match="cpu-dequant-mib"):
+        load_model(path, n_ctx=64, cpu_dequant_mib=-1)
