@@ -47,6 +47,7 @@ class EngineSpec:
     emulate_link_gbps: float = 0.0
     ctx_source: str = "default"  # where ctx_size came from, for the error if it does not fit
     cpu_dequant_mib: float = 0.0
+    cpu_kernels: str = "exact"
 
 
 class EngineProcessError(RuntimeError):
@@ -68,7 +69,7 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
                              emulate_link_gbps=spec.emulate_link_gbps)  # fmt: skip
         base.validate()
         lm = load_model(path, n_ctx=spec.ctx_size, chat_template=spec.chat_template, cache=base,
-                        cpu_dequant_mib=spec.cpu_dequant_mib)  # fmt: skip
+                        cpu_dequant_mib=spec.cpu_dequant_mib, cpu_kernels=spec.cpu_kernels)  # fmt: skip
         engine = RealEngine(lm, CacheSettings(device=base.device, emulate_link_gbps=base.emulate_link_gbps))
     except Exception as e:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__

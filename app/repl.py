@@ -42,6 +42,8 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU device: uploads also cost bytes / X GB/s")  # fmt: skip
     p.add_argument("--cpu-dequant-mib", type=float, default=None, metavar="N",
                    help="keep up to N MiB of dequantized experts for CPU compute (exact; 0 = off)")  # fmt: skip
+    p.add_argument("--cpu-kernels", choices=("exact", "int4"), default=None,
+                   help="CPU expert kernels: exact (default) or int4 (faster on Q4_0/Q4_K, not bit-exact)")  # fmt: skip
     p.add_argument("--refresh-ms", type=int, default=None, help="dashboard refresh interval (default 250)")
     p.add_argument("--theme", default=None, help="Textual theme (remembered in config.toml)")
     p.add_argument("--config", default=None, metavar="PATH", help="config.toml to read (default: the config dir)")
@@ -81,7 +83,8 @@ def run_chat(args: argparse.Namespace) -> int:
     cache.validate()
     try:
         lm = load_model(resolve_model(args.model), n_ctx=settings.ctx_size, chat_template=args.chat_template,
-                        cache=cache, cpu_dequant_mib=settings.cpu_dequant_mib)  # fmt: skip
+                        cache=cache, cpu_dequant_mib=settings.cpu_dequant_mib,
+                        cpu_kernels=settings.cpu_kernels)  # fmt: skip
     except ContextTooLarge as e:
         raise ValueError(f"ctx_size from {settings.source('ctx_size')}: {e}") from None
     plain = lm.template.origin == "plain fallback"

@@ -44,6 +44,9 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--cpu-dequant-mib", type=float, default=None, metavar="N",
                    help="keep up to N MiB of dequantized experts for CPU compute (exact; 0 = off)")  # fmt: skip
+    p.add_argument("--cpu-kernels", choices=("exact", "int4"), default=None,
+                   help="CPU expert kernels: exact (default) or int4 (Q4_0/Q4_K through torch's int4 kernel, "
+                   "bf16 activations: faster, not bit-exact)")  # fmt: skip
     p.add_argument("--emulate-link-gbps", type=float, default=None, metavar="X",
                    help="CPU device: make each upload also cost bytes / X GB/s, like a PCIe link")  # fmt: skip
 
@@ -53,12 +56,12 @@ def cache_settings(args: argparse.Namespace) -> CacheSettings:
     return layered_settings(args)[0]
 
 
-def layered_settings(args: argparse.Namespace) -> tuple[CacheSettings, float]:
+def layered_settings(args: argparse.Namespace) -> tuple[CacheSettings, float, str]:
     """(cache settings, --cpu-dequant-mib), each from flag > MOECHAT_* env > config.toml > default."""
     from .paths import app_paths
     from .settings import resolve
 
-    names = ("device", "moe_cache_mib", "moe_cache_cpu_share", "emulate_link_gbps", "cpu_dequant_mib")
+    names = ("device", "moe_cache_mib", "moe_cache_cpu_share", "emulate_link_gbps", "cpu_dequant_mib", "cpu_kernels")
     layered, warnings = resolve(
         {n: getattr(args, n, None) for n in names}, config_path=app_paths().config / "config.toml"
     )
@@ -76,7 +79,7 @@ def layered_settings(args: argparse.Namespace) -> tuple[CacheSettings, float]:
     settings.validate()
     from .settings import for_demo
 
-    return settings, for_demo(layered, getattr(args, "model", None)).cpu_dequant_mib
+    return settings, for_demo(layered, getattr(args, "model", None)).cpu_dequant_mib, layered.cpu_kernels
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -108,13 +111,14 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"-n/--n-predict must be >= 0, got {args.n_predict}")
     from .demo_model import resolve_model
 
-    cache, dequant = layered_settings(args)
+    cache, dequant, kernels = layered_settings(args)
     lm = load_model(
         resolve_model(args.model),
         n_ctx=args.ctx_size,
         chat_template=args.chat_template,
         cache=cache,
         cpu_dequant_mib=dequant,
+        cpu_kernels=kernels,
     )
     chat = args.chat if args.chat is not None else lm.template.origin != "plain fallback"
     prompt = lm.chat_prompt(args.prompt) if chat else lm.tokenizer.encode(args.prompt)

@@ -42,6 +42,7 @@ SPEC: dict[str, tuple[type, Callable[[Any], bool], str]] = {
     "moe_cache_cpu_share": (float, _unit, "in [0, 1]"),
     "emulate_link_gbps": (float, _nonneg, ">= 0"),
     "cpu_dequant_mib": (float, _nonneg, ">= 0"),
+    "cpu_kernels": (str, lambda v: v in ("exact", "int4"), "exact or int4"),
     "ctx_size": (int, lambda v: 16 <= v <= 1 << 20, "in 16..1048576"),
     "n_predict": (int, lambda v: v > 0, "> 0"),
     "temp": (float, _nonneg, ">= 0"),
@@ -61,6 +62,7 @@ class Settings:
     moe_cache_cpu_share: float = 0.0
     emulate_link_gbps: float = 0.0
     cpu_dequant_mib: float = 0.0
+    cpu_kernels: str = "exact"
     ctx_size: int = 4096
     n_predict: int = 512
     temp: float = 0.7

@@ -173,7 +173,7 @@ def real_engine_factory(model: str | None, settings: Settings, chat_template: st
 
         spec = EngineSpec(model, settings.ctx_size, chat_template, resolve_device(settings.device),
                           settings.moe_cache_mib, settings.moe_cache_cpu_share, settings.emulate_link_gbps,
-                          settings.source("ctx_size"), settings.cpu_dequant_mib)  # fmt: skip
+                          settings.source("ctx_size"), settings.cpu_dequant_mib, settings.cpu_kernels)  # fmt: skip
         return ProcessEngine(spec, progress)
 
     return build

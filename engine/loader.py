@@ -140,6 +140,7 @@ def load_model(
     chat_template: str | Path | None = None,
     cache: CacheSettings | None = None,
     cpu_dequant_mib: float = 0.0,
+    cpu_kernels: str = "exact",
 ) -> LoadedModel:
     if n_ctx < 16:
         raise ValueError(f"context size must be at least 16, got {n_ctx}")
@@ -161,7 +162,16 @@ def load_model(
         check_fit(gguf, cfg, model, tok)
         if cpu_dequant_mib < 0:
             raise ValueError(f"--cpu-dequant-mib must be >= 0, got {cpu_dequant_mib}")
-        if cpu_dequant_mib > 0 and cfg.is_moe:
+        if cpu_kernels not in ("exact", "int4"):
+            raise ValueError(f"--cpu-kernels must be exact or int4, got '{cpu_kernels}'")
+        if cfg.is_moe and cpu_kernels == "int4":
+            # Packed experts take about what their quantized bytes take: room for all of them,
+            # plus any dequantized budget asked for the types the kernel does not take.
+            host = model.host_experts
+            packed = sum(lx.bytes_per_expert * lx.gate.raw.shape[0] for lx in host.layers.values())
+            host.int4 = True
+            host.dequant = DequantCache(int(1.25 * packed + cpu_dequant_mib * 2**20))
+        elif cpu_dequant_mib > 0 and cfg.is_moe:
             model.host_experts.dequant = DequantCache(int(cpu_dequant_mib * 2**20))
         expert_cache = None
         if cache is not None and cache.mib > 0 and cfg.is_moe:

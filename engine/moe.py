@@ -18,7 +18,7 @@ from typing import Protocol
 
 import torch
 import torch.nn.functional as F
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .config import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX_SELECTED, ModelConfig
 from .gguf_file import GGUFError, GGUFFile
@@ -99,12 +99,26 @@ def load_layer_experts(gguf: GGUFFile, layer: int) -> LayerExperts:
     return LayerExperts(one("gate"), one("up"), one("down"))
 
 
-def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: Activation,
+Weight = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]  # a dense matrix, or a packed one that applies itself
+
+
+def _linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, b)
+    y = w(x)
+    return y if b is None else y + b
+
+
+def _nbytes(w: Weight) -> int:
+    return int(w.numel() * w.element_size()) if isinstance(w, torch.Tensor) else int(getattr(w, "nbytes", 0))
+
+
+def expert_ffn(x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: Activation,
                biases: tuple[torch.Tensor | None, ...] = (None, None, None)) -> torch.Tensor:  # fmt: skip
     """One expert on the rows routed to it: x [n, E] -> [n, E]."""
-    g = F.linear(x, gate, biases[0])
-    u = F.linear(x, up, biases[1])
-    return F.linear(act(g, u), down, biases[2])
+    g = _linear(x, gate, biases[0])
+    u = _linear(x, up, biases[1])
+    return _linear(act(g, u), down, biases[2])
 
 
 class ExpertExecutor(Protocol):
@@ -120,7 +134,7 @@ class ExpertExecutor(Protocol):
 Contribution = tuple[int, torch.Tensor, torch.Tensor]  # (expert, token rows, weighted output rows)
 
 
-Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+Triple = tuple[Weight, Weight, Weight]
 
 
 class DequantCache:
@@ -147,7 +161,7 @@ class DequantCache:
                 self.hits += 1
                 return got
         value = make()
-        size = sum(t.numel() * t.element_size() for t in value)
+        size = sum(_nbytes(t) for t in value)
         with self._lock:
             self.misses += 1
             if size <= self.budget and key not in self.items:
@@ -155,7 +169,7 @@ class DequantCache:
                 self.used += size
                 while self.used > self.budget:
                     _, old = self.items.popitem(last=False)
-                    self.used -= sum(t.numel() * t.element_size() for t in old)
+                    self.used -= sum(_nbytes(t) for t in old)
         return value
 
 
@@ -166,6 +180,7 @@ class HostExperts:
         self.layers = layers
         self.act = act
         self.dequant: DequantCache | None = None  # set by the loader when asked for
+        self.int4 = False  # --cpu-kernels int4: Q4_0/Q4_K matrices through torch's int4 kernel
 
     def fetcher(self, layer: int) -> Callable[[int], Triple] | None:
         """How CPU code gets an expert's fp32 matrices: through the dequant cache when there is one."""
@@ -173,6 +188,14 @@ class HostExperts:
         if cache is None:
             return None
         lx = self.layers[layer]
+        if self.int4:
+            from .fast_kernels import Int4Linear, int4_capable
+
+            def make(t: ExpertTensor, e: int) -> Weight:
+                k = t.raw.shape[-1] // GGML_QUANT_SIZES[t.qtype][1] * GGML_QUANT_SIZES[t.qtype][0]
+                return Int4Linear(t.raw[e], t.qtype) if int4_capable(t.qtype, k) else t.expert(e)
+
+            return lambda e: cache.get((layer, e), lambda: (make(lx.gate, e), make(lx.up, e), make(lx.down, e)))
         return lambda e: cache.get((layer, e), lambda: (lx.gate.expert(e), lx.up.expert(e), lx.down.expert(e)))
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -192,7 +215,7 @@ def run_experts(
     weights: torch.Tensor,
     act: Activation,
     experts: list[int],
-    fetch: Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]] | None = None,
+    fetch: Callable[[int], tuple[Weight, Weight, Weight]] | None = None,
 ) -> list[Contribution]:
     """Weighted outputs of `experts` (a subset of those in `ids`) for the tokens routed to them.
 

@@ -241,3 +241,30 @@ def dequantize(raw: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType) -> t
         raise ValueError(f"{qtype.name}: row of {row_bytes} bytes is not a whole number of {type_size}-byte blocks")
     out = fn(t.reshape(-1, type_size))  # [nb, block]
     return out.reshape(*lead, row_bytes // type_size * block)
+
+
+INT4_TYPES = (Q.Q4_0, Q.Q4_K)
+
+
+def int4_groups(raw: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exact 4-bit codes of Q4_0 / Q4_K rows and their per-32 affine maps: w = scale * q - minv.
+
+    raw `[rows, row_bytes]` uint8 -> q int32 `[rows, K]` (0..15), scale and minv float32 `[rows, K / 32]`.
+    """
+    type_size = GGML_QUANT_SIZES[qtype][1]
+    rows = raw.shape[0]
+    b = raw.reshape(-1, type_size)
+    nb = b.shape[0]
+    if qtype == Q.Q4_0:
+        d = _f16(b, 0)  # [nb, 1]
+        q = _nibbles(b[:, 2:18])  # [nb, 32]
+        scale, minv = d, 8 * d
+    elif qtype == Q.Q4_K:
+        d, dmin = _f16(b, 0), _f16(b, 2)
+        sc, mn = _k_scales(b[:, 4:16])
+        qs = b[:, 16:144].reshape(nb, 4, 1, 32)
+        q = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(nb, 256)  # groups of 32 follow sub-blocks 0..7
+        scale, minv = d * sc.float(), dmin * mn.float()  # [nb, 8]
+    else:
+        raise ValueError(f"{qtype.name} has no 4-bit form")
+    return q.reshape(rows, -1).to(torch.int32), scale.reshape(rows, -1), minv.reshape(rows, -1)
