@@ -72,12 +72,18 @@ def _no_extra_buffer_types() -> None:
 
 
 def compare(
-    path: Path, n_pos: int, n_decode: int, threads: int, repeats: int, cpu_dequant_mib: float = 0.0
+    path: Path,
+    n_pos: int,
+    n_decode: int,
+    threads: int,
+    repeats: int,
+    cpu_dequant_mib: float = 0.0,
+    cpu_kernels: str = "exact",
 ) -> dict[str, float | str]:
     import llama_cpp
 
     torch.set_num_threads(threads)
-    ours = load_model(path, n_ctx=n_pos + n_decode + 8, cpu_dequant_mib=cpu_dequant_mib)
+    ours = load_model(path, n_ctx=n_pos + n_decode + 8, cpu_dequant_mib=cpu_dequant_mib, cpu_kernels=cpu_kernels)
     ids = ours.tokenizer.encode(TEXT * 20)[:n_pos]  # BOS as the model asks, as in real use
     peer = llama_cpp.Llama(str(path), n_ctx=n_pos + n_decode + 8, n_batch=512, logits_all=True,
                            n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip

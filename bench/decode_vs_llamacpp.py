@@ -29,6 +29,7 @@ def main() -> None:
     ap.add_argument("--decode", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--big", action="store_true", help="also the generated ~2 GB Qwen3-shaped model")
+    ap.add_argument("--only-big", action="store_true", help="only the generated Qwen3-shaped model")
     ap.add_argument("--no-extra-bufts", action="store_true", help="llama.cpp without AMX/repacked buffers")
     args = ap.parse_args()
     if args.no_extra_bufts:
@@ -39,24 +40,28 @@ def main() -> None:
     # llama.cpp cannot run the demo's own architecture (gemma3moe is ours), so the demo's side is
     # the dense Gemma 3 270M file it is built from, which both engines run.
     gemma = source_gguf(app_paths().cache)
-    runs: list[tuple[str, Path, float]] = [("Gemma 3 270M (the demo's source, dense)", gemma, 0.0)]
+    runs: list[tuple[str, Path, float, str]] = [("Gemma 3 270M (the demo's source, dense)", gemma, 0.0, "exact")]
     with tempfile.TemporaryDirectory() as tmp:
         from testkit.ggufgen import Q, tiny_moe
 
         small = tiny_moe(Path(tmp) / "small-q8.gguf", n_layers=4, n_embd=512, n_expert=32, n_expert_used=4,
                          n_ff_exp=512, expert_type=Q.Q8_0, n_vocab=4096)  # fmt: skip
         runs += [
-            ("generated MoE, Q8_0, exact", small, 0.0),
-            ("generated MoE, Q8_0, --cpu-dequant-mib 512", small, 512.0),
+            ("generated MoE, Q8_0, exact", small, 0.0, "exact"),
+            ("generated MoE, Q8_0, --cpu-dequant-mib 512", small, 512.0, "exact"),
         ]
         if args.big:
             big = tiny_moe(Path(tmp) / "qwen3-shapes-q4k.gguf", n_layers=6, n_embd=2048, n_head=32, n_head_kv=4,
                            n_expert=128, n_expert_used=8, n_ff_exp=768, expert_type=Q.Q4_K, n_vocab=4096)  # fmt: skip
-            runs.append((f"Qwen3-30B-A3B shapes, 6 layers, Q4_K ({big.stat().st_size / 2**30:.1f} GiB)", big, 0.0))
+            label = f"Qwen3-30B-A3B shapes, 6 layers, Q4_K ({big.stat().st_size / 2**30:.1f} GiB)"
+            runs += [(label, big, 0.0, "exact"), (label + ", --cpu-kernels int4", big, 0.0, "int4")]
         print("| model | top-1 | pp t/s ours | pp t/s llama.cpp | ratio | tg t/s ours | tg t/s llama.cpp | ratio |")
         print("|---|---|---|---|---|---|---|---|")
-        for label, path, dq in runs:
-            r = compare(path, args.positions, args.decode, args.threads, args.repeats, cpu_dequant_mib=dq)
+        for label, path, dq, kernels in runs:
+            if args.only_big and "Qwen3" not in label:
+                continue
+            r = compare(path, args.positions, args.decode, args.threads, args.repeats, cpu_dequant_mib=dq,
+                        cpu_kernels=kernels)  # fmt: skip
             f = {k: float(v) for k, v in r.items() if k != "model"}
             print(f"| {label} | {100 * f['top1']:.1f}% | {f['pp_ours']:.1f} | {f['pp_peer']:.1f} | "
                   f"{f['pp_ours'] / f['pp_peer']:.2f} | {f['tg_ours']:.2f} | {f['tg_peer']:.2f} | "
