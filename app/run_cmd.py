@@ -51,11 +51,6 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU device: make each upload also cost bytes / X GB/s, like a PCIe link")  # fmt: skip
 
 
-def cache_settings(args: argparse.Namespace) -> CacheSettings:
-    """Cache settings from flags, then MOECHAT_* env, then config.toml: a bad value names its source."""
-    return layered_settings(args)[0]
-
-
 def layered_settings(args: argparse.Namespace) -> tuple[CacheSettings, float, str]:
     """(cache settings, --cpu-dequant-mib), each from flag > MOECHAT_* env > config.toml > default."""
     from .paths import app_paths

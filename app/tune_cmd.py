@@ -32,7 +32,16 @@ def run_tune(args: argparse.Namespace) -> int:
     from moechat.engine.loader import resolve_device
     from moechat.tuner.recommend import recommend
     from moechat.tuner.report import render, to_json
-    from moechat.tuner.sweep import ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone, SweepSettings, calibrate
+    from moechat.tuner.sweep import (
+        ArmDone,
+        ArmProgress,
+        ArmStarted,
+        Cancelled,
+        SweepDone,
+        SweepSettings,
+        calibrate,
+        forget_runs,
+    )  # fmt: skip
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
@@ -50,9 +59,7 @@ def run_tune(args: argparse.Namespace) -> int:
     )  # fmt: skip
     cache_dir = app_paths().cache
     if args.fresh:
-        import shutil
-
-        shutil.rmtree(cache_dir / "tune" / settings.key(), ignore_errors=True)
+        forget_runs(settings, cache_dir)
     err = Console(stderr=True)
     stop = threading.Event()
     done = None

@@ -81,6 +81,14 @@ def _geometry(lx: LayerExperts) -> tuple[object, ...]:
     return tuple((tuple(t.raw.shape), t.qtype) for t in (lx.gate, lx.up, lx.down))
 
 
+def layer_groups(host: HostExperts) -> list[list[int]]:
+    """Layers whose expert tensors have the same shapes and types, in layer order: one bank of slots each."""
+    by_geometry: dict[tuple[object, ...], list[int]] = {}
+    for layer, lx in sorted(host.layers.items()):
+        by_geometry.setdefault(_geometry(lx), []).append(layer)
+    return list(by_geometry.values())
+
+
 class ExpertCache:
     def __init__(self, host: HostExperts, n_expert_used: int, settings: CacheSettings) -> None:
         settings.validate()
@@ -110,11 +118,8 @@ class ExpertCache:
     # -- set-up --------------------------------------------------------------------------
 
     def _build_groups(self) -> None:
-        by_geometry: dict[tuple[object, ...], list[int]] = {}
-        for layer, lx in sorted(self.host.layers.items()):
-            by_geometry.setdefault(_geometry(lx), []).append(layer)
         sizes = []
-        for layers in by_geometry.values():
+        for layers in layer_groups(self.host):
             lx = self.host.layers[layers[0]]
             n_expert = lx.gate.raw.shape[0]
             sizes.append((layers, n_expert, lx.bytes_per_expert))

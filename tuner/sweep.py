@@ -25,7 +25,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from moechat.engine.expert_cache import CacheSettings
+from moechat.engine.expert_cache import CacheSettings, device_free_bytes, layer_groups
 from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
 from moechat.engine.loader import LoadedModel, load_model
 
@@ -142,28 +142,18 @@ def nice_mib(x: float) -> float:
 
 def available_mib(device: str) -> float:
     """Room for a cache on the device, leaving headroom for everything else."""
+    free = device_free_bytes(torch.device(device)) / 2**20
     if device == "cuda":
-        free, _ = torch.cuda.mem_get_info()
-        return max(0.0, free / 2**20 - 512)
-    try:
-        with open("/proc/meminfo") as f:
-            info = {line.split(":")[0]: int(line.split()[1]) for line in f}
-        avail = info["MemAvailable"] / 1024
-    except (OSError, KeyError, ValueError, IndexError):
-        return float("inf")
-    return max(0.0, 0.75 * avail - 1024)
+        return max(0.0, free - 512)
+    return max(0.0, 0.75 * free - 1024)  # host RAM: the model, the KV cache and everyone else live there too
 
 
 def min_cached_mib(lm: LoadedModel) -> float:
     """The smallest budget that caches every group (each group's slots hold one token's experts)."""
     host = lm.model.host_experts.layers
     total = sum(lx.bytes_per_expert * lx.gate.raw.shape[0] for lx in host.values())
-    by_geometry: dict[tuple[object, ...], list[int]] = {}
-    for layer, lx in host.items():
-        key = tuple((tuple(t.raw.shape), t.qtype) for t in (lx.gate, lx.up, lx.down))
-        by_geometry.setdefault(key, []).append(layer)
     need = 0.0
-    for layers in by_geometry.values():
+    for layers in layer_groups(lm.model.host_experts):
         lx = host[layers[0]]
         group_bytes = len(layers) * lx.bytes_per_expert * lx.gate.raw.shape[0]
         need = max(need, (lm.config.n_expert_used + 1) * lx.bytes_per_expert * total / group_bytes)
@@ -178,7 +168,7 @@ def calibrate(
     loaded: LoadedModel | None = None,
 ) -> Iterator[SweepEvent]:
     """Run (or reuse) the six arms; yields progress and, last, SweepDone."""
-    run_dir = cache_dir / "tune" / settings.key()
+    run_dir = runs_dir(settings, cache_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     own = loaded is None
     on_device = CacheSettings(mib=0, device=settings.device, load_mode=settings.load_mode)
@@ -293,5 +283,11 @@ def _atomic_write(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def clear_runs(cache_dir: Path) -> None:
-    shutil.rmtree(cache_dir / "tune", ignore_errors=True)
+def runs_dir(settings: SweepSettings, cache_dir: Path) -> Path:
+    """Where the arms of these settings are kept."""
+    return cache_dir / "tune" / settings.key()
+
+
+def forget_runs(settings: SweepSettings, cache_dir: Path) -> None:
+    """Drop the kept arms of these settings, so the next sweep measures again."""
+    shutil.rmtree(runs_dir(settings, cache_dir), ignore_errors=True)
