@@ -16,6 +16,7 @@ from moechat.app.screens.wizard import TuneWizard
 from moechat.app.settings import Settings, resolve
 from moechat.app.tui import MoechatApp
 from moechat.widgets.dashboard import Dashboard
+from moechat.widgets.expert_heatmap import CACHED, ExpertHeatmap, heat_rows
 from moechat.widgets.layer_stats import LayerStats
 from testkit.fake_engine import FakeEngine
 from textual.pilot import Pilot
@@ -121,6 +122,35 @@ async def test_dashboard_updates_at_a_bounded_rate(tmp_path: Path) -> None:
         assert dash.updates <= elapsed / 0.25 + 3, (dash.updates, elapsed)
         layers = screen.query_one(LayerStats)
         assert layers.snapshot is not None and layers.snapshot.total.hits > 0
+
+
+async def test_dashboard_draws_the_final_snapshot(tmp_path: Path) -> None:
+    # The heat map redraws at most once a second; the end of a reply must still show its last state.
+    engine = FakeEngine([f" w{i}" for i in range(40)], delay=0.001)
+    app = make_app(tmp_path, engine, Settings(refresh_ms=250, n_predict=40))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "go")
+        final = engine.snapshot()
+        assert final is not None
+        heat = screen.query_one(ExpertHeatmap)
+        drawn = str(heat.content).splitlines()
+        assert drawn == [row.plain for row in heat_rows(final)]
+        layers = str(screen.query_one(LayerStats).content).splitlines()
+        assert len(layers) == len(final.layers) + 1
+        for line, ls in zip(layers[1:], final.layers, strict=True):
+            assert line.split()[0] == str(ls.layer)
+            assert line.split()[-3:] == [f"{100 * ls.total.hit_rate:.0f}", str(ls.total.cpu), str(ls.occupancy)]
+
+
+def test_heat_rows_mark_exactly_the_cached_experts() -> None:
+    snap = FakeEngine(["x"]).snapshot()
+    assert snap is not None
+    for row, ls in zip(heat_rows(snap), snap.layers, strict=True):
+        marked = {i for span in row.spans if span.style == CACHED for i in range(span.start, span.end)}
+        offset = len(f"{ls.layer:>3} ")
+        assert marked == {offset + e for e in ls.cached}
+        assert len(row.plain) == offset + len(ls.use_counts)
 
 
 async def test_engine_failure_is_shown_and_the_app_stays_usable(tmp_path: Path) -> None:

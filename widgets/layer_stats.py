@@ -3,17 +3,28 @@
 from __future__ import annotations
 
 from moechat.engine.stats import StatsSnapshot
-from rich.table import Table
 from rich.text import Text
 from textual.widgets import Static
 
 BAR = 12  # characters of the hit-rate bar
+HEADER = f"{'layer':>5} {'hit rate':<{BAR}} {'%':>4} {'cpu':>7} {'slots':>5}"
 
 
 def hit_bar(rate: float, width: int = BAR) -> Text:
     filled = round(rate * width)
     # Plain block characters and the 16 ANSI colours: readable without truecolor.
     return Text("█" * filled, style="green") + Text("░" * (width - filled), style="bright_black")
+
+
+def layer_rows(snap: StatsSnapshot) -> Text:
+    """The header and one fixed-width line per layer (a rich Table costs several times more to draw)."""
+    out = Text(HEADER, style="bold")
+    for ls in snap.layers:
+        tot = ls.total
+        out.append(f"\n{ls.layer:>5} ")
+        out.append_text(hit_bar(tot.hit_rate))
+        out.append(f" {100 * tot.hit_rate:>4.0f} {tot.cpu:>7} {ls.occupancy:>5}")
+    return out
 
 
 class LayerStats(Static):
@@ -26,16 +37,10 @@ class LayerStats(Static):
         self.snapshot: StatsSnapshot | None = None
 
     def show(self, snap: StatsSnapshot) -> None:
+        rows = len(snap.layers) + 1
+        # The height is known from the snapshot: fixing it spares the screen a relayout per update.
+        fixed = self.snapshot is not None and len(self.snapshot.layers) + 1 == rows
+        if not fixed:
+            self.styles.height = rows
         self.snapshot = snap
-        t = Table(box=None, padding=(0, 1), expand=False, show_edge=False)
-        t.add_column("layer", justify="right")
-        t.add_column("hit rate")
-        t.add_column("%", justify="right")
-        t.add_column("cpu", justify="right")
-        t.add_column("slots", justify="right")
-        for ls in snap.layers:
-            tot = ls.total
-            t.add_row(
-                str(ls.layer), hit_bar(tot.hit_rate), f"{100 * tot.hit_rate:.0f}", str(tot.cpu), str(ls.occupancy)
-            )
-        self.update(t)
+        self.update(layer_rows(snap), layout=not fixed)

@@ -30,7 +30,7 @@ if TYPE_CHECKING:
     from ..tui import MoechatApp
 
 
-TEXT_EVERY = 0.1  # seconds: streamed text reaches the screen in pieces, at most 10 a second
+TEXT_EVERY = 0.25  # seconds: streamed text reaches the screen in pieces, at most 4 a second
 
 
 class ChatInput(TextArea):
@@ -197,6 +197,7 @@ class ChatScreen(Screen[None]):
         first = last_post = last_text = 0.0
         n = 0
         pending = ""  # text not yet posted: the UI gets it in pieces at most TEXT_EVERY apart
+        text_every = min(every, TEXT_EVERY)
         try:
             for ev in engine.reply(prompt, params, n_predict, self.stop_event):
                 if isinstance(ev, TokenEvent):
@@ -206,10 +207,13 @@ class ChatScreen(Screen[None]):
                             first = time.perf_counter()
                     pending += ev.text
                     now = time.monotonic()
-                    if pending and now - last_text >= TEXT_EVERY:
+                    # Text and stats leave together when both are due, so the screen draws them in
+                    # one pass: each pass relays out the screen, the UI's main cost while streaming.
+                    stats_due = now - last_post >= every
+                    if pending and (stats_due or now - last_text >= text_every):
                         self.post_message(TokenText(pending))
                         pending, last_text = "", now
-                    if now - last_post >= every:
+                    if stats_due:
                         last_post = now
                         self._post_stats(n, first)
                 elif isinstance(ev, DoneEvent):
@@ -239,7 +243,7 @@ class ChatScreen(Screen[None]):
         self.moechat.session.add(msg.snapshot, msg.tokens, msg.tps)
         self.query_one(Dashboard).show(msg.snapshot, msg.tokens, msg.tps, msg.upload_mib_per_token, msg.final)
         if self.generating and msg.tps:
-            self.query_one("#status", Static).update(f"writing... {msg.tokens} tokens, {msg.tps:.1f} t/s")
+            self.query_one("#status", Static).update(f"writing... {msg.tokens} tokens, {msg.tps:.1f} t/s", layout=False)
 
     def on_context_trimmed(self, msg: ContextTrimmed) -> None:
         if msg.dropped:
