@@ -24,7 +24,8 @@ def heat_rows(snap: StatsSnapshot, max_columns: int = MAX_COLUMNS) -> list[Text]
         fold = max(1, math.ceil(n / max_columns))
         cached = set(ls.cached)
         line = Text(f"{ls.layer:>3} ")
-        run, run_cached = [], False  # characters of one style go in one span: far cheaper to draw
+        run: list[str] = []
+        run_cached = False  # characters of one style go in one span: far cheaper to draw
         for start in range(0, n, fold):
             span = range(start, min(n, start + fold))
             use = max(ls.use_counts[e] for e in span)
