@@ -4,8 +4,9 @@
 
 Models: the dense Gemma 3 270M file the demo is built from (llama.cpp cannot run our gemma3moe
 architecture), a generated MoE with Q8_0 experts (with and without --cpu-dequant-mib), and with
---big a generated model with Qwen3-30B-A3B's expert shapes (2048 hidden, 768 expert FFN, 128 experts, top-8) and
-6 layers in Q4_K, about 2 GB, so it does not fit in the CPU caches. Uses compare_llamacpp.compare
+--big generated models with Qwen3-30B-A3B's expert shapes (2048 hidden, 768 expert FFN, 128 experts, top-8):
+6 layers in Q4_K and 4 in Q8_0, 2.2 and 2.6 GB, so they do not fit in the CPU caches. Each runs on
+the exact path and with --cpu-kernels int4. Uses compare_llamacpp.compare
 (same token ids for both engines; logits agreement is reported too).
 """
 
@@ -40,7 +41,8 @@ def main() -> None:
     # llama.cpp cannot run the demo's own architecture (gemma3moe is ours), so the demo's side is
     # the dense Gemma 3 270M file it is built from, which both engines run.
     gemma = source_gguf(app_paths().cache)
-    runs: list[tuple[str, Path, float, str]] = [("Gemma 3 270M (the demo's source, dense)", gemma, 0.0, "exact")]
+    dense = "Gemma 3 270M (the demo's source, dense)"
+    runs: list[tuple[str, Path, float, str]] = [(dense, gemma, 0.0, "exact"), (dense + ", int4", gemma, 0.0, "int4")]
     with tempfile.TemporaryDirectory() as tmp:
         from testkit.ggufgen import Q, tiny_moe
 
@@ -49,12 +51,17 @@ def main() -> None:
         runs += [
             ("generated MoE, Q8_0, exact", small, 0.0, "exact"),
             ("generated MoE, Q8_0, --cpu-dequant-mib 512", small, 512.0, "exact"),
+            ("generated MoE, Q8_0, --cpu-kernels int4", small, 0.0, "int4"),
         ]
         if args.big:
             big = tiny_moe(Path(tmp) / "qwen3-shapes-q4k.gguf", n_layers=6, n_embd=2048, n_head=32, n_head_kv=4,
                            n_expert=128, n_expert_used=8, n_ff_exp=768, expert_type=Q.Q4_K, n_vocab=4096)  # fmt: skip
             label = f"Qwen3-30B-A3B shapes, 6 layers, Q4_K ({big.stat().st_size / 2**30:.1f} GiB)"
             runs += [(label, big, 0.0, "exact"), (label + ", --cpu-kernels int4", big, 0.0, "int4")]
+            big8 = tiny_moe(Path(tmp) / "qwen3-shapes-q8.gguf", n_layers=4, n_embd=2048, n_head=32, n_head_kv=4,
+                            n_expert=128, n_expert_used=8, n_ff_exp=768, expert_type=Q.Q8_0, n_vocab=4096)  # fmt: skip
+            label = f"Qwen3-30B-A3B shapes, 4 layers, Q8_0 ({big8.stat().st_size / 2**30:.1f} GiB)"
+            runs += [(label, big8, 0.0, "exact"), (label + ", --cpu-kernels int4", big8, 0.0, "int4")]
         print("| model | top-1 | pp t/s ours | pp t/s llama.cpp | ratio | tg t/s ours | tg t/s llama.cpp | ratio |")
         print("|---|---|---|---|---|---|---|---|")
         for label, path, dq, kernels in runs:

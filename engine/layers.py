@@ -21,6 +21,20 @@ def load_weight(gguf: GGUFFile, name: str, dtype: torch.dtype = torch.float32) -
     return dequantize(gguf.tensor_data(name), t.qtype).reshape(t.shape).to(dtype)
 
 
+class QuantRows:
+    """A quantized [rows, cols] matrix looked up row by row (an embedding without a float copy)."""
+
+    def __init__(self, gguf: GGUFFile, name: str) -> None:
+        t = gguf.tensors[name]
+        self.raw = torch.from_numpy(gguf.tensor_data(name))  # [rows, row bytes], a view of the map
+        self.qtype = t.qtype
+        self.shape = tuple(t.shape)
+        self.device = torch.device("cpu")
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.raw[rows], self.qtype)  # [T, cols]
+
+
 def maybe_weight(gguf: GGUFFile, name: str) -> torch.Tensor | None:
     return load_weight(gguf, name) if name in gguf.tensors else None
 

@@ -164,13 +164,16 @@ def load_model(
             raise ValueError(f"--cpu-dequant-mib must be >= 0, got {cpu_dequant_mib}")
         if cpu_kernels not in ("exact", "int4"):
             raise ValueError(f"--cpu-kernels must be exact or int4, got '{cpu_kernels}'")
+        if cpu_kernels == "int4" and model.device.type == "cpu" and model.pack_ends(gguf):
+            logger.info("--cpu-kernels int4: the output projection runs packed")
         if cfg.is_moe and cpu_kernels == "int4":
-            # Packed experts take about what their quantized bytes take: room for all of them,
-            # plus any dequantized budget asked for the types the kernel does not take.
+            # Room for every expert packed (0.6 to 2.5 bytes a weight by type, on top of the file's
+            # mapped bytes: the documented price of the option), plus any dequantized budget asked.
             host = model.host_experts
-            packed = sum(lx.bytes_per_expert * lx.gate.raw.shape[0] for lx in host.layers.values())
+            packed = sum(t.packed_nbytes() for lx in host.layers.values() for t in (lx.gate, lx.up, lx.down))
             host.int4 = True
-            host.dequant = DequantCache(int(1.25 * packed + cpu_dequant_mib * 2**20))
+            host.dequant = DequantCache(int(packed + cpu_dequant_mib * 2**20))
+            logger.info("--cpu-kernels int4: packed experts may take up to %.0f MiB", packed / 2**20)
         elif cpu_dequant_mib > 0 and cfg.is_moe:
             model.host_experts.dequant = DequantCache(int(cpu_dequant_mib * 2**20))
         expert_cache = None

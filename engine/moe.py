@@ -67,8 +67,29 @@ class ExpertTensor:
     def bytes_per_expert(self) -> int:
         return int(self.raw[0].numel())
 
+    @property
+    def cols(self) -> int:
+        block, size = GGML_QUANT_SIZES[self.qtype]
+        return self.raw.shape[-1] // size * block
+
     def expert(self, e: int) -> torch.Tensor:
         return dequantize(self.raw[e], self.qtype)  # [rows, cols]
+
+    def packed(self, e: int) -> Weight:
+        """Expert e through torch's int4 kernel (exact codes, bf16 scales) where its type allows."""
+        from .fast_kernels import Int4Linear, int4_capable
+
+        rows = self.raw.shape[1]
+        return Int4Linear(self.raw[e], self.qtype) if int4_capable(self.qtype, rows, self.cols) else self.expert(e)
+
+    def packed_nbytes(self) -> int:
+        """Bytes of all experts of this tensor once packed (fp32 for the types the kernel does not take)."""
+        from .fast_kernels import int4_capable, packed_nbytes
+
+        n_expert, rows = self.raw.shape[0], self.raw.shape[1]
+        if int4_capable(self.qtype, rows, self.cols):
+            return n_expert * packed_nbytes(self.qtype, rows * self.cols)
+        return n_expert * rows * self.cols * 4
 
 
 @dataclass(frozen=True)
@@ -189,13 +210,7 @@ class HostExperts:
             return None
         lx = self.layers[layer]
         if self.int4:
-            from .fast_kernels import Int4Linear, int4_capable
-
-            def make(t: ExpertTensor, e: int) -> Weight:
-                k = t.raw.shape[-1] // GGML_QUANT_SIZES[t.qtype][1] * GGML_QUANT_SIZES[t.qtype][0]
-                return Int4Linear(t.raw[e], t.qtype) if int4_capable(t.qtype, k) else t.expert(e)
-
-            return lambda e: cache.get((layer, e), lambda: (make(lx.gate, e), make(lx.up, e), make(lx.down, e)))
+            return lambda e: cache.get((layer, e), lambda: (lx.gate.packed(e), lx.up.packed(e), lx.down.packed(e)))
         return lambda e: cache.get((layer, e), lambda: (lx.gate.expert(e), lx.up.expert(e), lx.down.expert(e)))
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

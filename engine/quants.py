@@ -243,28 +243,86 @@ def dequantize(raw: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType) -> t
     return out.reshape(*lead, row_bytes // type_size * block)
 
 
-INT4_TYPES = (Q.Q4_0, Q.Q4_K)
+# Types whose weights are w = scale * q - minv with integer codes q and one (scale, minv) per 32
+# consecutive values of a row: these can run through integer kernels with their codes intact.
+# Q6_K and Q3_K scale every 16 values by a small integer times the block's d: their codes here
+# are that integer times the stored code (13 and 8 bits), so one scale, d, covers the group.
+# Q2_K also has a min per 16 values, which no per-32 form can hold.
+CODE_GROUP_TYPES = frozenset(
+    {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4}
+)
 
 
-def int4_groups(raw: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The exact 4-bit codes of Q4_0 / Q4_K rows and their per-32 affine maps: w = scale * q - minv.
+def code_groups(raw: torch.Tensor, qtype: GGMLQuantizationType) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The exact integer codes of a quantized matrix and the affine map of each group of 32.
 
-    raw `[rows, row_bytes]` uint8 -> q int32 `[rows, K]` (0..15), scale and minv float32 `[rows, K / 32]`.
+    raw `[rows, row_bytes]` uint8 -> q int32 `[rows, K]`, scale and minv float32 `[rows, K / 32]`
+    such that scale * q - minv (each group's pair repeated over its 32 values) equals the
+    dequantizer's output bit for bit (Q6_K/Q3_K: the exact product, which ggml's order of
+    multiplication can round by one unit in the last place). Codes are signed for types without a min (Q8_0: -128..127,
+    IQ4: the code book's -127..113, MXFP4: the doubled e2m1 values -12..12) and 0..2^bits-1 for
+    types with one (Q4_1, Q5_1, Q4_K, Q5_K); minv is zero for the former.
     """
+    if qtype not in CODE_GROUP_TYPES:
+        raise ValueError(f"{qtype.name} has no per-32 integer form")
     type_size = GGML_QUANT_SIZES[qtype][1]
     rows = raw.shape[0]
     b = raw.reshape(-1, type_size)
     nb = b.shape[0]
+    minv: torch.Tensor | None = None
     if qtype == Q.Q4_0:
-        d = _f16(b, 0)  # [nb, 1]
-        q = _nibbles(b[:, 2:18])  # [nb, 32]
-        scale, minv = d, 8 * d
-    elif qtype == Q.Q4_K:
+        scale, q = _f16(b, 0), _nibbles(b[:, 2:18]).to(torch.int8) - 8
+    elif qtype == Q.Q4_1:
+        scale, minv, q = _f16(b, 0), -_f16(b, 2), _nibbles(b[:, 4:20])
+    elif qtype == Q.Q5_0:
+        scale, q = _f16(b, 0), (_nibbles(b[:, 6:22]) | (_bits(b[:, 2:6], 32) << 4)).to(torch.int8) - 16
+    elif qtype == Q.Q5_1:
+        scale, minv, q = _f16(b, 0), -_f16(b, 2), _nibbles(b[:, 8:24]) | (_bits(b[:, 4:8], 32) << 4)
+    elif qtype == Q.Q8_0:
+        scale, q = _f16(b, 0), b[:, 2:34].view(torch.int8)
+    elif qtype in (Q.Q4_K, Q.Q5_K):
         d, dmin = _f16(b, 0), _f16(b, 2)
         sc, mn = _k_scales(b[:, 4:16])
-        qs = b[:, 16:144].reshape(nb, 4, 1, 32)
-        q = torch.cat([qs & 0xF, qs >> 4], dim=2).reshape(nb, 256)  # groups of 32 follow sub-blocks 0..7
-        scale, minv = d * sc.float(), dmin * mn.float()  # [nb, 8]
-    else:
-        raise ValueError(f"{qtype.name} has no 4-bit form")
-    return q.reshape(rows, -1).to(torch.int32), scale.reshape(rows, -1), minv.reshape(rows, -1)
+        scale, minv = d * sc.float(), dmin * mn.float()  # [nb, 8]: sub-blocks in order
+        if qtype == Q.Q4_K:
+            qs = b[:, 16:144].reshape(nb, 4, 1, 32)
+            q = torch.cat([qs & 0xF, qs >> 4], dim=2)
+        else:
+            qs = b[:, 48:176].reshape(nb, 4, 1, 32)
+            hbit = (b[:, 16:48].reshape(nb, 1, 1, 32) >> _arange_u8(tuple(range(8)), b).reshape(1, 4, 2, 1)) & 1
+            q = torch.cat([qs & 0xF, qs >> 4], dim=2) | (hbit << 4)
+    elif qtype == Q.Q6_K:
+        ql = b[:, 0:128].reshape(nb, 2, 1, 2, 32)
+        high2 = (b[:, 128:192].reshape(nb, 2, 1, 32) >> _arange_u8((0, 2, 4, 6), b).reshape(1, 1, 4, 1)) & 3
+        q6 = (torch.cat([ql & 0xF, ql >> 4], dim=2).reshape(nb, 2, 4, 32) | (high2 << 4)).int() - 32
+        sc = b[:, 192:208].view(torch.int8).int().reshape(nb, 2, 4, 2, 1)
+        scale, q = _f16(b, 208).expand(nb, 8), sc * q6.reshape(nb, 2, 4, 2, 16)
+    elif qtype == Q.Q3_K:
+        s3 = b[:, 96:108]
+        low = _nibbles(s3[:, 0:8])
+        high = ((s3[:, 8:12].unsqueeze(1) >> _arange_u8((0, 2, 4, 6), b).reshape(1, 4, 1)) & 3).reshape(nb, 16)
+        sc = ((low | (high << 4)).int() - 32).reshape(nb, 2, 4, 2, 1)
+        shifts = _arange_u8((0, 2, 4, 6), b).reshape(1, 1, 4, 1)
+        q3 = ((b[:, 32:96].reshape(nb, 2, 1, 32) >> shifts) & 3).int()
+        hbit = (b[:, 0:32].reshape(nb, 1, 1, 32) >> _arange_u8(tuple(range(8)), b).reshape(1, 2, 4, 1)) & 1
+        q3 = q3 - 4 + 4 * hbit.int()
+        scale, q = _f16(b, 108).expand(nb, 8), sc * q3.reshape(nb, 2, 4, 2, 16)
+    elif qtype == Q.IQ4_NL:
+        kv = _const(_IQ4_NL_VALUES, torch.int32, str(b.device))
+        scale, q = _f16(b, 0), kv[_nibbles(b[:, 2:18]).long()]
+    elif qtype == Q.IQ4_XS:
+        d = _f16(b, 0)
+        scales_h = b[:, 2].int() | (b[:, 3].int() << 8)
+        low = _nibbles(b[:, 4:8]).reshape(nb, 2, 4).transpose(1, 2).reshape(nb, 8).int()
+        high = (scales_h.unsqueeze(1) >> (2 * torch.arange(8, device=b.device))) & 3
+        scale = d * ((low | (high << 4)) - 32).float()  # [nb, 8]
+        kv = _const(_IQ4_NL_VALUES, torch.int32, str(b.device))
+        q = kv[_nibbles(b[:, 8:136].reshape(nb, 8, 16)).long()]
+    else:  # MXFP4
+        e = b[:, 0:1].int()
+        scale = torch.where(e < 2, 0x00200000 << e, (e - 1) << 23).view(torch.float32)
+        kv = _const(_MXFP4_VALUES, torch.int32, str(b.device))
+        q = kv[_nibbles(b[:, 1:17]).long()]
+    scale = scale.reshape(rows, -1)
+    minv_out = torch.zeros_like(scale) if minv is None else minv.reshape(rows, -1)
+    return q.reshape(rows, -1).to(torch.int32), scale, minv_out

@@ -6,7 +6,9 @@ router bias) and by the config (sliding-window layers, gating), never by the mod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -14,7 +16,17 @@ from torch.nn import functional as F
 
 from ..config import ModelConfig
 from ..gguf_file import GGUFFile
-from ..layers import KVCache, LayerCache, Rope, attention, load_weight, maybe_weight, move_tensors, rms_norm
+from ..layers import (
+    KVCache,
+    LayerCache,
+    QuantRows,
+    Rope,
+    attention,
+    load_weight,
+    maybe_weight,
+    move_tensors,
+    rms_norm,
+)
 from ..moe import Activation, ExpertExecutor, HostExperts, load_layer_experts, route, swiglu
 
 
@@ -78,10 +90,11 @@ class DecoderBase(nn.Module):
     """What every decoder offers generation: its device, the routing of the last step, the end hook."""
 
     cfg: ModelConfig
-    embed: torch.Tensor  # [V, E]
+    embed: torch.Tensor | QuantRows  # [V, E]
     norm: torch.Tensor
-    output: torch.Tensor  # [V, E]; the embedding itself when the file ties them
+    output: torch.Tensor | QuantRows  # [V, E]; the embedding itself when the file ties them
     experts: ExpertExecutor
+    head_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # the output projection, packed
 
     def _load_ends(self, gguf: GGUFFile) -> None:
         """The token embedding, the final norm and the output projection."""
@@ -90,9 +103,31 @@ class DecoderBase(nn.Module):
         out = maybe_weight(gguf, "output.weight")
         self.output = out if out is not None else self.embed
 
+    def pack_ends(self, gguf: GGUFFile) -> bool:
+        """--cpu-kernels int4 on the CPU: the output projection through the int4 kernel, and the
+        embedding looked up from the file's rows, so no float copy of either stays in memory.
+
+        The vocabulary projection is the largest matrix a small model reads per token (Gemma 3
+        270M: 262k x 640, 671 MB in fp32). False when the type has no packed form.
+        """
+        from ..fast_kernels import Int4Linear, int4_capable
+
+        name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
+        t = gguf.tensors[name]
+        if not int4_capable(t.qtype, t.shape[0], t.shape[1]):
+            return False
+        self.head_kernel = Int4Linear(torch.from_numpy(gguf.tensor_data(name)), t.qtype)
+        tied = self.output is self.embed
+        self.embed = QuantRows(gguf, "token_embd.weight")
+        self.output = self.embed if tied else QuantRows(gguf, name)
+        return True
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states [T, E] -> logits [T, V]."""
-        return F.linear(rms_norm(x, self.norm, self.cfg.norm_eps), self.output)
+        x = rms_norm(x, self.norm, self.cfg.norm_eps)
+        if self.head_kernel is not None:
+            return self.head_kernel(x)
+        return F.linear(x, cast(torch.Tensor, self.output))  # rows only come with a head kernel
 
     @property
     def device(self) -> torch.device:
