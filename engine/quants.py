@@ -248,7 +248,7 @@ def dequantize(raw: torch.Tensor | np.ndarray, qtype: GGMLQuantizationType) -> t
 # Q6_K and Q3_K scale every 16 values by a small integer times the block's d: their codes here
 # are that integer times the stored code (13 and 8 bits), so one scale, d, covers the group.
 # Q2_K also has a min per 16 values, which no per-32 form can hold.
-CODE_GROUP_TYPES = frozenset(
+CODE_GROUP_TYPES: frozenset[GGMLQuantizationType] = frozenset(
     {Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1, Q.Q8_0, Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q3_K, Q.IQ4_NL, Q.IQ4_XS, Q.MXFP4}
 )
 
