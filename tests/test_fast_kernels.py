@@ -18,7 +18,7 @@ BITS = {Q.Q4_0: 4, Q.Q4_1: 4, Q.Q4_K: 4, Q.Q5_0: 5, Q.Q5_1: 5, Q.Q5_K: 5, Q.Q8_0
         Q.MXFP4: 5, Q.Q3_K: 9, Q.Q6_K: 13}  # fmt: skip  # signed bits of the codes code_groups gives
 
 
-@pytest.mark.parametrize("qtype", sorted(CODE_GROUP_TYPES, key=lambda t: t.value))
+@pytest.mark.parametrize("qtype", sorted(CODE_GROUP_TYPES))
 def test_codes_are_exact_and_the_kernel_error_is_bf16_sized(qtype: Q) -> None:
     rng = np.random.default_rng(1)
     block, size = GGML_QUANT_SIZES[qtype]
