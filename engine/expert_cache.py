@@ -110,7 +110,14 @@ class ExpertCache:
         self.tokens = 0
         self.seconds = 0.0
         self.publisher = Publisher()
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="moechat-cpu") if self.share.q else None
+        # One worker with one intra-op thread: it runs beside the main thread, which drives the
+        # device (and on the CPU device computes too); two teams of intra-op threads on a small
+        # machine only oversubscribe it. The setting is per thread: the main thread keeps its own.
+        self._worker = (
+            ThreadPoolExecutor(1, thread_name_prefix="moechat-cpu", initializer=torch.set_num_threads, initargs=(1,))
+            if self.share.q
+            else None
+        )
         self._link_debt = 0.0  # seconds of emulated link time not yet waited
         self._lock = threading.Lock()  # guards the counters while a snapshot is taken
         self._trace = TraceWriter(settings.trace, self.trace_header()) if settings.trace else None

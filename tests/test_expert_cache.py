@@ -62,6 +62,11 @@ def test_cached_logits_are_bit_identical_on_the_cpu_device(tmp_path: Path) -> No
             b = cached.model(torch.tensor([t]), c2.pos, c2)
             assert torch.equal(a, b)
     assert cached.cache is not None and cached.cache.snapshot().total.cpu > 0
+    # The CPU share's worker runs its ops on one intra-op thread; the main thread keeps its own.
+    main_threads = torch.get_num_threads()
+    worker = cached.cache._worker
+    assert worker is not None and worker.submit(torch.get_num_threads).result() == 1
+    assert torch.get_num_threads() == main_threads
 
 
 def test_statistics_add_up_and_the_trace_replays_them(tmp_path: Path) -> None:
