@@ -33,7 +33,7 @@ class ContextFull(ValueError):
 class Model(Protocol):
     """What generation needs of a model: logits for tokens at a position, and an end-of-generation hook."""
 
-    def __call__(self, tokens: torch.Tensor, pos0: int, cache: KVCache) -> torch.Tensor: ...
+    def __call__(self, tokens: torch.Tensor, pos0: int, cache: KVCache, last_only: bool = False) -> torch.Tensor: ...
 
     def end_of_generation(self) -> None: ...
 
@@ -110,7 +110,9 @@ def prefill(
     for start in range(0, len(tokens), ubatch):
         if stop is not None and stop.is_set():
             raise Stopped(f"stopped after {start} of {len(tokens)} prompt tokens")
-        logits = model(ids[start : start + ubatch], cache.pos, cache)
+        # Only the prompt's last position is sampled from: the vocabulary projection of the
+        # others (262k x 640 per token on Gemma) would be most of a small model's prefill.
+        logits = model(ids[start : start + ubatch], cache.pos, cache, last_only=True)
     if logits is None:
         raise ValueError("empty prompt")
     return logits[-1]

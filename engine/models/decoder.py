@@ -205,10 +205,10 @@ class MoeDecoder(DecoderBase):
         self.rope.to(device)
         return self
 
-    def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """tokens [T] at positions pos0.. -> logits [T, V]; appends to `cache`."""
         x = self.embed[tokens.to(self.embed.device)]  # [T, E]
         for i, block in enumerate(self.blocks):
             x = block(x, pos0, cache.layers[i], self.rope, self.experts)
         cache.pos = pos0 + tokens.shape[0]
-        return self.head(x)
+        return self.head(x[-1:] if last_only else x)  # [T or 1, V]

@@ -103,9 +103,9 @@ class Gemma3(DecoderBase):
             r.to(device)
         return self
 
-    def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         x = self.embed[tokens.to(self.embed.device)] * self.embed_scale  # [T, E]
         for i, block in enumerate(self.blocks):
             x = block(x, pos0, cache.layers[i], self.rope, self.experts)
         cache.pos = pos0 + tokens.shape[0]
-        return self.head(x)
+        return self.head(x[-1:] if last_only else x)  # [T or 1, V]
