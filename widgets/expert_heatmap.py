@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import math
-import time
+from itertools import groupby
+from operator import itemgetter
 
 from moechat.engine.stats import StatsSnapshot
 from rich.text import Text
 from textual.widgets import Static
+
+from .redraw import Throttle, update_fixed
 
 SHADES = " .:-=+*#%@"
 MAX_COLUMNS = 64  # wider layers are folded: a column then shows the busiest of its experts
@@ -24,22 +27,17 @@ def heat_rows(snap: StatsSnapshot, max_columns: int = MAX_COLUMNS) -> list[Text]
         fold = max(1, math.ceil(n / max_columns))
         cached = set(ls.cached)
         line = Text(f"{ls.layer:>3} ")
-        run: list[str] = []
-        run_cached = False  # characters of one style go in one span: far cheaper to draw
+        cells = []
         for start in range(0, n, fold):
             span = range(start, min(n, start + fold))
             use = max(ls.use_counts[e] for e in span)
             level = 0 if use == 0 else 1 + int(scale * math.log1p(use))
             char = SHADES[min(level, len(SHADES) - 1)]
             # Cached experts stand out in reverse video: visible in 16 colours and in monochrome.
-            is_cached = not cached.isdisjoint(span)
-            if run and is_cached != run_cached:
-                line.append("".join(run), style=CACHED if run_cached else "")
-                run = []
-            run.append(char if char != " " else "·")
-            run_cached = is_cached
-        if run:
-            line.append("".join(run), style=CACHED if run_cached else "")
+            cells.append((char if char != " " else "·", not cached.isdisjoint(span)))
+        # Characters of one style go in one span: far cheaper to draw than a span each.
+        for is_cached, run in groupby(cells, key=itemgetter(1)):
+            line.append("".join(c for c, _ in run), style=CACHED if is_cached else "")
         rows.append(line)
     return rows
 
@@ -50,19 +48,10 @@ class ExpertHeatmap(Static):
     def __init__(self, **kw: object) -> None:
         super().__init__("", **kw)  # type: ignore[arg-type]
         self.snapshot: StatsSnapshot | None = None
-        self._drawn = 0.0
+        self._redraw = Throttle(REDRAW_EVERY)
 
     def show(self, snap: StatsSnapshot, *, final: bool = False) -> None:
         """Keep the snapshot; redraw at most once a second, and always for the final one."""
-        now = time.monotonic()
-        first = self.snapshot is None
-        if not (first or final or now - self._drawn >= REDRAW_EVERY):
-            self.snapshot = snap
-            return
-        self._drawn = now
-        # A fixed height (one row per layer) lets updates redraw without relaying out the screen.
-        fixed = not first and self.snapshot is not None and len(self.snapshot.layers) == len(snap.layers)
-        if not fixed:
-            self.styles.height = max(1, len(snap.layers))
         self.snapshot = snap
-        self.update(Text("\n").join(heat_rows(snap)), layout=not fixed)
+        if self._redraw.due(force=final):
+            update_fixed(self, Text("\n").join(heat_rows(snap)), max(1, len(snap.layers)))

@@ -6,6 +6,8 @@ from moechat.engine.stats import StatsSnapshot
 from rich.text import Text
 from textual.widgets import Static
 
+from .redraw import update_fixed
+
 BAR = 12  # characters of the hit-rate bar
 HEADER = f"{'layer':>5} {'hit rate':<{BAR}} {'%':>4} {'cpu':>7} {'slots':>5}"
 
@@ -37,10 +39,5 @@ class LayerStats(Static):
         self.snapshot: StatsSnapshot | None = None
 
     def show(self, snap: StatsSnapshot) -> None:
-        rows = len(snap.layers) + 1
-        # The height is known from the snapshot: fixing it spares the screen a relayout per update.
-        fixed = self.snapshot is not None and len(self.snapshot.layers) + 1 == rows
-        if not fixed:
-            self.styles.height = rows
         self.snapshot = snap
-        self.update(layer_rows(snap), layout=not fixed)
+        update_fixed(self, layer_rows(snap), len(snap.layers) + 1)

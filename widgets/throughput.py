@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from collections import deque
 
 from textual_plotext import PlotextPlot
+
+from .redraw import Throttle
 
 POINTS = 300
 REDRAW_EVERY = 1.0  # seconds
@@ -17,7 +18,7 @@ class ThroughputPlot(PlotextPlot):
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.points: deque[tuple[int, float]] = deque(maxlen=POINTS)
-        self._drawn = 0.0
+        self._redraw = Throttle(REDRAW_EVERY)
 
     def on_mount(self) -> None:
         self.plt.title("tokens/s")
@@ -25,10 +26,8 @@ class ThroughputPlot(PlotextPlot):
     def add(self, tokens: int, tps: float, *, final: bool = False) -> None:
         """Record a point; redraw at most once a second (plotext drawing is the dashboard's costliest part)."""
         self.points.append((tokens, tps))
-        now = time.monotonic()
-        if not final and now - self._drawn < REDRAW_EVERY:
+        if not self._redraw.due(force=final):
             return
-        self._drawn = now
         self.plt.clear_data()
         if len(self.points) >= 2:
             self.plt.plot([p[0] for p in self.points], [p[1] for p in self.points], marker="braille")
