@@ -32,7 +32,7 @@ class Int4Linear:
     # int32 codes of a 262k-row vocabulary at once would take GBs
 
     def __init__(self, raw: torch.Tensor, qtype: GGMLQuantizationType) -> None:
-        self.planes = MAX_PLANES.get(qtype, 2)
+        self.planes = planes_for(qtype)
         packed, sz = [], []
         for start in range(0, raw.shape[0], self.CHUNK):
             p, z = _pack(raw[start : start + self.CHUNK], qtype, self.planes)
@@ -62,6 +62,10 @@ UNSIGNED_4BIT = frozenset({Q.Q4_1, Q.Q4_K})
 PLANE_BYTES_PER_WEIGHT = 0.5 + 4 / GROUP  # a nibble, plus a bf16 (scale, zero) per group of 32
 
 
+def planes_for(qtype: GGMLQuantizationType) -> int:
+    return MAX_PLANES.get(qtype, 2)
+
+
 def _pack(raw: torch.Tensor, qtype: GGMLQuantizationType, n_planes: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Rows of a quantized matrix -> (packed codes [N, P*K/2] uint8, scales and zeros [P*K/32, N, 2] bf16)."""
     q, scale, minv = code_groups(raw, qtype)  # [N, K], [N, K/32] x 2
@@ -89,7 +93,7 @@ def _pack(raw: torch.Tensor, qtype: GGMLQuantizationType, n_planes: int) -> tupl
 
 def packed_nbytes(qtype: GGMLQuantizationType, n_weights: int) -> int:
     """Upper bound of the bytes an expert matrix of this type takes once packed."""
-    return int(MAX_PLANES.get(qtype, 2) * PLANE_BYTES_PER_WEIGHT * n_weights)
+    return int(planes_for(qtype) * PLANE_BYTES_PER_WEIGHT * n_weights)
 
 
 def int4_capable(qtype: GGMLQuantizationType, n: int, k: int) -> bool:

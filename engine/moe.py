@@ -238,26 +238,22 @@ def run_experts(
     `ids` may live on the host while x is on a device: the row lookup then needs no device sync.
     """
     parts: list[Contribution] = []
-    if x.shape[0] == 1 and ids.device.type == "cpu":
-        # Decode: one token, so no row lookups; the same arithmetic as below, minus a nonzero
-        # and two gathers per expert (measurable at 270 experts per token on the demo).
-        row = ids[0].tolist()
-        tok = torch.zeros(1, dtype=torch.long, device=x.device)
-        for e in experts:
-            gate, up, down = fetch(e) if fetch is not None else (lx.gate.expert(e), lx.up.expert(e), lx.down.expert(e))
-            biases = tuple(t.bias[e] if t.bias is not None else None for t in (lx.gate, lx.up, lx.down))
-            j = row.index(e)
-            y = expert_ffn(x, gate, up, down, act, biases)
-            parts.append((e, tok, y * weights[:, j : j + 1]))
-        return parts
+    # Decode (one token, ids on the host): no row lookups, so no nonzero and no gathers per
+    # expert (measurable at 270 experts per token on the demo); the arithmetic is the same.
+    row = ids[0].tolist() if x.shape[0] == 1 and ids.device.type == "cpu" else None
+    only = torch.zeros(1, dtype=torch.long, device=x.device)
     for e in experts:
-        tok, slot = (ids == e).nonzero(as_tuple=True)  # rows routed to e
-        if tok.device != x.device:
-            tok, slot = tok.to(x.device, non_blocking=True), slot.to(x.device, non_blocking=True)
+        if row is not None:
+            j = row.index(e)
+            tok, xe, w = only, x, weights[:, j : j + 1]
+        else:
+            tok, slot = (ids == e).nonzero(as_tuple=True)  # rows routed to e
+            if tok.device != x.device:
+                tok, slot = tok.to(x.device, non_blocking=True), slot.to(x.device, non_blocking=True)
+            xe, w = x[tok], weights[tok, slot].unsqueeze(-1)
         gate, up, down = fetch(e) if fetch is not None else (lx.gate.expert(e), lx.up.expert(e), lx.down.expert(e))
         biases = tuple(t.bias[e] if t.bias is not None else None for t in (lx.gate, lx.up, lx.down))
-        y = expert_ffn(x[tok], gate, up, down, act, biases)
-        parts.append((e, tok, y * weights[tok, slot].unsqueeze(-1)))
+        parts.append((e, tok, expert_ffn(xe, gate, up, down, act, biases) * w))
     return parts
 
 

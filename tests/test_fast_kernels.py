@@ -9,7 +9,7 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from moechat.engine.expert_cache import CacheSettings
-from moechat.engine.fast_kernels import MAX_PLANES, Int4Linear, packed_nbytes
+from moechat.engine.fast_kernels import Int4Linear, packed_nbytes, planes_for
 from moechat.engine.loader import load_model
 from moechat.engine.quants import CODE_GROUP_TYPES, code_groups, dequantize
 from testkit.ggufgen import Q, random_blocks, tiny_moe
@@ -30,7 +30,7 @@ def test_codes_are_exact_and_the_kernel_error_is_bf16_sized(qtype: Q) -> None:
     # The codes and per-32 maps give back the reference dequantizer's values bit for bit.
     assert torch.equal(scale.repeat_interleave(32, 1) * q.float() - minv.repeat_interleave(32, 1), w)
     lin = Int4Linear(raw, qtype)
-    assert lin.planes <= MAX_PLANES.get(qtype, 2)
+    assert lin.planes <= planes_for(qtype)
     assert lin.nbytes <= packed_nbytes(qtype, n * k)
     x = torch.randn(5, k)
     ref = x @ w.T
