@@ -147,7 +147,8 @@ def load_model(
     gguf, cfg = open_model(path)
     try:
         family_for(gguf, cfg)  # refuse an unrunnable model before any other work or warning
-        check_context(cfg, n_ctx, torch.device(cache.device if cache is not None else "cpu"))
+        device = cache.device if cache is not None else "cpu"
+        check_context(cfg, n_ctx, torch.device(device))
         tok = Tokenizer.from_metadata(gguf.metadata, str(gguf.path))
         sp = tok.special
         template = load_chat_template(
@@ -156,16 +157,17 @@ def load_model(
             bos_token=tok.tokens[sp.bos] if sp.bos is not None else "",
             eos_token=tok.tokens[sp.eos] if sp.eos is not None else "",
         )
-        model = build_model(gguf, cfg, n_ctx)
-        if cache is not None and cache.device != "cpu":
-            model.to_device(torch.device(cache.device))
-        check_fit(gguf, cfg, model, tok)
         if cpu_dequant_mib < 0:
             raise ValueError(f"--cpu-dequant-mib must be >= 0, got {cpu_dequant_mib}")
         if cpu_kernels not in ("exact", "int4"):
             raise ValueError(f"--cpu-kernels must be exact or int4, got '{cpu_kernels}'")
-        if cpu_kernels == "int4" and model.device.type == "cpu" and model.pack_ends(gguf):
+        on_cpu = device == "cpu"
+        model = build_model(gguf, cfg, n_ctx, packed_ends=cpu_kernels == "int4" and on_cpu)
+        if model.head_kernel is not None:
             logger.info("--cpu-kernels int4: the output projection runs packed")
+        if not on_cpu:
+            model.to_device(torch.device(device))
+        check_fit(gguf, cfg, model, tok)
         if cfg.is_moe and cpu_kernels == "int4":
             # Room for every expert packed (0.6 to 2.5 bytes a weight by type, on top of the file's
             # mapped bytes: the documented price of the option), plus any dequantized budget asked.

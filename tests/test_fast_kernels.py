@@ -10,6 +10,7 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.fast_kernels import Int4Linear, packed_nbytes, planes_for
+from moechat.engine.layers import QuantRows
 from moechat.engine.loader import load_model
 from moechat.engine.quants import CODE_GROUP_TYPES, code_groups, dequantize
 from testkit.ggufgen import Q, random_blocks, tiny_moe
@@ -78,3 +79,22 @@ def test_packing_in_row_chunks_gives_the_same_matrix(monkeypatch: pytest.MonkeyP
     assert (chunked.n, chunked.k) == (96, 256)
     x = torch.randn(3, 256)
     assert torch.equal(chunked(x), whole(x))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_int4_packs_the_output_projection_and_reads_embedding_rows(tmp_path: Path, tied: bool) -> None:
+    # 1021 ranked tokens + 3 specials = 1024 rows: the kernel packs rows in 16s.
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_vocab=1021, ends_type=Q.Q8_0, tied=tied)
+    exact = load_model(path, n_ctx=64)
+    fast = load_model(path, n_ctx=64, cpu_kernels="int4")
+    assert exact.model.head_kernel is None and isinstance(exact.model.output, torch.Tensor)
+    assert fast.model.head_kernel is not None
+    assert isinstance(fast.model.embed, QuantRows) and (fast.model.output is fast.model.embed) == tied
+    ids = torch.tensor(exact.tokenizer.encode("The river rose in the spring and")[:10])
+    # The embedding rows read from the file are the dequantized ones, bit for bit.
+    assert torch.equal(fast.model.embed[ids], exact.model.embed[ids])
+    with torch.inference_mode():
+        a = exact.model(ids, 0, exact.new_cache())
+        b = fast.model(ids, 0, fast.new_cache())
+    assert a.shape == b.shape
+    assert float((b - a).norm() / a.norm()) < 0.02

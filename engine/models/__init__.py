@@ -35,6 +35,9 @@ def family_for(gguf: GGUFFile, cfg: ModelConfig) -> Family | None:
     return family
 
 
-def build_model(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int) -> MoeDecoder | Gemma3:
+def build_model(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, packed_ends: bool = False) -> MoeDecoder | Gemma3:
+    """`packed_ends`: the output projection through the int4 kernel (DecoderBase._load_ends)."""
     family = family_for(gguf, cfg)
-    return Gemma3(gguf, cfg, n_ctx) if family is None else MoeDecoder(gguf, cfg, n_ctx, family)
+    if family is None:
+        return Gemma3(gguf, cfg, n_ctx, packed_ends)
+    return MoeDecoder(gguf, cfg, n_ctx, family, packed_ends)

@@ -96,31 +96,27 @@ class DecoderBase(nn.Module):
     experts: ExpertExecutor
     head_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # the output projection, packed
 
-    def _load_ends(self, gguf: GGUFFile) -> None:
-        """The token embedding, the final norm and the output projection."""
-        self.embed = load_weight(gguf, "token_embd.weight")
-        self.norm = load_weight(gguf, "output_norm.weight")
-        out = maybe_weight(gguf, "output.weight")
-        self.output = out if out is not None else self.embed
+    def _load_ends(self, gguf: GGUFFile, packed: bool = False) -> None:
+        """The token embedding, the final norm and the output projection.
 
-    def pack_ends(self, gguf: GGUFFile) -> bool:
-        """--cpu-kernels int4 on the CPU: the output projection through the int4 kernel, and the
-        embedding looked up from the file's rows, so no float copy of either stays in memory.
-
-        The vocabulary projection is the largest matrix a small model reads per token (Gemma 3
-        270M: 262k x 640, 671 MB in fp32). False when the type has no packed form.
+        `packed` (--cpu-kernels int4 on the CPU): the output projection runs through the int4
+        kernel and the embedding is looked up from the file's rows, so no float copy of either
+        is ever made. The vocabulary projection is the largest matrix a small model reads per
+        token (Gemma 3 270M: 262k x 640, 671 MB in fp32). Types without a packed form load as usual.
         """
         from ..fast_kernels import Int4Linear, int4_capable
 
+        self.norm = load_weight(gguf, "output_norm.weight")
         name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
-        t = gguf.tensors[name]
-        if not int4_capable(t.qtype, t.shape[0], t.shape[1]):
-            return False
-        self.head_kernel = Int4Linear(torch.from_numpy(gguf.tensor_data(name)), t.qtype)
-        tied = self.output is self.embed
-        self.embed = QuantRows(gguf, "token_embd.weight")
-        self.output = self.embed if tied else QuantRows(gguf, name)
-        return True
+        t = gguf.tensors.get(name)
+        if packed and t is not None and int4_capable(t.qtype, t.shape[0], t.shape[1]):
+            self.head_kernel = Int4Linear(torch.from_numpy(gguf.tensor_data(name)), t.qtype)
+            self.embed = QuantRows(gguf, "token_embd.weight")
+            self.output = self.embed if name == "token_embd.weight" else QuantRows(gguf, name)
+            return
+        self.embed = load_weight(gguf, "token_embd.weight")
+        out = maybe_weight(gguf, "output.weight")
+        self.output = out if out is not None else self.embed
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states [T, E] -> logits [T, V]."""
@@ -189,10 +185,10 @@ class Block(nn.Module):
 class MoeDecoder(DecoderBase):
     """Token embedding -> blocks -> norm -> output projection, for the MoE families."""
 
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, family: Family) -> None:
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, family: Family, packed_ends: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
-        self._load_ends(gguf)
+        self._load_ends(gguf, packed_ends)
         self.blocks = nn.ModuleList(Block(gguf, cfg, i, family) for i in range(cfg.n_layers))
         self.rope = Rope(cfg.rope_dim, cfg.rope_theta, n_ctx, neox=family.neox_rope, cfg=cfg,
                          truncate=family.yarn_truncate)  # fmt: skip

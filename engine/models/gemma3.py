@@ -82,10 +82,10 @@ class _NoExperts:
 
 
 class Gemma3(DecoderBase):
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int) -> None:
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, packed_ends: bool = False) -> None:
         super().__init__()
         self.cfg = cfg
-        self._load_ends(gguf)
+        self._load_ends(gguf, packed_ends)
         self.embed_scale = math.sqrt(cfg.n_embd)
         self.blocks = nn.ModuleList(Block(gguf, cfg, i) for i in range(cfg.n_layers))
         rope_global = Rope(cfg.rope_dim, cfg.rope_theta, n_ctx, neox=True, cfg=cfg)

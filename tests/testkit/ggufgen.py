@@ -138,8 +138,13 @@ def tiny_moe(
     extra: Mapping[str, Any] | None = None,
     layer_expert_types: Mapping[int, GGMLQuantizationType] | None = None,
     logit_scale: float = 1.0,
+    ends_type: GGMLQuantizationType = Q.F32,
+    tied: bool = False,
 ) -> Path:
     """A small MoE model of `arch` with random weights and a real (truncated) Qwen vocabulary.
+
+    `ends_type` is the type of the token embedding and output projection; `tied` leaves the
+    output out, so the embedding serves as both (as Gemma's files do).
 
     Each architecture gets the tensors its family has: QK norms (per head for qwen3moe, whole
     projection for olmoe), biases and a shared expert (qwen2moe), sinks, router and expert
@@ -190,10 +195,16 @@ def tiny_moe(
         }
     meta |= dict(extra or {})
     t: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {
-        "token_embd.weight": dense(v, n_embd),
+        "token_embd.weight": (quantized((v, n_embd), ends_type, rng), ends_type),
         "output_norm.weight": norm(n_embd),
-        "output.weight": (quantized((v, n_embd), f32, rng) * logit_scale, f32),
+        "output.weight": (quantized((v, n_embd), ends_type, rng), ends_type),
     }
+    if logit_scale != 1.0:
+        if ends_type != f32:
+            raise ValueError("logit_scale needs float ends")
+        t["output.weight"] = (t["output.weight"][0] * logit_scale, f32)
+    if tied:
+        del t["output.weight"]
     biased = arch in ("qwen2moe", "gpt-oss")
     for i in range(n_layers):
         b = f"blk.{i}."
