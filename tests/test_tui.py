@@ -18,6 +18,7 @@ from moechat.app.tui import MoechatApp
 from moechat.widgets.dashboard import Dashboard
 from moechat.widgets.expert_heatmap import CACHED, ExpertHeatmap, heat_rows
 from moechat.widgets.layer_stats import LayerStats
+from moechat.widgets.throughput import thin
 from testkit.fake_engine import FakeEngine
 from textual.pilot import Pilot
 from textual.widgets import Markdown, Static
@@ -151,6 +152,16 @@ def test_heat_rows_mark_exactly_the_cached_experts() -> None:
         offset = len(f"{ls.layer:>3} ")
         assert marked == {offset + e for e in ls.cached}
         assert len(row.plain) == offset + len(ls.use_counts)
+
+
+def test_throughput_chart_thins_long_series_keeping_their_shape() -> None:
+    points = [(i, 10.0 + (i // 100)) for i in range(300)]  # three plateaus: 10, 11, 12 t/s
+    xs, ys = thin(points, 40)
+    assert len(xs) == len(ys) == 40
+    assert xs == sorted(xs) and xs[0] < 10 and xs[-1] > 290
+    assert ys[0] == 10.0 and ys[-1] == 12.0 and set(ys) >= {10.0, 11.0, 12.0}
+    assert abs(sum(ys) / len(ys) - 11.0) < 0.05
+    assert thin(points[:5], 40) == ([0.0, 1.0, 2.0, 3.0, 4.0], [10.0] * 5)  # short series: unchanged
 
 
 async def test_engine_failure_is_shown_and_the_app_stays_usable(tmp_path: Path) -> None:

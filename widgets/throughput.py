@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Sequence
 
 from textual_plotext import PlotextPlot
 
@@ -10,6 +11,23 @@ from .redraw import Throttle
 
 POINTS = 300
 REDRAW_EVERY = 1.0  # seconds
+
+
+def thin(points: Sequence[tuple[int, float]], n: int) -> tuple[list[float], list[float]]:
+    """At most `n` points: consecutive runs averaged (x and y), so the chart keeps its shape.
+
+    plotext's drawing time grows with the points given (44x12: 26 ms for 300, 5 ms for 10), and a
+    chart a few columns wide shows no more detail than one point per column.
+    """
+    n = max(n, 2)
+    if len(points) <= n:
+        return [float(p[0]) for p in points], [p[1] for p in points]
+    xs, ys = [], []
+    for i in range(n):
+        run = points[i * len(points) // n : (i + 1) * len(points) // n]
+        xs.append(sum(p[0] for p in run) / len(run))
+        ys.append(sum(p[1] for p in run) / len(run))
+    return xs, ys
 
 
 class ThroughputPlot(PlotextPlot):
@@ -30,5 +48,6 @@ class ThroughputPlot(PlotextPlot):
             return
         self.plt.clear_data()
         if len(self.points) >= 2:
-            self.plt.plot([p[0] for p in self.points], [p[1] for p in self.points], marker="braille")
+            xs, ys = thin(list(self.points), self.size.width)  # one a column
+            self.plt.plot(xs, ys, marker="braille")
         self.refresh()
