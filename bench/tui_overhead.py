@@ -1,14 +1,16 @@
 """Generation speed with the Textual app on vs headless, same model and prompt, alternating runs.
 
-    python bench/tui_overhead.py [--model MODEL.gguf] [--tokens 96] [--rounds 3]
+    python bench/tui_overhead.py [--model MODEL.gguf | --demo] [--tokens 96] [--rounds 3]
+
+--demo: the built-in demo with the settings `moechat` gives it (its fp32 expert cache).
 
 Headless: engine.generate() on the main thread, as `moechat run` does, on a model loaded afresh for
 the round (a cold expert cache, as each `moechat run` starts; a cache kept warm from earlier rounds
 made headless look up to 10% faster than the app, whose engine process also starts cold). TUI: the full app
 (headless terminal via App.run_test) with its engine process and the live dashboard, the reply
-typed in and streamed through Markdown. Both greedy, same cache; reports generation t/s of each
-round and the ratio. The generated model has no end-of-generation token in its routing path,
-so both write the full --tokens.
+typed in and streamed through Markdown. Both greedy through the same reply path (stop strings,
+end of generation), same cache; the two must write the same number of tokens. Reports
+generation t/s of each round and the ratio.
 """
 
 from __future__ import annotations
@@ -19,42 +21,47 @@ import resource
 import statistics
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from moechat.app.demo_model import resolve_model
 from moechat.app.engine_api import RealEngine
 from moechat.app.paths import AppPaths
 from moechat.app.screens.chat import ChatScreen
-from moechat.app.settings import Settings
+from moechat.app.settings import DEMO_CPU_DEQUANT_MIB, Settings
 from moechat.app.tui import MoechatApp, real_engine_factory
 from moechat.engine.expert_cache import CacheSettings
-from moechat.engine.generate import GREEDY, DoneEvent, generate
+from moechat.engine.generate import GREEDY, DoneEvent
 from moechat.engine.loader import load_model
 
 MIB = 64
-PROMPT = "Write a long story about a lighthouse keeper and the ships he watched."
+# The demo (a base model behind a plain User:/Assistant: format) writes 256 greedy tokens for this
+# one before any stop; a reply cut short would time a cold start, not the steady rate.
+PROMPT = "Describe, step by step and in detail, how bread is made at home."
 
 
-def headless(path: Path, n: int) -> float:
-    lm = load_model(path, n_ctx=1024, cache=CacheSettings(mib=MIB))
+def headless(path: Path, n: int, dequant_mib: float, prompt_text: str) -> tuple[float, int]:
+    """Generation t/s and tokens written, through the same reply path as the app (stop strings, EOS)."""
+    lm = load_model(path, n_ctx=1024, cache=CacheSettings(mib=MIB), cpu_dequant_mib=dequant_mib)
     engine = RealEngine(lm, CacheSettings())
     try:
-        prompt, _, _ = engine.fit_messages([{"role": "user", "content": PROMPT}])
-        for ev in generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=n, params=GREEDY,
-                           ignore_eos=True):  # fmt: skip
+        prompt, _, _ = engine.fit_messages([{"role": "user", "content": prompt_text}])
+        for ev in engine.reply(prompt, GREEDY, n, threading.Event()):
             if isinstance(ev, DoneEvent):
-                return ev.gen_tps
+                return ev.gen_tps, ev.n_generated
         raise RuntimeError("no DoneEvent")
     finally:
         engine.close()
 
 
-def with_tui(path: Path, n: int, home: Path) -> tuple[float, float]:
-    """Generation t/s in the app, and the UI process's CPU use (cores) while it streamed."""
+def with_tui(path: Path, n: int, home: Path, dequant_mib: float, prompt_text: str) -> tuple[float, int, float]:
+    """Generation t/s and tokens written in the app, and the UI process's CPU use (cores) while it streamed."""
     paths = AppPaths(home / "c", home / "d", home / "k", home / "l")
-    settings = Settings(n_predict=n, temp=0.0, moe_cache_mib=MIB, ctx_size=1024, device="cpu")
+    settings = Settings(n_predict=n, temp=0.0, moe_cache_mib=MIB, ctx_size=1024, device="cpu",
+                        cpu_dequant_mib=dequant_mib)  # fmt: skip
     # The app's own engine: the model in a child process, as `moechat` runs it.
     app = MoechatApp(real_engine_factory(str(path), settings, None), settings, paths=paths)
     result: list[float] = []
@@ -64,28 +71,32 @@ def with_tui(path: Path, n: int, home: Path) -> tuple[float, float]:
             while not (isinstance(app.screen, ChatScreen) and app.focused is not None and app.focused.id == "input"):
                 await pilot.pause(0.05)
             screen = app.screen
-            screen.query_one("#input").load_text(PROMPT)
+            screen.query_one("#input").load_text(prompt_text)
             cpu0, t0 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             await pilot.press("enter")
             while len(screen.conv.messages) < 2 or screen.generating:
                 await asyncio.sleep(0.05)
             cpu1, t1 = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
             ui = (cpu1.ru_utime + cpu1.ru_stime - cpu0.ru_utime - cpu0.ru_stime) / (t1 - t0)
-            result.append(screen.conv.messages[-1]["stats"]["gen_tps"])
-            result.append(ui)
+            stats = screen.conv.messages[-1]["stats"]
+            result.extend([stats["gen_tps"], stats["n_generated"], ui])
 
     asyncio.run(run())
-    return result[0], result[1]
+    return result[0], int(result[1]), result[2]
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--model", default=None)
+    ap.add_argument("--demo", action="store_true", help="the built-in demo, with its default fp32 expert cache")
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        if args.model:
+        dequant_mib = 0.0
+        if args.demo:
+            path, dequant_mib = resolve_model(None), DEMO_CPU_DEQUANT_MIB
+        elif args.model:
             path = Path(args.model)
         else:
             from testkit.ggufgen import tiny_moe
@@ -95,10 +106,12 @@ def main() -> None:
         rows = []
         for r in range(args.rounds):
             t0 = time.perf_counter()
-            a = headless(path, args.tokens)
-            b, ui = with_tui(path, args.tokens, Path(tmp) / f"h{r}")
+            a, na = headless(path, args.tokens, dequant_mib, PROMPT)
+            b, nb, ui = with_tui(path, args.tokens, Path(tmp) / f"h{r}", dequant_mib, PROMPT)
+            if na != nb:  # greedy on both sides: the same reply, unless one was cut short
+                raise SystemExit(f"headless wrote {na} tokens, the app {nb}: not comparable")
             rows.append((a, b))
-            print(f"round {r + 1}: headless {a:6.1f} t/s, TUI {b:6.1f} t/s, ratio {b / a:.3f}, UI process CPU "
+            print(f"round {r + 1}: {na} tokens, headless {a:6.1f} t/s, TUI {b:6.1f} t/s, ratio {b / a:.3f}, UI CPU "
                   f"{100 * ui:.0f}% of a core "
                   f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
         ratios = [b / a for a, b in rows]
