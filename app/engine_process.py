@@ -48,6 +48,7 @@ class EngineSpec:
     ctx_source: str = "default"  # where ctx_size came from, for the error if it does not fit
     cpu_dequant_mib: float = 0.0
     cpu_kernels: str = "exact"
+    threads: int = 0
 
 
 class EngineProcessError(RuntimeError):
@@ -57,12 +58,13 @@ class EngineProcessError(RuntimeError):
 def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
     """The child: load the model, then answer calls until "close" or the pipe closes."""
     from moechat.engine.expert_cache import CacheSettings
-    from moechat.engine.loader import load_model, resolve_device
+    from moechat.engine.loader import load_model, resolve_device, set_threads
 
     from .demo_model import resolve_model_quiet
     from .engine_api import RealEngine
 
     try:
+        set_threads(spec.threads)
         path = resolve_model_quiet(spec.model, lambda text: conn.send(("progress", text)))
         conn.send(("progress", f"loading {path.name}..."))
         base = CacheSettings(mib=spec.mib, cpu_share=spec.share, device=resolve_device(spec.device),

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
-from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, resolve_device
+from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, resolve_device, set_threads
 
 from .demo_model import resolve_model
 from .settings import SPEC, Settings, for_demo, resolve
@@ -44,6 +44,8 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
                    help="keep up to N MiB of dequantized experts for CPU compute (exact; 0 = off)")  # fmt: skip
     p.add_argument("--cpu-kernels", choices=("exact", "int4"), default=None,
                    help="CPU expert kernels: exact (default) or int4 (faster on Q4_0/Q4_K, not bit-exact)")  # fmt: skip
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for the engine (default 0: one per core)")  # fmt: skip
     p.add_argument("--refresh-ms", type=int, default=None, help="dashboard refresh interval (default 250)")
     p.add_argument("--theme", default=None, help="Textual theme (remembered in config.toml)")
     p.add_argument("--config", default=None, metavar="PATH", help="config.toml to read (default: the config dir)")
@@ -81,6 +83,7 @@ def run_chat(args: argparse.Namespace) -> int:
         device=resolve_device(settings.device), emulate_link_gbps=settings.emulate_link_gbps,
     )  # fmt: skip
     cache.validate()
+    set_threads(settings.threads)
     try:
         lm = load_model(resolve_model(args.model), n_ctx=settings.ctx_size, chat_template=args.chat_template,
                         cache=cache, cpu_dequant_mib=settings.cpu_dequant_mib,

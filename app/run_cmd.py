@@ -10,7 +10,7 @@ from pathlib import Path
 
 from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
-from moechat.engine.loader import load_model, resolve_device
+from moechat.engine.loader import load_model, resolve_device, set_threads
 
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
@@ -49,14 +49,18 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
                    "bf16 activations: faster, not bit-exact)")  # fmt: skip
     p.add_argument("--emulate-link-gbps", type=float, default=None, metavar="X",
                    help="CPU device: make each upload also cost bytes / X GB/s, like a PCIe link")  # fmt: skip
+    p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
+                   help="CPU threads for the engine (default 0: one per core; env MOECHAT_THREADS)")  # fmt: skip
 
 
 def layered_settings(args: argparse.Namespace) -> tuple[CacheSettings, float, str]:
-    """(cache settings, --cpu-dequant-mib), each from flag > MOECHAT_* env > config.toml > default."""
+    """(cache settings, --cpu-dequant-mib, --cpu-kernels), each from flag > MOECHAT_* env >
+    config.toml > default; --threads applies to this process here."""
     from .paths import app_paths
     from .settings import resolve
 
-    names = ("device", "moe_cache_mib", "moe_cache_cpu_share", "emulate_link_gbps", "cpu_dequant_mib", "cpu_kernels")
+    names = ("device", "moe_cache_mib", "moe_cache_cpu_share", "emulate_link_gbps", "cpu_dequant_mib", "cpu_kernels",
+             "threads")  # fmt: skip
     layered, warnings = resolve(
         {n: getattr(args, n, None) for n in names}, config_path=app_paths().config / "config.toml"
     )
@@ -72,6 +76,7 @@ def layered_settings(args: argparse.Namespace) -> tuple[CacheSettings, float, st
         emulate_link_gbps=layered.emulate_link_gbps, trace=Path(trace) if trace else None, load_mode=args.load_mode,
     )  # fmt: skip
     settings.validate()
+    set_threads(layered.threads)
     from .settings import for_demo
 
     return settings, for_demo(layered, getattr(args, "model", None)).cpu_dequant_mib, layered.cpu_kernels

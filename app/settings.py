@@ -43,6 +43,7 @@ SPEC: dict[str, tuple[type, Callable[[Any], bool], str]] = {
     "emulate_link_gbps": (float, _nonneg, ">= 0"),
     "cpu_dequant_mib": (float, _nonneg, ">= 0"),
     "cpu_kernels": (str, lambda v: v in ("exact", "int4"), "exact or int4"),
+    "threads": (int, lambda v: 0 <= v <= 1024, "in 0..1024 (0: one per core)"),
     "ctx_size": (int, lambda v: 16 <= v <= 1 << 20, "in 16..1048576"),
     "n_predict": (int, lambda v: v > 0, "> 0"),
     "temp": (float, _nonneg, ">= 0"),
@@ -63,6 +64,7 @@ class Settings:
     emulate_link_gbps: float = 0.0
     cpu_dequant_mib: float = 0.0
     cpu_kernels: str = "exact"
+    threads: int = 0  # torch's intra-op threads for the engine; 0: torch's default
     ctx_size: int = 4096
     n_predict: int = 512
     temp: float = 0.7

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -159,6 +160,7 @@ class MoechatApp(App[int]):
                 yield SystemCommand(title, help_text, action)
 
     def on_unmount(self) -> None:
+        gc.unfreeze()  # the chat screen froze the heap for the app's lifetime; it ends here
         if self.engine is not None:
             self.engine.close()
 
@@ -173,7 +175,8 @@ def real_engine_factory(model: str | None, settings: Settings, chat_template: st
 
         spec = EngineSpec(model, settings.ctx_size, chat_template, resolve_device(settings.device),
                           settings.moe_cache_mib, settings.moe_cache_cpu_share, settings.emulate_link_gbps,
-                          settings.source("ctx_size"), settings.cpu_dequant_mib, settings.cpu_kernels)  # fmt: skip
+                          settings.source("ctx_size"), settings.cpu_dequant_mib, settings.cpu_kernels,
+                          settings.threads)  # fmt: skip
         return ProcessEngine(spec, progress)
 
     return build

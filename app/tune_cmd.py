@@ -29,7 +29,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from moechat.engine.loader import resolve_device
+    from moechat.engine.loader import resolve_device, set_threads
     from moechat.tuner.recommend import recommend
     from moechat.tuner.report import render, to_json
     from moechat.tuner.sweep import (
@@ -51,6 +51,7 @@ def run_tune(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens must be at least --warmup + 8 = {args.warmup + 8}, got {args.tokens}")
     if args.max_mib is not None and args.max_mib <= 0:
         raise ValueError(f"--max-mib must be > 0, got {args.max_mib}")
+    set_threads(args.threads or 0)  # the arms run in this process: their timings use these threads
     model = Path(resolve_model(args.model))
     settings = SweepSettings(
         model=model, device=resolve_device(args.device), n_ctx=args.ctx_size,

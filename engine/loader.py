@@ -85,6 +85,18 @@ def resolve_device(name: str) -> str:
     return name
 
 
+def set_threads(n: int) -> int:
+    """torch's intra-op threads for this process: n > 0 sets them, 0 keeps torch's default (one
+    per core). Returns the count in use. Fewer than the cores leaves room for other work (the
+    app's UI), at the engine's cost: on 2 cores, decode with 1 thread runs 1.4x slower."""
+    if n < 0:
+        raise ValueError(f"--threads must be >= 0, got {n}")
+    if n > 0:
+        torch.set_num_threads(n)
+    logger.info("%d intra-op threads", torch.get_num_threads())
+    return torch.get_num_threads()
+
+
 class ContextTooLarge(ValueError):
     """The KV cache of the asked context does not fit in the device's memory."""
 

@@ -61,6 +61,15 @@ def test_run_each_architecture(arch: str, tmp_path: Path) -> None:
     assert "prompt: " in r.stderr and "generation: 10 tokens" in r.stderr
 
 
+def test_threads_flag_sets_the_engine_threads(tmp_path: Path) -> None:
+    model = tiny_moe(tmp_path / "m.gguf", n_vocab=300)
+    for n in ("1", "3"):
+        cmd = [*MOECHAT, "-v", "run", str(model), "-p", "hi", "-n", "2", "--temp", "0", "--threads", n]
+        r = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert f"{n} intra-op threads" in r.stderr
+
+
 def test_ctrl_c_keeps_the_text_and_exits_130(tmp_path: Path) -> None:
     model = tiny_moe(tmp_path / "m.gguf", n_vocab=512)
     cmd = [*MOECHAT, "run", str(model), "-p", "Hello", "-n", "100000", "--ignore-eos", "-c", "100000", "--seed", "1"]
@@ -102,6 +111,7 @@ def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
         (("-n", "-3"), "-n/--n-predict must be >= 0"),
         (("-c", "4"), "context size must be at least 16"),
         (("--chat-template", str(tmp_path / "none.jinja")), "cannot read chat template"),
+        (("--threads", "-1"), "threads from flag --threads: -1 must be in 0..1024"),
     ]:
         r = run(str(model), "-p", "hi", *args)
         assert r.returncode == 2, (args, r.stderr)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import csv
+import gc
 import io
 import json
 import time
@@ -76,6 +77,8 @@ async def test_send_streams_a_reply_and_saves_the_conversation(tmp_path: Path) -
         # Up recalls the earlier prompt.
         await pilot.press("up")
         assert screen.query_one("#input").text == "hi"
+        assert gc.get_freeze_count() > 0  # the app's long-lived heap is out of the collector's way
+    assert gc.get_freeze_count() == 0  # ... until the app ends
 
 
 async def test_escape_stops_within_a_token_and_the_next_request_works(tmp_path: Path) -> None:
@@ -411,9 +414,10 @@ def test_process_engine_streams_stops_and_reports_errors(tmp_path: Path) -> None
 
     path = tiny_moe(tmp_path / "m.gguf")
     progress: list[str] = []
-    engine = ProcessEngine(EngineSpec(str(path), 256, None, "cpu", 1.0, 0.5), progress.append)
+    engine = ProcessEngine(EngineSpec(str(path), 256, None, "cpu", 1.0, 0.5, threads=1), progress.append)
     try:
         assert engine.info.name == "m.gguf" and any("loading" in p for p in progress)
+        assert engine.info.hardware.endswith(", 1 threads")  # --threads reaches the engine process
         prompt, dropped, note = engine.fit_messages([{"role": "user", "content": "Hello"}])
         assert prompt and dropped == 0 and note == ""
         events = list(engine.reply(prompt, SamplingParams(temperature=0.0), 12, threading.Event()))

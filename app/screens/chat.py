@@ -7,6 +7,7 @@ the handlers here own all UI state.
 
 from __future__ import annotations
 
+import gc
 import threading
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -143,6 +144,10 @@ class ChatScreen(Screen[None]):
         if self.moechat.engine.info.template_note:
             self.notify(f"{self.moechat.engine.info.template_note}; using the plain format", severity="warning")
         self.query_one(ChatInput).focus()
+        # What exists now (modules, the app, this screen's widgets) lives as long as the app:
+        # moved out of the collector's sight, the collections that streaming's many short-lived
+        # objects set off scan far less (UI CPU while streaming 14.0 -> 12.1% of a core, A/B).
+        gc.freeze()
 
     def refresh_info(self) -> None:
         app = self.moechat
