@@ -184,7 +184,9 @@ def test_sweep_runs_six_arms_caches_them_and_cancels_cleanly(tmp_path: Path) -> 
 def test_fitted_upload_speed_recovers_the_emulated_link(tmp_path: Path) -> None:
     """Loose on purpose (this machine is shared): the fit finds the link within 40%; bench/tune_accuracy.py is tight."""
     path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=16, n_expert_used=2, n_ff_exp=512)
-    link = 0.1  # GB/s: slow enough that uploads dominate the tiny model's compute
+    # GB/s: slow enough that uploads dominate the tiny model's compute. At 0.1 a noisy arm moved
+    # the fit past 40% about once in 12 runs (fitted/true 0.80 to 1.41); at 0.05, 0.85 to 0.99.
+    link = 0.05
     done = list(calibrate(_sweep_settings(path, emulate_link_gbps=link, tokens=56), cache_dir=tmp_path / "c"))[-1]
     assert isinstance(done, SweepDone)
     m = fit([Observation(a.upload_gib, a.cpu_gib, a.share, a.ms_per_token) for a in done.arms])
