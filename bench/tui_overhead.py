@@ -4,7 +4,8 @@
 
 --demo: the built-in demo with the settings `moechat` gives it (its fp32 expert cache).
 
-Headless: engine.generate() on the main thread, as `moechat run` does, on a model loaded afresh for
+Headless: the engine's reply (generate() behind the app's stop strings) on the main thread, as
+`moechat run` generates, on a model loaded afresh for
 the round (a cold expert cache, as each `moechat run` starts; a cache kept warm from earlier rounds
 made headless look up to 10% faster than the app, whose engine process also starts cold). TUI: the full app
 (headless terminal via App.run_test) with its engine process and the live dashboard, the reply
