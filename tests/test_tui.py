@@ -19,6 +19,7 @@ from moechat.app.tui import MoechatApp
 from moechat.widgets.dashboard import Dashboard
 from moechat.widgets.expert_heatmap import CACHED, ExpertHeatmap, heat_rows
 from moechat.widgets.layer_stats import LayerStats
+from moechat.widgets.rows import plain
 from moechat.widgets.throughput import thin
 from testkit.fake_engine import FakeEngine
 from textual.pilot import Pilot
@@ -138,9 +139,16 @@ async def test_dashboard_draws_the_final_snapshot(tmp_path: Path) -> None:
         final = engine.snapshot()
         assert final is not None
         heat = screen.query_one(ExpertHeatmap)
-        drawn = str(heat.content).splitlines()
-        assert drawn == [row.plain for row in heat_rows(final)]
-        layers = str(screen.query_one(LayerStats).content).splitlines()
+        assert heat.lines == [plain(row) for row in heat_rows(final)]
+        # What the screen draws: the rows' text, one line each, the widget as tall as its rows.
+        assert [heat.render_line(y).text.rstrip() for y in range(heat.size.height)] == [
+            line.rstrip() for line in heat.lines
+        ]
+        stats = screen.query_one(LayerStats)
+        layers = stats.lines
+        assert [stats.render_line(y).text.rstrip() for y in range(stats.size.height)] == [
+            line.rstrip() for line in layers
+        ]
         assert len(layers) == len(final.layers) + 1
         for line, ls in zip(layers[1:], final.layers, strict=True):
             assert line.split()[0] == str(ls.layer)
@@ -151,10 +159,14 @@ def test_heat_rows_mark_exactly_the_cached_experts() -> None:
     snap = FakeEngine(["x"]).snapshot()
     assert snap is not None
     for row, ls in zip(heat_rows(snap), snap.layers, strict=True):
-        marked = {i for span in row.spans if span.style == CACHED for i in range(span.start, span.end)}
+        marked, at = set(), 0
+        for text, style in row:
+            if style == CACHED:
+                marked |= set(range(at, at + len(text)))
+            at += len(text)
         offset = len(f"{ls.layer:>3} ")
         assert marked == {offset + e for e in ls.cached}
-        assert len(row.plain) == offset + len(ls.use_counts)
+        assert len(plain(row)) == offset + len(ls.use_counts)
 
 
 def test_throughput_chart_thins_long_series_keeping_their_shape() -> None:

@@ -7,18 +7,17 @@ from itertools import groupby
 from operator import itemgetter
 
 from moechat.engine.stats import StatsSnapshot
-from rich.text import Text
-from textual.widgets import Static
 
-from .redraw import Throttle, update_fixed
+from .redraw import Throttle
+from .rows import Row, RowsView
 
 SHADES = " .:-=+*#%@"
 MAX_COLUMNS = 64  # wider layers are folded: a column then shows the busiest of its experts
-REDRAW_EVERY = 1.0  # seconds: use counts move slowly, and this map is the dashboard's costliest text
+REDRAW_EVERY = 1.0  # seconds: use counts move slowly
 CACHED = "reverse cyan"
 
 
-def heat_rows(snap: StatsSnapshot, max_columns: int = MAX_COLUMNS) -> list[Text]:
+def heat_rows(snap: StatsSnapshot, max_columns: int = MAX_COLUMNS) -> list[Row]:
     rows = []
     peak = max((max(ls.use_counts, default=0) for ls in snap.layers), default=0)
     scale = (len(SHADES) - 2) / math.log1p(peak) if peak else 0.0
@@ -26,7 +25,6 @@ def heat_rows(snap: StatsSnapshot, max_columns: int = MAX_COLUMNS) -> list[Text]
         n = len(ls.use_counts)
         fold = max(1, math.ceil(n / max_columns))
         cached = set(ls.cached)
-        line = Text(f"{ls.layer:>3} ")
         cells = []
         for start in range(0, n, fold):
             span = range(start, min(n, start + fold))
@@ -35,18 +33,17 @@ def heat_rows(snap: StatsSnapshot, max_columns: int = MAX_COLUMNS) -> list[Text]
             char = SHADES[min(level, len(SHADES) - 1)]
             # Cached experts stand out in reverse video: visible in 16 colours and in monochrome.
             cells.append((char if char != " " else "·", not cached.isdisjoint(span)))
-        # Characters of one style go in one span: far cheaper to draw than a span each.
+        row: Row = [(f"{ls.layer:>3} ", "")]
+        # Characters of one style go in one run: one segment each.
         for is_cached, run in groupby(cells, key=itemgetter(1)):
-            line.append("".join(c for c, _ in run), style=CACHED if is_cached else "")
-        rows.append(line)
+            row.append(("".join(c for c, _ in run), CACHED if is_cached else ""))
+        rows.append(row)
     return rows
 
 
-class ExpertHeatmap(Static):
-    DEFAULT_CSS = "ExpertHeatmap { height: auto; }"
-
+class ExpertHeatmap(RowsView):
     def __init__(self, **kw: object) -> None:
-        super().__init__("", **kw)  # type: ignore[arg-type]
+        super().__init__("", **kw)
         self.snapshot: StatsSnapshot | None = None
         self._redraw = Throttle(REDRAW_EVERY)
 
@@ -54,4 +51,4 @@ class ExpertHeatmap(Static):
         """Keep the snapshot; redraw at most once a second, and always for the final one."""
         self.snapshot = snap
         if self._redraw.due(force=final):
-            update_fixed(self, Text("\n").join(heat_rows(snap)), max(1, len(snap.layers)))
+            self.set_rows(heat_rows(snap) or [[("", "")]])

@@ -1,11 +1,8 @@
-"""What the dashboard's widgets share to stay cheap to draw: a redraw throttle and fixed heights."""
+"""A redraw throttle: what the dashboard's costlier parts share to stay cheap to draw."""
 
 from __future__ import annotations
 
 import time
-
-from rich.text import Text
-from textual.widgets import Static
 
 
 class Throttle:
@@ -21,14 +18,3 @@ class Throttle:
             self._last = now
             return True
         return False
-
-
-def update_fixed(widget: Static, content: Text, rows: int) -> None:
-    """Show `content` in exactly `rows` lines; the screen relays out only when that height changes.
-
-    A Static's update relays out the whole screen unless its size is known not to change.
-    """
-    changed = widget.styles.height is None or widget.styles.height.cells != rows
-    if changed:
-        widget.styles.height = rows
-    widget.update(content, layout=changed)
