@@ -189,7 +189,8 @@ class RealEngine:
         mib, share = self.cache()
         settings = SweepSettings(
             model=Path(self.info.path), device=self.base.device, n_ctx=min(self.lm.n_ctx, 4096),
-            emulate_link_gbps=self.base.emulate_link_gbps, load_mode=self.base.load_mode, max_mib=max_mib,
+            emulate_link_gbps=self.base.emulate_link_gbps, load_mode=self.base.load_mode,
+            cpu_dequant_mib=self.lm.cpu_dequant_mib, cpu_kernels=self.lm.cpu_kernels, max_mib=max_mib,
             tokens=tokens, warmup=min(32, tokens // 4),
         )  # fmt: skip
         try:

@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import threading
+from dataclasses import dataclass
 from pathlib import Path
 
 from moechat.engine.expert_cache import CacheSettings
@@ -53,9 +54,17 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU threads for the engine (default 0: one per core; env MOECHAT_THREADS)")  # fmt: skip
 
 
-def layered_settings(args: argparse.Namespace) -> tuple[CacheSettings, float, str]:
-    """(cache settings, --cpu-dequant-mib, --cpu-kernels), each from flag > MOECHAT_* env >
-    config.toml > default; --threads applies to this process here."""
+@dataclass(frozen=True)
+class EngineOptions:
+    """How the engine runs, each value from flag > MOECHAT_* env > config.toml > default."""
+
+    cache: CacheSettings
+    cpu_dequant_mib: float  # the demo's own default when no model is named
+    cpu_kernels: str
+    threads: int
+
+
+def layered_settings(args: argparse.Namespace) -> EngineOptions:
     from .paths import app_paths
     from .settings import resolve
 
@@ -76,10 +85,10 @@ def layered_settings(args: argparse.Namespace) -> tuple[CacheSettings, float, st
         emulate_link_gbps=layered.emulate_link_gbps, trace=Path(trace) if trace else None, load_mode=args.load_mode,
     )  # fmt: skip
     settings.validate()
-    set_threads(layered.threads)
     from .settings import for_demo
 
-    return settings, for_demo(layered, getattr(args, "model", None)).cpu_dequant_mib, layered.cpu_kernels
+    dequant = for_demo(layered, getattr(args, "model", None)).cpu_dequant_mib
+    return EngineOptions(settings, dequant, layered.cpu_kernels, layered.threads)
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
@@ -111,14 +120,15 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"-n/--n-predict must be >= 0, got {args.n_predict}")
     from .demo_model import resolve_model
 
-    cache, dequant, kernels = layered_settings(args)
+    opts = layered_settings(args)
+    set_threads(opts.threads)
     lm = load_model(
         resolve_model(args.model),
         n_ctx=args.ctx_size,
         chat_template=args.chat_template,
-        cache=cache,
-        cpu_dequant_mib=dequant,
-        cpu_kernels=kernels,
+        cache=opts.cache,
+        cpu_dequant_mib=opts.cpu_dequant_mib,
+        cpu_kernels=opts.cpu_kernels,
     )
     chat = args.chat if args.chat is not None else lm.template.origin != "plain fallback"
     prompt = lm.chat_prompt(args.prompt) if chat else lm.tokenizer.encode(args.prompt)

@@ -29,7 +29,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from moechat.engine.loader import resolve_device, set_threads
+    from moechat.engine.loader import set_threads
     from moechat.tuner.recommend import recommend
     from moechat.tuner.report import render, to_json
     from moechat.tuner.sweep import (
@@ -46,17 +46,21 @@ def run_tune(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from .demo_model import resolve_model
+    from .run_cmd import layered_settings
 
     if args.tokens < args.warmup + 8:
         raise ValueError(f"--tokens must be at least --warmup + 8 = {args.warmup + 8}, got {args.tokens}")
     if args.max_mib is not None and args.max_mib <= 0:
         raise ValueError(f"--max-mib must be > 0, got {args.max_mib}")
-    set_threads(args.threads or 0)  # the arms run in this process: their timings use these threads
+    # The same layering as `moechat run` (flag > env > config.toml > default), so the arms run
+    # the engine as the user's sessions do; the sweep picks its own cache sizes and shares.
+    opts = layered_settings(args)
+    set_threads(opts.threads)  # the arms run in this process: their timings use these threads
     model = Path(resolve_model(args.model))
     settings = SweepSettings(
-        model=model, device=resolve_device(args.device), n_ctx=args.ctx_size,
-        emulate_link_gbps=args.emulate_link_gbps or 0.0, load_mode=args.load_mode, max_mib=args.max_mib,
-        tokens=args.tokens, warmup=args.warmup,
+        model=model, device=opts.cache.device, n_ctx=args.ctx_size, emulate_link_gbps=opts.cache.emulate_link_gbps,
+        load_mode=args.load_mode, cpu_dequant_mib=opts.cpu_dequant_mib, cpu_kernels=opts.cpu_kernels,
+        max_mib=args.max_mib, tokens=args.tokens, warmup=args.warmup,
     )  # fmt: skip
     cache_dir = app_paths().cache
     if args.fresh:

@@ -33,6 +33,8 @@ class LoadedModel:
     template: ChatTemplate
     n_ctx: int
     cache: ExpertCache | None = None
+    cpu_dequant_mib: float = 0.0  # as loaded: the tuner's arms reuse the model and key their runs on these
+    cpu_kernels: str = "exact"
 
     def close(self) -> None:
         if self.cache is not None:
@@ -198,4 +200,4 @@ def load_model(
         gguf.close()
         raise
     logger.info("loaded %s: %s, %d layers, context %d", gguf.path.name, cfg.arch, cfg.n_layers, n_ctx)
-    return LoadedModel(gguf, cfg, model, tok, template, n_ctx, expert_cache)
+    return LoadedModel(gguf, cfg, model, tok, template, n_ctx, expert_cache, cpu_dequant_mib, cpu_kernels)

@@ -172,6 +172,9 @@ def test_sweep_runs_six_arms_caches_them_and_cancels_cleanly(tmp_path: Path) -> 
     # A changed argument is a different run directory; cancelling in arm 1 keeps nothing of it.
     changed = _sweep_settings(path, tokens=48)
     assert changed.key() != settings.key()
+    # The CPU-side engine options change the arms' speed, so they are part of the runs' identity.
+    assert _sweep_settings(path, cpu_dequant_mib=64).key() != settings.key()
+    assert _sweep_settings(path, cpu_kernels="int4").key() != settings.key()
     stop = threading.Event()
     with pytest.raises(Cancelled):
         for ev in calibrate(changed, cache_dir=cache_dir, stop=stop):
@@ -194,7 +197,9 @@ def test_fitted_upload_speed_recovers_the_emulated_link(tmp_path: Path) -> None:
     assert m.upload_gibps == pytest.approx(want, rel=0.4)
 
 
-def test_sim_and_tune_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_sim_and_tune_commands(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
     path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=16, n_expert_used=2)
     trace = tmp_path / "t.trace"
     _record(path, trace, 1.0, 0.0, n_tokens=80)
@@ -214,3 +219,9 @@ def test_sim_and_tune_commands(tmp_path: Path, capsys: pytest.CaptureFixture[str
     report = json.loads(out)
     assert rc in (0, 3)  # 3: the fit was rejected as noisy, which a shared machine may cause
     assert len(report["arms"]) == 6 and report["recommendation"]["command"].startswith("--moe-cache-mib ")
+
+    # `tune` reads the engine's settings through the same layers as `run` (flag > env > config.toml).
+    monkeypatch.setenv("MOECHAT_CPU_KERNELS", "fast")
+    assert main(["tune", str(path), "--device", "cpu", "--tokens", "40", "--warmup", "8", "-c", "256"]) == 2
+    err = capsys.readouterr().err
+    assert "cpu_kernels from env MOECHAT_CPU_KERNELS" in err and len(err.strip().splitlines()) == 1

@@ -56,6 +56,8 @@ class SweepSettings:
     n_ctx: int = 2048
     emulate_link_gbps: float = 0.0
     load_mode: str = "mmap"
+    cpu_dequant_mib: float = 0.0
+    cpu_kernels: str = "exact"
     max_mib: float | None = None
     tokens: int = 256  # generated per arm
     warmup: int = 32  # first tokens of an arm, not timed
@@ -68,7 +70,8 @@ class SweepSettings:
         ident = {
             "model": str(self.model.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
             "device": self.device, "n_ctx": self.n_ctx, "link": self.emulate_link_gbps, "load_mode": self.load_mode,
-            "tokens": self.tokens, "warmup": self.warmup, "seed": self.seed, "prompt": self.prompt,
+            "dequant_mib": self.cpu_dequant_mib, "kernels": self.cpu_kernels, "tokens": self.tokens,
+            "warmup": self.warmup, "seed": self.seed, "prompt": self.prompt,
             "threads": torch.get_num_threads(), "version": __version__,
         }  # fmt: skip
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
@@ -172,7 +175,8 @@ def calibrate(
     run_dir.mkdir(parents=True, exist_ok=True)
     own = loaded is None
     on_device = CacheSettings(mib=0, device=settings.device, load_mode=settings.load_mode)
-    lm = loaded or load_model(settings.model, n_ctx=settings.n_ctx, cache=on_device)
+    lm = loaded or load_model(settings.model, n_ctx=settings.n_ctx, cache=on_device,
+                              cpu_dequant_mib=settings.cpu_dequant_mib, cpu_kernels=settings.cpu_kernels)  # fmt: skip
     try:
         if not lm.config.is_moe:
             raise ValueError(f"{settings.model.name} is not a MoE model: there is no expert cache to tune")
