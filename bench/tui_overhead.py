@@ -10,7 +10,7 @@ the round (a cold expert cache, as each `moechat run` starts; a cache kept warm 
 made headless look up to 10% faster than the app, whose engine process also starts cold). TUI: the full app
 (headless terminal via App.run_test) with its engine process and the live dashboard, the reply
 typed in and streamed through Markdown. Both greedy through the same reply path (stop strings,
-end of generation), same cache; the two must write the same number of tokens. Reports
+end of generation), same cache; the two must write the same number of tokens; which goes first alternates. Reports
 generation t/s of each round and the ratio.
 """
 
@@ -107,8 +107,12 @@ def main() -> None:
         rows = []
         for r in range(args.rounds):
             t0 = time.perf_counter()
-            a, na = headless(path, args.tokens, dequant_mib, PROMPT)
+            # Which side goes first alternates: neither gains from a machine that warms up or slows.
+            if r % 2 == 0:
+                a, na = headless(path, args.tokens, dequant_mib, PROMPT)
             b, nb, ui = with_tui(path, args.tokens, Path(tmp) / f"h{r}", dequant_mib, PROMPT)
+            if r % 2 == 1:
+                a, na = headless(path, args.tokens, dequant_mib, PROMPT)
             if na != nb:  # greedy on both sides: the same reply, unless one was cut short
                 raise SystemExit(f"headless wrote {na} tokens, the app {nb}: not comparable")
             rows.append((a, b))
