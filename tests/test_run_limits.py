@@ -74,7 +74,10 @@ def test_ctrl_c_keeps_the_text_and_exits_130(tmp_path: Path) -> None:
     model = tiny_moe(tmp_path / "m.gguf", n_vocab=512)
     cmd = [*MOECHAT, "run", str(model), "-p", "Hello", "-n", "100000", "--ignore-eos", "-c", "100000", "--seed", "1"]
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env)
+    # Python turns SIGINT into KeyboardInterrupt only if it starts with the default disposition;
+    # a test run started in the background by a non-interactive shell hands its children SIG_IGN.
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=env,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))  # fmt: skip
     assert proc.stdout is not None
     os.set_blocking(proc.stdout.fileno(), False)
     seen = b""
