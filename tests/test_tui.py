@@ -12,7 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-from moechat.app.screens.chat import ChatScreen, Turn
+from moechat.app.screens.chat import SHOWN_TURNS, ChatScreen, EarlierMarker, Turn
 from moechat.app.screens.wizard import TuneWizard
 from moechat.app.settings import Settings, resolve
 from moechat.app.tui import MoechatApp
@@ -22,6 +22,7 @@ from moechat.widgets.layer_stats import LayerStats
 from moechat.widgets.rows import plain
 from moechat.widgets.throughput import thin
 from testkit.fake_engine import FakeEngine
+from textual.binding import Binding
 from textual.pilot import Pilot
 from textual.widgets import Markdown, Static
 
@@ -290,6 +291,87 @@ async def test_runs_at_80x24(tmp_path: Path) -> None:
         assert not screen.query_one(Dashboard).display
         await pilot.press("ctrl+b")
         assert screen.query_one(Dashboard).display
+
+
+def shown(screen: ChatScreen) -> list[str]:
+    """The text of each turn in the log, as its Markdown holds it (streamed replies included)."""
+    return [t.query_one(Markdown).source.strip() for t in screen.query(Turn)]
+
+
+async def test_long_chats_keep_the_recent_turns_and_bring_earlier_ones_back(tmp_path: Path) -> None:
+    # Each text update relays out every widget in the log: a long chat keeps only its recent turns.
+    engine = FakeEngine(["ok"])
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        for i in range(8):
+            await say(pilot, screen, f"q{i}")
+        n = len(screen.conv.messages)
+        assert n == 16 and screen.first_shown == n - SHOWN_TURNS
+        assert shown(screen) == [m["content"] for m in screen.conv.messages[n - SHOWN_TURNS :]]
+        marker = screen.query_one(EarlierMarker)
+        assert marker.display and f"{n - SHOWN_TURNS} earlier messages" in str(marker.content)
+
+        # Scrolling to the top brings the earlier turns back, and the view stays on the turn it showed.
+        log = screen.query_one("#log")
+        assert log.max_scroll_y > 0
+        oldest = screen.query(Turn).first()
+        log.scroll_home(animate=False)
+        await until(pilot, lambda: screen.first_shown == 0)
+        assert shown(screen) == [m["content"] for m in screen.conv.messages]
+        assert not marker.display
+        await until(pilot, lambda: log.scroll_y == oldest.virtual_region.y > 0)
+
+        # The next exchange trims again; the reply still streams in and is saved in full.
+        await say(pilot, screen, "again")
+        assert len(screen.query(Turn)) == SHOWN_TURNS and screen.first_shown == 18 - SHOWN_TURNS
+        assert screen.conv.messages[-1]["content"] == "ok" and len(screen.conv.messages) == 18
+
+
+async def test_reopened_long_chat_mounts_its_last_turns_and_a_click_shows_more(tmp_path: Path) -> None:
+    engine = FakeEngine(["ok"])
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 80)) as pilot:  # tall: every turn shown fits, the marker too
+        screen = await ready(pilot)
+        conv = screen.conv
+        conv.messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(30)]
+        await screen.load_conversation(conv)
+        assert screen.first_shown == 30 - SHOWN_TURNS and shown(screen) == [f"m{i}" for i in range(18, 30)]
+        await pilot.pause()  # laid out: the marker has its place on the screen
+        await pilot.click(EarlierMarker)
+        await until(pilot, lambda: screen.first_shown == 8)
+        assert shown(screen) == [f"m{i}" for i in range(8, 30)]
+        screen.query_one("#log").scroll_home(animate=False)  # the view stayed put: the rest is above
+        await until(pilot, lambda: screen.first_shown == 0)
+        assert shown(screen) == [f"m{i}" for i in range(30)]
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: not screen.query(Turn))
+        assert screen.first_shown == 0 and not screen.query_one(EarlierMarker).display
+
+
+async def test_command_palette_has_every_chat_action(tmp_path: Path) -> None:
+    engine = FakeEngine(["ok"])
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        titles = {c.title for c in app.get_system_commands(screen)}
+        for binding in ChatScreen.BINDINGS:
+            assert isinstance(binding, Binding)
+            action = getattr(screen, f"action_{binding.action}")
+            assert any(c.callback == action for c in app.get_system_commands(screen)), binding.action
+        assert "Earlier messages" in titles
+        # Run one through the palette: a reopened long chat shows its earlier turns.
+        conv = screen.conv
+        conv.messages = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"m{i}"} for i in range(20)]
+        await screen.load_conversation(conv)
+        await pilot.pause()
+        assert screen.first_shown == 20 - SHOWN_TURNS  # laid out at the bottom: nothing came back by itself
+        await pilot.press("ctrl+p")
+        for ch in "Earlier":
+            await pilot.press(ch)
+        await pilot.press("enter")
+        await until(pilot, lambda: screen.first_shown == 0)
+        assert shown(screen) == [f"m{i}" for i in range(20)]
 
 
 def test_real_engine_end_to_end(tmp_path: Path) -> None:

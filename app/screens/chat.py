@@ -32,6 +32,11 @@ if TYPE_CHECKING:
 
 
 TEXT_EVERY = 0.25  # seconds: streamed text reaches the screen in pieces, at most 4 a second
+# Turns the log holds as widgets; earlier ones come back on request. Every text update relays out
+# the screen, and that costs time for each widget in it: with 50 turns shown the UI took 20% of a
+# core while streaming, twice what it takes in a fresh chat (tests/testkit's engine at 12 t/s).
+SHOWN_TURNS = 12
+REVEAL_TURNS = 10  # turns brought back at a time
 
 
 class ChatInput(TextArea):
@@ -93,6 +98,21 @@ class Turn(Vertical):
         self.query_one(".role", Static).update(self.role + (f"  [{note}]" if note else ""))
 
 
+def turn_for(message: dict[str, Any]) -> Turn:
+    return Turn(message["role"], message["content"], "stopped" if message.get("stopped") else "")
+
+
+class EarlierMarker(Static):
+    """Above the oldest turn shown: how many earlier ones there are; a click brings some back."""
+
+    DEFAULT_CSS = "EarlierMarker { color: $text-muted; text-align: center; }"
+
+    async def on_click(self) -> None:
+        screen = self.screen
+        if isinstance(screen, ChatScreen):
+            await screen.show_earlier()
+
+
 class ChatScreen(Screen[None]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "stop", "Stop", priority=True),
@@ -121,6 +141,7 @@ class ChatScreen(Screen[None]):
         self._reply_text = ""
         self._reply_turn: Turn | None = None
         self.stats_updates = 0  # StatsUpdate messages handled (tests bound their rate)
+        self.first_shown = 0  # index in conv.messages of the oldest turn in the log
 
     @property
     def moechat(self) -> MoechatApp:
@@ -130,7 +151,8 @@ class ChatScreen(Screen[None]):
         with Horizontal():
             with Vertical(id="chat-pane"):
                 yield Static(id="info")
-                yield VerticalScroll(id="log")
+                with VerticalScroll(id="log"):
+                    yield EarlierMarker(id="earlier")
                 yield Static("", id="status")
                 yield ChatInput(id="input")
             yield Dashboard(id="dashboard")
@@ -139,7 +161,10 @@ class ChatScreen(Screen[None]):
     def on_mount(self) -> None:
         self.conv.model = self.moechat.engine.info.name
         self.conv.system = self.moechat.settings.system
-        self.query_one("#log", VerticalScroll).anchor()
+        log = self.query_one("#log", VerticalScroll)
+        log.anchor()
+        self.query_one(EarlierMarker).display = False
+        self.watch(log, "scroll_y", self._scrolled)
         self.refresh_info()
         if self.moechat.engine.info.template_note:
             self.notify(f"{self.moechat.engine.info.template_note}; using the plain format", severity="warning")
@@ -168,12 +193,15 @@ class ChatScreen(Screen[None]):
             self.notify("a reply is still being written: Esc stops it", severity="warning")
             return
         self.conv.messages.append({"role": "user", "content": event.text})
-        await self.query_one("#log").mount(Turn("user", event.text))
+        log = self.query_one("#log", VerticalScroll)
+        await log.mount(Turn("user", event.text))
+        log.scroll_end(animate=False)  # a new exchange: follow it, even if the user had scrolled up
         await self.start_reply()
 
     async def start_reply(self) -> None:
         turn = Turn("assistant", "")
         await self.query_one("#log").mount(turn)
+        await self._keep_recent()
         self._reply_turn, self._reply_text = turn, ""
         self._stream = Markdown.get_stream(turn.query_one(Markdown))
         self.generating = True
@@ -310,16 +338,53 @@ class ChatScreen(Screen[None]):
             self.notify("stop the reply first (Esc)", severity="warning")
             return
         self.conv = Conversation(model=self.moechat.engine.info.name, system=self.moechat.settings.system)
-        await self.query_one("#log").remove_children()
+        await self.query(Turn).remove()
+        self.first_shown = 0
+        self._update_marker()
         self.query_one("#status", Static).update("new chat")
 
     async def load_conversation(self, conv: Conversation) -> None:
         self.conv = conv
-        log = self.query_one("#log")
-        await log.remove_children()
-        await log.mount_all([Turn(m["role"], m["content"], "stopped" if m.get("stopped") else "")
-                             for m in conv.messages])  # fmt: skip
+        await self.query(Turn).remove()
+        self.first_shown = max(0, len(conv.messages) - SHOWN_TURNS)
+        await self.query_one("#log").mount_all([turn_for(m) for m in conv.messages[self.first_shown :]])
+        self._update_marker()
         self.query_one("#status", Static).update(f"reopened: {conv.title}")
+
+    # -- the turns shown ------------------------------------------------------------------
+
+    async def _keep_recent(self) -> None:
+        """Leave the last SHOWN_TURNS turns in the log; conv.messages keeps them all."""
+        turns = list(self.query(Turn))
+        extra = len(turns) - SHOWN_TURNS
+        if extra > 0:
+            await self.query_one("#log").remove_children(turns[:extra])
+            self.first_shown += extra
+            self._update_marker()
+
+    def _update_marker(self) -> None:
+        marker = self.query_one(EarlierMarker)
+        marker.display = self.first_shown > 0
+        n = self.first_shown
+        marker.update(f"▲ {n} earlier message{'s' if n != 1 else ''}: scroll up or click to show")
+
+    def _scrolled(self, y: float) -> None:
+        if y <= 0 and self.first_shown > 0 and not self.generating:
+            self.run_worker(self.show_earlier(), group="earlier", exclusive=True)
+
+    async def show_earlier(self) -> None:
+        """Bring back up to REVEAL_TURNS earlier turns above the oldest one shown; the view stays put."""
+        if self.first_shown == 0:
+            return
+        start = max(0, self.first_shown - REVEAL_TURNS)
+        log = self.query_one("#log", VerticalScroll)
+        oldest = self.query(Turn).first() if self.query(Turn) else None
+        await log.mount_all([turn_for(m) for m in self.conv.messages[start : self.first_shown]],
+                            after=self.query_one(EarlierMarker))  # fmt: skip
+        self.first_shown = start
+        self._update_marker()
+        if oldest is not None:
+            self.call_after_refresh(lambda: log.scroll_to(y=oldest.virtual_region.y, animate=False))
 
     def action_open_chat(self) -> None:
         if self.generating:
