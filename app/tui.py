@@ -156,8 +156,7 @@ class MoechatApp(App[int]):
                 ("Tune cache", "run the tuning wizard (Ctrl+T)", screen.action_tune),
                 ("Export", "stats as JSON, CSV, Markdown and the chat as Markdown (Ctrl+E)", screen.action_export),
                 ("Toggle dashboard", "show or hide the cache dashboard (Ctrl+B)", screen.action_toggle_dashboard),
-                ("Earlier messages", "bring back earlier turns of a long chat (or scroll to the top)",
-                 screen.show_earlier),  # fmt: skip
+                ("Earlier messages", "bring back earlier turns of a long chat (or scroll up)", screen.show_earlier),
             ):
                 yield SystemCommand(title, help_text, action)
 

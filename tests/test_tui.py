@@ -19,7 +19,7 @@ from moechat.app.tui import MoechatApp
 from moechat.widgets.dashboard import Dashboard
 from moechat.widgets.expert_heatmap import CACHED, ExpertHeatmap, heat_rows
 from moechat.widgets.layer_stats import LayerStats
-from moechat.widgets.rows import plain
+from moechat.widgets.rows import RowsView, plain
 from moechat.widgets.throughput import thin
 from testkit.fake_engine import FakeEngine
 from textual.binding import Binding
@@ -145,6 +145,11 @@ async def test_dashboard_draws_the_final_snapshot(tmp_path: Path) -> None:
         assert [heat.render_line(y).text.rstrip() for y in range(heat.size.height)] == [
             line.rstrip() for line in heat.lines
         ]
+        totals = screen.query_one("#totals", RowsView)
+        assert totals.size.height == len(totals.lines) == 4
+        assert totals.lines[0].startswith(f"hit rate {100 * final.total.hit_rate:.1f}%")
+        assert totals.lines[2].startswith(f"cpu misses {final.total.cpu}  |")
+        assert all(len(line) <= totals.size.width for line in totals.lines)  # nothing cropped
         stats = screen.query_one(LayerStats)
         layers = stats.lines
         assert [stats.render_line(y).text.rstrip() for y in range(stats.size.height)] == [

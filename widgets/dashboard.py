@@ -9,6 +9,7 @@ from textual.widgets import Static
 
 from .expert_heatmap import ExpertHeatmap
 from .layer_stats import LayerStats
+from .rows import RowsView
 from .throughput import ThroughputPlot
 
 
@@ -16,7 +17,6 @@ class Dashboard(VerticalScroll):
     DEFAULT_CSS = """
     Dashboard { width: 46; border-left: solid $primary; padding: 0 1; }
     Dashboard > .title { text-style: bold; }
-    Dashboard > #totals { height: 3; }
     """
 
     def __init__(self, **kw: object) -> None:
@@ -25,7 +25,7 @@ class Dashboard(VerticalScroll):
 
     def compose(self) -> ComposeResult:
         yield Static("expert cache", classes="title")
-        yield Static("waiting for the first tokens", id="totals")
+        yield RowsView("waiting for the first tokens", id="totals")
         yield ThroughputPlot(id="tps")
         yield Static("per layer", classes="title")
         yield LayerStats(id="layers")
@@ -38,17 +38,18 @@ class Dashboard(VerticalScroll):
         self.updates += 1
         if tps > 0:
             self.query_one(ThroughputPlot).add(tokens, tps, final=final)
+        totals = self.query_one("#totals", RowsView)
         if snap is None:
-            self.query_one("#totals", Static).update(f"no expert cache  |  {tps:.1f} t/s", layout=False)
+            totals.set_rows([[(f"no expert cache  |  {tps:.1f} t/s", "")]])
             return
         t = snap.total
-        self.query_one("#totals", Static).update(
-            f"hit rate {100 * t.hit_rate:.1f}%  |  {tps:.1f} t/s\n"
-            f"cpu misses {t.cpu}  |  uploaded {t.uploaded_bytes / 2**20:.1f} MiB "
-            f"({uploaded_per_token_mib:.2f} MiB/token)\n"
-            f"share {snap.cpu_share:g}  |  slots " + ", ".join(f"{g.n_slots}" for g in snap.groups),
-            layout=False,  # a fixed 3 lines: no relayout of the screen for each update
-        )
+        # Short lines that fit the panel's 43 columns: rows are cropped, never wrapped.
+        totals.set_rows([
+            [(f"hit rate {100 * t.hit_rate:.1f}%  |  {tps:.1f} t/s", "")],
+            [(f"uploaded {t.uploaded_bytes / 2**20:.1f} MiB  |  {uploaded_per_token_mib:.2f} MiB/token", "")],
+            [(f"cpu misses {t.cpu}  |  share {snap.cpu_share:g}", "")],
+            [("slots " + ", ".join(f"{g.n_slots}" for g in snap.groups), "")],
+        ])  # fmt: skip
         if not self.display:
             return  # hidden: the totals above stay current, the costlier parts wait
         self.query_one(LayerStats).show(snap)
