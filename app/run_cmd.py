@@ -56,10 +56,11 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
 
 @dataclass(frozen=True)
 class EngineOptions:
-    """How the engine runs, each value from flag > MOECHAT_* env > config.toml > default."""
+    """How the engine runs, each value from flag > MOECHAT_* env > config.toml > default (the
+    built-in demo's own defaults where no model is named)."""
 
     cache: CacheSettings
-    cpu_dequant_mib: float  # the demo's own default when no model is named
+    cpu_dequant_mib: float
     cpu_kernels: str
     threads: int
 
@@ -75,6 +76,9 @@ def layered_settings(args: argparse.Namespace) -> EngineOptions:
     )
     for w in warnings:
         print(f"moechat: warning: {w}", file=sys.stderr)
+    from .settings import for_demo
+
+    layered = for_demo(layered, getattr(args, "model", None))
     trace = args.moe_cache_trace or os.environ.get("MOECHAT_MOE_CACHE_TRACE")
     try:
         device = resolve_device(layered.device)
@@ -85,10 +89,7 @@ def layered_settings(args: argparse.Namespace) -> EngineOptions:
         emulate_link_gbps=layered.emulate_link_gbps, trace=Path(trace) if trace else None, load_mode=args.load_mode,
     )  # fmt: skip
     settings.validate()
-    from .settings import for_demo
-
-    dequant = for_demo(layered, getattr(args, "model", None)).cpu_dequant_mib
-    return EngineOptions(settings, dequant, layered.cpu_kernels, layered.threads)
+    return EngineOptions(settings, layered.cpu_dequant_mib, layered.cpu_kernels, layered.threads)
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:

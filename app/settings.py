@@ -81,14 +81,28 @@ class Settings:
 
 
 DEMO_CPU_DEQUANT_MIB = 512.0  # the demo's experts in fp32 take 283 MiB: all of them fit
+# The demo's 18 x 16 experts take 54.8 MiB. Its cache holds about three quarters of them and the
+# CPU takes half the misses, so hits, uploads and CPU misses all show on the dashboard from the
+# first reply (measured on 2 cores, 96 greedy tokens: hit rate 66%, 9.8 t/s vs 11.4 without a
+# cache). With no cache the dashboard had nothing to show.
+DEMO_MOE_CACHE_MIB = 42.0
+DEMO_MOE_CACHE_CPU_SHARE = 0.5
+DEMO_DEFAULTS: dict[str, float] = {
+    "cpu_dequant_mib": DEMO_CPU_DEQUANT_MIB,  # all its experts dequantized: 3-4x decode
+    "moe_cache_mib": DEMO_MOE_CACHE_MIB,
+    "moe_cache_cpu_share": DEMO_MOE_CACHE_CPU_SHARE,
+}
 
 
 def for_demo(settings: Settings, model: str | None) -> Settings:
-    """The built-in demo is small: unless the user set it, keep all its experts dequantized (3-4x decode)."""
-    if model is None and settings.source("cpu_dequant_mib") == "default":
-        sources = {**settings.sources, "cpu_dequant_mib": "the demo's default"}
-        return replace(settings, cpu_dequant_mib=DEMO_CPU_DEQUANT_MIB, sources=sources)
-    return settings
+    """The built-in demo's own defaults (DEMO_DEFAULTS) for what the user did not set."""
+    if model is not None:
+        return settings
+    changes = {name: value for name, value in DEMO_DEFAULTS.items() if settings.source(name) == "default"}
+    if not changes:
+        return settings
+    sources = {**settings.sources, **dict.fromkeys(changes, "the demo's default")}
+    return replace(settings, **changes, sources=sources)  # type: ignore[arg-type]
 
 
 def env_name(name: str) -> str:

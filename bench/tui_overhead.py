@@ -2,7 +2,8 @@
 
     python bench/tui_overhead.py [--model MODEL.gguf | --demo] [--tokens 96] [--rounds 3]
 
---demo: the built-in demo with the settings `moechat` gives it (its fp32 expert cache).
+--demo: the built-in demo with the settings `moechat` gives it (its fp32 expert cache, its expert
+cache and CPU share); a generated model or --model runs with a 64 MiB cache.
 
 Headless: the engine's reply (generate() behind the app's stop strings) on the main thread, as
 `moechat run` generates, on a model loaded afresh for
@@ -24,6 +25,7 @@ import sys
 import tempfile
 import threading
 import time
+from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
@@ -32,21 +34,22 @@ from moechat.app.demo_model import resolve_model
 from moechat.app.engine_api import RealEngine
 from moechat.app.paths import AppPaths
 from moechat.app.screens.chat import ChatScreen
-from moechat.app.settings import DEMO_CPU_DEQUANT_MIB, Settings
+from moechat.app.settings import Settings, for_demo
 from moechat.app.tui import MoechatApp, real_engine_factory
 from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import GREEDY, DoneEvent
 from moechat.engine.loader import load_model
 
-MIB = 64
+MIB = 64  # the expert cache of a generated or given model
 # The demo (a base model behind a plain User:/Assistant: format) writes 256 greedy tokens for this
 # one before any stop; a reply cut short would time a cold start, not the steady rate.
 PROMPT = "Describe, step by step and in detail, how bread is made at home."
 
 
-def headless(path: Path, n: int, dequant_mib: float, prompt_text: str) -> tuple[float, int]:
+def headless(path: Path, n: int, base: Settings, prompt_text: str) -> tuple[float, int]:
     """Generation t/s and tokens written, through the same reply path as the app (stop strings, EOS)."""
-    lm = load_model(path, n_ctx=1024, cache=CacheSettings(mib=MIB), cpu_dequant_mib=dequant_mib)
+    cache = CacheSettings(mib=base.moe_cache_mib, cpu_share=base.moe_cache_cpu_share)
+    lm = load_model(path, n_ctx=1024, cache=cache, cpu_dequant_mib=base.cpu_dequant_mib)
     engine = RealEngine(lm, CacheSettings())
     try:
         prompt, _, _ = engine.fit_messages([{"role": "user", "content": prompt_text}])
@@ -58,11 +61,10 @@ def headless(path: Path, n: int, dequant_mib: float, prompt_text: str) -> tuple[
         engine.close()
 
 
-def with_tui(path: Path, n: int, home: Path, dequant_mib: float, prompt_text: str) -> tuple[float, int, float]:
+def with_tui(path: Path, n: int, home: Path, base: Settings, prompt_text: str) -> tuple[float, int, float]:
     """Generation t/s and tokens written in the app, and the UI process's CPU use (cores) while it streamed."""
     paths = AppPaths(home / "c", home / "d", home / "k", home / "l")
-    settings = Settings(n_predict=n, temp=0.0, moe_cache_mib=MIB, ctx_size=1024, device="cpu",
-                        cpu_dequant_mib=dequant_mib)  # fmt: skip
+    settings = replace(base, n_predict=n, temp=0.0, ctx_size=1024, device="cpu")
     # The app's own engine: the model in a child process, as `moechat` runs it.
     app = MoechatApp(real_engine_factory(str(path), settings, None), settings, paths=paths)
     result: list[float] = []
@@ -94,9 +96,9 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        dequant_mib = 0.0
+        base = Settings(moe_cache_mib=MIB)
         if args.demo:
-            path, dequant_mib = resolve_model(None), DEMO_CPU_DEQUANT_MIB
+            path, base = resolve_model(None), for_demo(Settings(), None)
         elif args.model:
             path = Path(args.model)
         else:
@@ -109,10 +111,10 @@ def main() -> None:
             t0 = time.perf_counter()
             # Which side goes first alternates: neither gains from a machine that warms up or slows.
             if r % 2 == 0:
-                a, na = headless(path, args.tokens, dequant_mib, PROMPT)
-            b, nb, ui = with_tui(path, args.tokens, Path(tmp) / f"h{r}", dequant_mib, PROMPT)
+                a, na = headless(path, args.tokens, base, PROMPT)
+            b, nb, ui = with_tui(path, args.tokens, Path(tmp) / f"h{r}", base, PROMPT)
             if r % 2 == 1:
-                a, na = headless(path, args.tokens, dequant_mib, PROMPT)
+                a, na = headless(path, args.tokens, base, PROMPT)
             if na != nb:  # greedy on both sides: the same reply, unless one was cut short
                 raise SystemExit(f"headless wrote {na} tokens, the app {nb}: not comparable")
             rows.append((a, b))

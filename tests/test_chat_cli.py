@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -26,3 +27,16 @@ def test_moechat_alone_chats_with_the_demo(tmp_path: Path) -> None:
     assert reply and sum(c.isascii() for c in reply) >= 0.9 * len(reply)
     r = subprocess.run([sys.executable, "-m", "moechat"], input="", capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == ""  # empty stdin: the chat ends at once
+
+
+def test_moechat_run_on_the_demo_uses_its_expert_cache(tmp_path: Path) -> None:
+    # The demo's own defaults turn the cache on, with a CPU share, unless the user says otherwise.
+    cmd = [sys.executable, "-m", "moechat", "run", "-p", "Bread is", "-n", "8", "--temp", "0"]
+    r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"batch <= 8: hits = (\d+), misses = (\d+) \((\d+) on the CPU\)", r.stderr)
+    assert m is not None, r.stderr
+    hits, misses, cpu = map(int, m.groups())
+    assert hits > 0 and misses > 0 and cpu > 0
+    off = subprocess.run([*cmd, "--moe-cache-mib", "0"], capture_output=True, text=True, timeout=300)
+    assert off.returncode == 0 and "MoE cache" not in off.stderr

@@ -428,6 +428,23 @@ def test_settings_layers(tmp_path: Path, low: str, high: str) -> None:
     assert s.source("moe_cache_cpu_share").startswith({"config": str(config), "env": "env", "flag": "flag"}[high])
 
 
+def test_the_demo_has_its_own_defaults_below_anything_the_user_set(tmp_path: Path) -> None:
+    from moechat.app.settings import DEMO_DEFAULTS, for_demo
+
+    config = tmp_path / "config.toml"
+    config.write_text("moe_cache_mib = 8\n")
+    s = for_demo(resolve({}, {"MOECHAT_CPU_DEQUANT_MIB": "0"}, config)[0], None)
+    assert (s.moe_cache_mib, s.source("moe_cache_mib")) == (8.0, str(config))
+    assert (s.cpu_dequant_mib, s.source("cpu_dequant_mib")) == (0.0, "env MOECHAT_CPU_DEQUANT_MIB")
+    assert s.moe_cache_cpu_share == DEMO_DEFAULTS["moe_cache_cpu_share"] > 0
+    assert s.source("moe_cache_cpu_share") == "the demo's default"
+    # No setting at all: the demo runs with a cache, so the dashboard has something to show.
+    d = for_demo(Settings(), None)
+    assert d.moe_cache_mib == DEMO_DEFAULTS["moe_cache_mib"] > 0 and d.cpu_dequant_mib > 0
+    # The user's own model: the plain defaults.
+    assert for_demo(Settings(), "m.gguf") == Settings() and Settings().moe_cache_mib == 0
+
+
 def test_bad_settings_name_the_setting_and_source(tmp_path: Path) -> None:
     from moechat.app.settings import SettingError, save_config
 
