@@ -33,8 +33,8 @@ if TYPE_CHECKING:
 
 TEXT_EVERY = 0.25  # seconds: streamed text reaches the screen in pieces, at most 4 a second
 # Turns the log holds as widgets; earlier ones come back on request. Every text update relays out
-# the screen, and that costs time for each widget in it: with 50 turns shown the UI took 20% of a
-# core while streaming, twice what it takes in a fresh chat (tests/testkit's engine at 12 t/s).
+# the screen, at a cost for each widget in it: with 50 turns shown the UI took 18-20% of a core
+# while streaming, twice what a fresh chat takes (bench/ui_long_chat.py).
 SHOWN_TURNS = 12
 REVEAL_TURNS = 10  # turns brought back at a time
 
