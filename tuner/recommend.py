@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -86,11 +87,16 @@ def recommend(done: SweepDone, model_name: str, workers: int = 2) -> TuneReport:
     assert routing is not None  # a sweep has arms
     full = routing.full_mib()
     cap = done.room_mib
-    top = min(cap, full)
+    # The size that holds every expert as a person would type it: whole MiB, rounded up, so the
+    # command line never falls a fraction short of it (54.84375 printed as 54.8438 would hold
+    # every expert but one slot's worth, after rounding the other way).
+    whole = float(math.ceil(full))
+    full_typed = whole if whole <= cap else full
+    top = min(cap, full_typed)
     calib = sorted({a.mib for a in done.arms})
     sizes = {nice_mib(min(f * done.expert_mib, top)) for f in TABLE_FRACTIONS} | set(calib)
     if cap >= full:
-        sizes.add(full)
+        sizes.add(full_typed)
     sizes_l = sorted(s for s in sizes if 0 < s <= top)
     rows = predict_rows(routing, sizes_l, model, workers=workers)
     biggest = rows[-1]
