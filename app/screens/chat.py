@@ -378,7 +378,7 @@ class ChatScreen(Screen[None]):
             return
         start = max(0, self.first_shown - REVEAL_TURNS)
         log = self.query_one("#log", VerticalScroll)
-        oldest = self.query(Turn).first() if self.query(Turn) else None
+        oldest = next(iter(self.query(Turn)), None)
         await log.mount_all([turn_for(m) for m in self.conv.messages[start : self.first_shown]],
                             after=self.query_one(EarlierMarker))  # fmt: skip
         self.first_shown = start
