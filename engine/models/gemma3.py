@@ -3,9 +3,9 @@
 Gemma specifics: embeddings scaled by sqrt(n_embd); norms before and after both the attention
 and the FFN ("sandwich"); GELU (tanh) gating; per-head QK norms; five sliding-window layers
 (rotary base 10k) for each global one (the file's base). GGUF stores the norms with Gemma's +1
-already added. The MoE variant splits each FFN's neurons into experts and routes with a linear
-router; the selected experts' outputs are summed unweighted, so with every expert selected it is
-exactly the dense FFN (see tools/moefy.py).
+already added. The MoE variant (engine/demo.py) splits each FFN's neurons into a shared expert,
+always on, and routed experts chosen by a linear router; the selected experts' outputs are summed
+unweighted (GATING_SELECT), so the experts' neurons add up exactly as in the dense FFN.
 """
 
 from __future__ import annotations
@@ -18,9 +18,9 @@ from torch.nn import functional as F
 
 from ..config import ModelConfig
 from ..gguf_file import GGUFFile
-from ..layers import KVCache, LayerCache, Rope, load_weight, maybe_weight, move_tensors, rms_norm
-from ..moe import ExpertExecutor, HostExperts, load_layer_experts, route
-from .decoder import Attention, DecoderBase, Routed
+from ..layers import KVCache, LayerCache, Rope, load_weight, move_tensors, rms_norm
+from ..moe import ExpertExecutor, HostExperts, load_layer_experts
+from .decoder import Attention, DecoderBase, MoeFFN
 
 
 def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -38,19 +38,6 @@ class DenseFFN(nn.Module):
         return F.linear(gelu_gate(F.linear(h, self.gate), F.linear(h, self.up)), self.down)
 
 
-class RoutedFFN(Routed):
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int) -> None:
-        super().__init__()
-        self.cfg, self.i = cfg, i
-        self.router = load_weight(gguf, f"blk.{i}.ffn_gate_inp.weight")  # [n_expert, E]
-        self.router_bias = maybe_weight(gguf, f"blk.{i}.ffn_gate_inp.bias")
-
-    def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
-        ids, weights = route(F.linear(h, self.router, self.router_bias), self.cfg)  # [T, k]
-        self.last_ids = ids
-        return experts(self.i, h, ids, weights)
-
-
 class Block(nn.Module):
     def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int) -> None:
         super().__init__()
@@ -62,7 +49,7 @@ class Block(nn.Module):
         self.ffn_norm = load_weight(gguf, p + "ffn_norm.weight")
         self.post_ffn_norm = load_weight(gguf, p + "post_ffw_norm.weight")
         self.attn = Attention(gguf, cfg, i)
-        self.ffn: nn.Module = RoutedFFN(gguf, cfg, i) if cfg.is_moe else DenseFFN(gguf, i)
+        self.ffn: nn.Module = MoeFFN(gguf, cfg, i, gelu_gate) if cfg.is_moe else DenseFFN(gguf, i)
 
     def forward(
         self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: tuple[Rope, Rope], experts: ExpertExecutor
