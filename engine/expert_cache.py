@@ -145,9 +145,10 @@ class ExpertCache:
                 group.banks = self._allocate(self.host.layers[layers[0]], int(n_slots))
                 logger.info(
                     "MoE cache group %d: layers %s, %d experts of %.2f MiB: %d slots (%.1f%% of the experts, "
-                    "%.1f tokens worth), %.1f MiB on %s",
+                    "%.1f tokens worth), %.1f MiB on %s, CPU share %g",
                     index, _span(layers), n_expert, expert_bytes / 2**20, n_slots, 100 * info.fraction,
                     n_slots / (len(layers) * self.n_expert_used), n_slots * expert_bytes / 2**20, self.device,
+                    self.settings.cpu_share,
                 )  # fmt: skip
             self.groups.append(group)
             for layer in layers:

@@ -30,13 +30,20 @@ def test_moechat_alone_chats_with_the_demo(tmp_path: Path) -> None:
 
 
 def test_moechat_run_on_the_demo_uses_its_expert_cache(tmp_path: Path) -> None:
-    # The demo's own defaults turn the cache on, with a CPU share, unless the user says otherwise.
-    cmd = [sys.executable, "-m", "moechat", "run", "-p", "Bread is", "-n", "8", "--temp", "0"]
+    # The demo's own defaults turn the cache on (half its experts), with a CPU share, unless the
+    # user says otherwise.
+    cmd = [sys.executable, "-m", "moechat", "-v", "run", "-p", "Bread is", "-n", "8", "--temp", "0"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
+    assert re.search(r"MoE cache group 0: layers 0-17, 16 experts .*\(50.0% of the experts.*CPU share 0.5$", r.stderr,
+                     re.MULTILINE), r.stderr  # fmt: skip
     m = re.search(r"batch <= 8: hits = (\d+), misses = (\d+) \((\d+) on the CPU\)", r.stderr)
     assert m is not None, r.stderr
     hits, misses, cpu = map(int, m.groups())
-    assert hits > 0 and misses > 0 and cpu > 0
+    assert hits > 0 and misses > 0 and cpu == 0  # 8 tokens do not fill half the experts
+    # A smaller cache fills within the reply; then the demo's CPU share takes misses.
+    small = subprocess.run([*cmd, "--moe-cache-mib", "40"], capture_output=True, text=True, timeout=300)
+    m = re.search(r"batch <= 8: hits = (\d+), misses = (\d+) \((\d+) on the CPU\)", small.stderr)
+    assert small.returncode == 0 and m is not None and int(m.group(3)) > 0, small.stderr
     off = subprocess.run([*cmd, "--moe-cache-mib", "0"], capture_output=True, text=True, timeout=300)
     assert off.returncode == 0 and "MoE cache" not in off.stderr
