@@ -89,12 +89,18 @@ def main() -> None:
     report(steps, n_expert, k, f"{n_dec} decode tokens, {tps:.1f} t/s (prompts included)")
 
 
+def reuse_rate(sel: list[list[int]], k: int) -> float:
+    """Share of selections whose expert was also selected in one of the previous 8 tokens."""
+    reused = sum(1 for t, ids in enumerate(sel) for e in ids if any(e in sel[p] for p in range(max(0, t - 8), t)))
+    return reused / (len(sel) * k)
+
+
 def report(steps: dict[int, list[list[int]]], n_expert: int, k: int, what: str) -> None:
     rng = random.Random(0)
     print(f"demo: {n_expert} experts per layer, {k} per token; {what}\n")
-    print("| layer | top 20% experts' share | reused within 8 tokens | LRU hit rate, half cached | uniform routing |")
-    print("|---:|---:|---:|---:|---:|")
-    sums = [0.0, 0.0, 0.0, 0.0]
+    print("| layer | top 20% experts' share | reused within 8 tokens (uniform) | LRU hit rate, half cached (uniform) |")
+    print("|---:|---:|---:|---:|")
+    sums = [0.0] * 5
     for layer in sorted(steps):
         sel = steps[layer]
         counts = [0] * n_expert
@@ -103,15 +109,14 @@ def report(steps: dict[int, list[list[int]]], n_expert: int, k: int, what: str) 
                 counts[e] += 1
         top = sorted(counts, reverse=True)[: max(1, n_expert // 5)]
         skew = sum(top) / sum(counts)
-        reused = sum(1 for t, ids in enumerate(sel) for e in ids if any(e in sel[p] for p in range(max(0, t - 8), t)))
-        reuse = reused / (len(sel) * k)
-        hit = lru_hit_rate(sel, n_expert // 2)
-        uniform = lru_hit_rate([rng.sample(range(n_expert), k) for _ in sel], n_expert // 2)
-        for j, v in enumerate((skew, reuse, hit, uniform)):
+        uniform = [rng.sample(range(n_expert), k) for _ in sel]  # what uniformly random routing gives
+        row = (skew, reuse_rate(sel, k), reuse_rate(uniform, k), lru_hit_rate(sel, n_expert // 2),
+               lru_hit_rate(uniform, n_expert // 2))  # fmt: skip
+        for j, v in enumerate(row):
             sums[j] += v
-        print(f"| {layer} | {skew:.0%} | {reuse:.0%} | {hit:.0%} | {uniform:.0%} |")
-    n = len(steps)
-    print(f"| mean | {sums[0] / n:.0%} | {sums[1] / n:.0%} | {sums[2] / n:.0%} | {sums[3] / n:.0%} |")
+        print(f"| {layer} | {row[0]:.0%} | {row[1]:.0%} ({row[2]:.0%}) | {row[3]:.0%} ({row[4]:.0%}) |")
+    m = [v / len(steps) for v in sums]
+    print(f"| mean | {m[0]:.0%} | {m[1]:.0%} ({m[2]:.0%}) | {m[3]:.0%} ({m[4]:.0%}) |")
 
 
 if __name__ == "__main__":
