@@ -3,6 +3,7 @@
     pip install 'moechat[peer]'          # llama-cpp-python, builds llama.cpp from source (~20 min)
     python bench/compare_llamacpp.py                 # the test models of every architecture
     python bench/compare_llamacpp.py MODEL.gguf ...  # your own files
+    python bench/compare_llamacpp.py --f32-copy MODEL.gguf   # and an F32 copy of each
 
 Both engines get the same token ids (no tokenizer differences), all positions' logits are
 compared (top-1 agreement, mean KL(llama.cpp || moechat)), then prefill and decode speed are
@@ -136,6 +137,38 @@ def compare(
     }
 
 
+def f32_copy(path: Path, out_dir: Path) -> Path:
+    """The same model with every tensor dequantized to F32.
+
+    On quantized weights llama.cpp's CPU kernels round the activations to 8 bits (Q8_0 or Q8_K
+    blocks) before the dot products; moechat computes with exact fp32 activations. On an F32
+    copy both do fp32 arithmetic, so what is left between them is the model code itself.
+    """
+    from gguf import GGUFValueType, GGUFWriter
+    from moechat.engine.gguf_file import GGUFFile
+    from moechat.engine.quants import dequantize
+
+    out = out_dir / f"{path.stem}-f32.gguf"
+    with GGUFFile(path) as src:
+        w = GGUFWriter(str(out), src.architecture)
+        for key, value in src.metadata.items():
+            if key in ("general.architecture", "general.file_type") or key.startswith("split."):
+                continue
+            vtype, etype = src.value_types[key]
+            if vtype == GGUFValueType.ARRAY:
+                sub = GGUFValueType(etype) if etype is not None else None
+                w.add_key_value(key, list(value), GGUFValueType.ARRAY, sub_type=sub)
+            else:
+                w.add_key_value(key, value, GGUFValueType(vtype))
+        for name, t in src.tensors.items():
+            w.add_tensor(name, dequantize(src.tensor_data(name), t.qtype).numpy().astype(np.float32))
+        w.write_header_to_file()
+        w.write_kv_data_to_file()
+        w.write_tensors_to_file()
+        w.close()
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("models", nargs="*", type=Path, help="GGUF files (default: the test models)")
@@ -149,11 +182,18 @@ def main() -> None:
         action="store_true",
         help="llama.cpp without AMX/repacked buffers (for CPUs that advertise AMX but trap on it)",
     )
+    ap.add_argument(
+        "--f32-copy",
+        action="store_true",
+        help="also compare an F32 copy of each file: llama.cpp then does no quantized-activation arithmetic",
+    )
     args = ap.parse_args()
     if args.no_extra_bufts:
         _no_extra_buffer_types()
     with tempfile.TemporaryDirectory() as tmp:
         models = args.models or test_models(Path(tmp), args.logit_scale)
+        if args.f32_copy:
+            models = [x for m in models for x in (m, f32_copy(m, Path(tmp)))]
         rows = [compare(m, args.positions, args.decode, args.threads, args.repeats) for m in models]
     head = ["model", "top-1", "mean KL", "pp t/s ours", "pp t/s llama.cpp", "ratio", "tg t/s ours",
             "tg t/s llama.cpp", "ratio"]  # fmt: skip
