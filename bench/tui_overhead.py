@@ -42,8 +42,9 @@ from moechat.engine.loader import load_model
 
 MIB = 64  # the expert cache of a generated or given model
 # The demo (a base model behind a plain User:/Assistant: format) writes 256 greedy tokens for this
-# one before any stop; a reply cut short would time a cold start, not the steady rate.
-PROMPT = "Describe, step by step and in detail, how bread is made at home."
+# one before any stop; a reply cut short would time a cold start, not the steady rate. (It echoes
+# some prompts and stops: "Describe, step by step, how bread is made" gets 9 tokens.)
+PROMPT = "Write a long essay about the history of the city of Rome, from its founding to the present day."
 
 
 def headless(path: Path, n: int, base: Settings, prompt_text: str) -> tuple[float, int]:

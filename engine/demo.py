@@ -55,7 +55,12 @@ def ensure_demo(cache_dir: Path, progress: Progress | None = None) -> Path:
     if target.exists():
         return target
     source = source_gguf(cache_dir / "sources")
-    return build_demo(source, recipe_path(), target, progress)
+    built = build_demo(source, recipe_path(), target, progress)
+    for stale in cache_dir.glob("moechat-demo-gemma3moe-*.gguf"):  # built from an earlier recipe
+        if stale != built:
+            stale.unlink(missing_ok=True)
+            logger.info("removed the demo built from an earlier recipe: %s", stale.name)
+    return built
 
 
 @dataclass(frozen=True)

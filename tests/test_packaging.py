@@ -78,10 +78,14 @@ def test_paths_prints_four_directories(tmp_path: Path) -> None:
 def test_inspect_without_a_model_builds_and_shows_the_demo(tmp_path: Path) -> None:
     import os
 
+    cache = Path(os.environ["MOECHAT_HOME"]) / "cache"
+    cache.mkdir(parents=True)
+    stale = cache / "moechat-demo-gemma3moe-0123456789ab.gguf"  # an earlier recipe's build
+    stale.write_bytes(b"GGUF")
     r = _moechat("inspect", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "gemma3moe" in r.stdout and "16 per layer" in r.stdout
-    cache = Path(os.environ["MOECHAT_HOME"]) / "cache"
+    assert "gemma3moe" in r.stdout and "16 per layer" in r.stdout and "shared experts" in r.stdout
+    assert not stale.exists()
     assert (cache / "sources" / "gemma-3-270m-q4_k_m.gguf").stat().st_size == 253113024
     (demo,) = cache.glob("moechat-demo-gemma3moe-*.gguf")
     stamp = demo.stat().st_mtime_ns
