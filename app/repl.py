@@ -11,11 +11,11 @@ import sys
 import threading
 from pathlib import Path
 
-from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
-from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, resolve_device, set_threads
+from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
 
 from .demo_model import resolve_model
+from .run_cmd import cache_settings
 from .settings import SPEC, Settings, for_demo, resolve
 
 # A base model continuing the plain format writes the user's next line itself: stop there.
@@ -78,11 +78,7 @@ def run_chat(args: argparse.Namespace) -> int:
     params = SamplingParams(temperature=settings.temp, top_k=settings.top_k, top_p=settings.top_p,
                             min_p=settings.min_p, seed=args.seed)  # fmt: skip
     params.validate()
-    cache = CacheSettings(
-        mib=settings.moe_cache_mib, cpu_share=settings.moe_cache_cpu_share,
-        device=resolve_device(settings.device), emulate_link_gbps=settings.emulate_link_gbps,
-    )  # fmt: skip
-    cache.validate()
+    cache = cache_settings(settings)
     set_threads(settings.threads)
     try:
         lm = load_model(resolve_model(args.model), n_ctx=settings.ctx_size, chat_template=args.chat_template,

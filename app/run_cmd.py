@@ -13,6 +13,8 @@ from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
 from moechat.engine.loader import load_model, resolve_device, set_threads
 
+from .settings import Settings, for_demo, resolve
+
 
 def add_cache_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="auto, cuda or cpu (env MOECHAT_DEVICE)")
@@ -65,9 +67,22 @@ class EngineOptions:
     threads: int
 
 
+def cache_settings(layered: Settings, trace: Path | None = None, load_mode: str = "mmap") -> CacheSettings:
+    """The expert cache's settings from resolved settings, checked; errors name the device's source."""
+    try:
+        device = resolve_device(layered.device)
+    except ValueError as e:
+        raise ValueError(f"device from {layered.source('device')}: {e}") from None
+    settings = CacheSettings(
+        mib=layered.moe_cache_mib, cpu_share=layered.moe_cache_cpu_share, device=device,
+        emulate_link_gbps=layered.emulate_link_gbps, trace=trace, load_mode=load_mode,
+    )  # fmt: skip
+    settings.validate()
+    return settings
+
+
 def layered_settings(args: argparse.Namespace) -> EngineOptions:
     from .paths import app_paths
-    from .settings import resolve
 
     names = ("device", "moe_cache_mib", "moe_cache_cpu_share", "emulate_link_gbps", "cpu_dequant_mib", "cpu_kernels",
              "threads")  # fmt: skip
@@ -76,19 +91,9 @@ def layered_settings(args: argparse.Namespace) -> EngineOptions:
     )
     for w in warnings:
         print(f"moechat: warning: {w}", file=sys.stderr)
-    from .settings import for_demo
-
     layered = for_demo(layered, getattr(args, "model", None))
     trace = args.moe_cache_trace or os.environ.get("MOECHAT_MOE_CACHE_TRACE")
-    try:
-        device = resolve_device(layered.device)
-    except ValueError as e:
-        raise ValueError(f"device from {layered.source('device')}: {e}") from None
-    settings = CacheSettings(
-        mib=layered.moe_cache_mib, cpu_share=layered.moe_cache_cpu_share, device=device,
-        emulate_link_gbps=layered.emulate_link_gbps, trace=Path(trace) if trace else None, load_mode=args.load_mode,
-    )  # fmt: skip
-    settings.validate()
+    settings = cache_settings(layered, trace=Path(trace) if trace else None, load_mode=args.load_mode)
     return EngineOptions(settings, layered.cpu_dequant_mib, layered.cpu_kernels, layered.threads)
 
 

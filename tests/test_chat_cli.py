@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
 from testkit.ggufgen import tiny_moe
 
 
@@ -47,3 +50,13 @@ def test_moechat_run_on_the_demo_uses_its_expert_cache(tmp_path: Path) -> None:
     assert small.returncode == 0 and m is not None and int(m.group(3)) > 0, small.stderr
     off = subprocess.run([*cmd, "--moe-cache-mib", "0"], capture_output=True, text=True, timeout=300)
     assert off.returncode == 0 and "MoE cache" not in off.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
+def test_line_chat_names_where_an_unusable_device_came_from(tmp_path: Path) -> None:
+    model = tiny_moe(tmp_path / "m.gguf", n_vocab=512)
+    env = {**os.environ, "MOECHAT_DEVICE": "cuda"}
+    r = subprocess.run([sys.executable, "-m", "moechat", "chat", str(model), "--plain"], input="Hi\n",
+                       capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("moechat: error: device from env MOECHAT_DEVICE:"), r.stderr
