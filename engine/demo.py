@@ -134,6 +134,8 @@ def build_demo(
         rec = read_recipe(recipe, n_layers, n_ff, n_embd)
         n_expert, width, n_shared = rec.n_expert, rec.routed.shape[2], rec.shared.shape[1]
         k = rec.k if k is None else k
+        if not 1 <= k <= n_expert:
+            raise DemoError(f"{k} experts per token of {n_expert}")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".partial")
         w = GGUFWriter(str(tmp), ARCH)

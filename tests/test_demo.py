@@ -105,6 +105,9 @@ def test_bad_recipe(gemma_gguf: Path, tmp_path: Path, override: dict[str, object
     bad = _partition_recipe(tmp_path / "bad.npz", override=override)
     with pytest.raises(DemoError, match=message):
         build_demo(gemma_gguf, bad, tmp_path / "x.gguf")
+    if message.startswith("17"):  # the same check on the caller's override
+        with pytest.raises(DemoError, match="0 experts per token of 16"):
+            build_demo(gemma_gguf, _partition_recipe(tmp_path / "ok.npz"), tmp_path / "x.gguf", k=0)
     assert not (tmp_path / "x.gguf").exists() and not list(tmp_path.glob("*.partial"))
 
 
