@@ -15,6 +15,7 @@ from moechat.engine.generate import SamplingParams, generate
 from moechat.engine.loader import load_model
 from moechat.tuner.baselines import simulate_baseline
 from moechat.tuner.recommend import recommend
+from moechat.tuner.report import cpu_speed
 from moechat.tuner.simulator import Group, Routing, load_routing, replay
 from moechat.tuner.sweep import ArmDone, ArmStarted, Cancelled, SweepDone, SweepSettings, calibrate
 from moechat.tuner.time_model import FitError, Observation, TimeModel, fit
@@ -138,6 +139,23 @@ def test_time_model_recovers_known_costs() -> None:
     assert mb.overlap == 0.0 and mb.max_error > 0
     with pytest.raises(FitError):
         fit(runs[:2])
+
+
+def test_on_the_cpu_device_free_cpu_misses_are_a_physical_fit() -> None:
+    # The device is the CPU: a miss computed "on the CPU" runs beside the main thread on the same
+    # cores and can even save a little time. Measured on the demo: the fit came out below zero.
+    runs = [Observation(up, cpu, share, 80.0 + 400.0 * up - 30.0 * cpu + (0.5 if share else 0.0))
+            for up, cpu, share in [(0.02, 0.0, 0.0), (0.01, 0.01, 0.5), (0.001, 0.019, 0.95),
+                                   (0.012, 0.0, 0.0), (0.006, 0.006, 0.5), (0.0006, 0.011, 0.95)]]  # fmt: skip
+    assert not fit(runs).physical  # elsewhere a free CPU is not believable
+    m = fit(runs, cpu_is_device=True)
+    assert m.physical and m.cpu_free and m.cpu == 0.0 and m.overlap == 0.0
+    assert m.up == pytest.approx(400.0, rel=0.1) and m.max_error < 0.01
+    assert m.closed_form_share() == 1.0  # uploads cost time and CPU misses do not
+    assert cpu_speed(m).startswith("CPU misses cost no more than hits") and cpu_speed(fit(runs)).endswith("GiB/s")
+    # Where the CPU really costs time, the flag changes nothing.
+    slow = [Observation(o.upload_gib, o.cpu_gib, o.share, o.ms_per_token + 180.0 * o.cpu_gib) for o in runs]
+    assert fit(slow, cpu_is_device=True) == fit(slow) and fit(slow).cpu == pytest.approx(150.0, rel=0.1)
 
 
 def _sweep_settings(path: Path, **kw: object) -> SweepSettings:

@@ -79,7 +79,7 @@ def predict_rows(routing: Routing, sizes: list[float], model: TimeModel, shares:
 
 
 def recommend(done: SweepDone, model_name: str, workers: int = 2) -> TuneReport:
-    model = fit(observations(done.arms))
+    model = fit(observations(done.arms), cpu_is_device=done.device == "cpu")
     routing: Routing | None = None
     for arm in done.arms:
         r = load_routing(Path(done.run_dir) / arm.trace)

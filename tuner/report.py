@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
 from .recommend import TuneReport
+from .time_model import TimeModel
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False) -> str:
@@ -27,6 +29,17 @@ def _cell(tps: float, best: bool, markdown: bool) -> str:
     return f"**{text}**" if markdown else f"{text}*"
 
 
+def cpu_speed(m: TimeModel) -> str:
+    """How fast the CPU takes misses, in words a person reads."""
+    if m.cpu_free:
+        return "CPU misses cost no more than hits (the device is the CPU)"
+    return f"CPU {m.cpu_gibps:.2f} GiB/s"
+
+
+def _finite(x: float) -> float | None:
+    return x if math.isfinite(x) else None  # JSON has no infinity
+
+
 def render(report: TuneReport, markdown: bool = False) -> str:
     m = report.time_model
     code = (lambda t: f"`{t}`") if markdown else (lambda t: t)
@@ -40,7 +53,7 @@ def render(report: TuneReport, markdown: bool = False) -> str:
                 f"{1024 * a.cpu_gib:.2f}", f"{100 * e:+.1f}%"] for a, e in zip(report.arms, m.errors, strict=True)],
               markdown),
         "",
-        f"machine: uploads {m.upload_gibps:.2f} GiB/s, CPU {m.cpu_gibps:.2f} GiB/s, CPU part {m.split:.2f} ms, "
+        f"machine: uploads {m.upload_gibps:.2f} GiB/s, {cpu_speed(m)}, CPU part {m.split:.2f} ms, "
         f"overlap {m.overlap:.1f} ms/GiB, rest {m.base:.2f} ms per token; fit within {100 * m.max_error:.1f}%"
         + ("" if m.physical else " (not physical)"),
         f"closed form: share ~ 1 - B_upload/B_cpu = {report.closed_form_share:.2f}",
@@ -64,6 +77,7 @@ def render(report: TuneReport, markdown: bool = False) -> str:
 
 def to_json(report: TuneReport) -> str:
     d: dict[str, Any] = asdict(report)
-    d["time_model"].update(upload_gibps=report.time_model.upload_gibps, cpu_gibps=report.time_model.cpu_gibps)
+    m = report.time_model
+    d["time_model"].update(upload_gibps=_finite(m.upload_gibps), cpu_gibps=_finite(m.cpu_gibps), cpu_free=m.cpu_free)
     d["recommendation"]["command"] = report.recommendation.command()
     return json.dumps(d, indent=1, default=str)

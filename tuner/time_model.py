@@ -7,7 +7,9 @@ having a CPU part at all; `overlap` (usually negative) is the time saved because
 while the device uploads. Fitted by least squares (numpy); a fit that is not physical (a speed
 that is not positive, a base that is not a fair part of the fastest run, an overlap hiding more
 than the cheaper path) falls back to the model without the overlap term, and a negative split
-(noise) drops that term.
+(noise) drops that term. When the device is the CPU itself, a miss computed "on the CPU" runs on
+the same cores as a hit, beside the main thread: it can cost nothing extra, so there a CPU cost
+that fits at or below zero is taken as zero (`cpu_is_device`), not as a sign of a busy machine.
 """
 
 from __future__ import annotations
@@ -57,6 +59,11 @@ class TimeModel:
         return 1000.0 / self.cpu if self.cpu > 0 else float("inf")
 
     @property
+    def cpu_free(self) -> bool:
+        """CPU-computed misses cost nothing beyond a hit (fitted so on the CPU device)."""
+        return self.cpu == 0.0
+
+    @property
     def max_error(self) -> float:
         return max((abs(e) for e in self.errors), default=0.0)
 
@@ -66,6 +73,8 @@ class TimeModel:
 
     def closed_form_share(self) -> float:
         """s* ~ 1 - B_upload / B_cpu: the CPU should take misses only when it reads experts faster than the link."""
+        if self.up > 0 and self.cpu_free:
+            return 1.0  # uploads cost time and CPU misses do not: the CPU takes them all
         if not (self.up > 0 and self.cpu > 0):
             return 0.0
         return float(min(1.0, max(0.0, 1.0 - self.upload_gibps / self.cpu_gibps)))
@@ -79,7 +88,7 @@ def _row(o: Observation) -> list[float]:
     return [1.0, o.upload_gib, o.cpu_gib, float(o.share > 0), min(o.upload_gib, o.cpu_gib)]
 
 
-def fit(runs: Sequence[Observation]) -> TimeModel:
+def fit(runs: Sequence[Observation], cpu_is_device: bool = False) -> TimeModel:
     if len(runs) < 3:
         raise FitError(f"the time model needs at least 3 runs, got {len(runs)}")
     a_full = np.array([_row(o) for o in runs], dtype=np.float64)  # [R, 5]
@@ -109,6 +118,9 @@ def fit(runs: Sequence[Observation]) -> TimeModel:
     if not ok:
         m = solve([t for t in TERMS if t != "overlap"])
         ok = physical(m)
+    if not ok and cpu_is_device and m.get("cpu", 0.0) <= 0:
+        m = solve(["base", "up", "split"])  # CPU misses free: no CPU cost, nothing for it to overlap
+        ok = physical({**m, "cpu": float("inf")})
     base, up, cpu, split, overlap = (m.get(t, 0.0) for t in TERMS)
     model = TimeModel(base, up, cpu, split, overlap, physical=ok)
     errors = tuple((model.ms(o.upload_gib, o.cpu_gib, o.share) - o.ms_per_token) / o.ms_per_token for o in runs)

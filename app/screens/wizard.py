@@ -10,6 +10,7 @@ import threading
 from typing import TYPE_CHECKING, ClassVar
 
 from moechat.tuner.recommend import TuneReport
+from moechat.tuner.report import cpu_speed
 from moechat.tuner.sweep import ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone
 from rich.text import Text
 from textual import work
@@ -110,7 +111,7 @@ class TuneWizard(Screen[bool]):
         self.report = r = msg.report
         m = r.time_model
         self.query_one("#machine", Static).update(
-            f"machine: uploads {m.upload_gibps:.2f} GiB/s, CPU {m.cpu_gibps:.2f} GiB/s, rest {m.base:.2f} ms/token; "
+            f"machine: uploads {m.upload_gibps:.2f} GiB/s, {cpu_speed(m)}, rest {m.base:.2f} ms/token; "
             f"fit within {100 * m.max_error:.1f}%" + "".join(f"\nwarning: {w}" for w in r.warnings)
         )
         runs = self.query_one("#runs", DataTable)
