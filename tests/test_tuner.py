@@ -241,7 +241,7 @@ def test_sim_and_tune_commands(
 
     rc = main(["tune", str(path), "--device", "cpu", "--tokens", "40", "--warmup", "8", "-c", "256", "--json"])
     out = capsys.readouterr().out
-    report = json.loads(out)
+    report = json.loads(out, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))  # Infinity, NaN
     assert rc in (0, 3)  # 3: the fit was rejected as noisy, which a shared machine may cause
     assert len(report["arms"]) == 6 and report["recommendation"]["command"].startswith("--moe-cache-mib ")
 
