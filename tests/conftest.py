@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -31,7 +32,30 @@ def gemma_gguf(test_cache: Path) -> Path:
     return source_gguf(test_cache / "sources")
 
 
+@pytest.fixture(scope="session")
+def demo_gguf(test_cache: Path, gemma_gguf: Path) -> Path:
+    """The built-in demo from the shipped recipe, built once and kept with the assembled Gemma file."""
+    from moechat.engine.demo import ensure_demo
+
+    return ensure_demo(test_cache)
+
+
 @pytest.fixture(autouse=True)
-def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def _isolated_home(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     # No test reads or writes the user's real config, data or cache folders.
-    monkeypatch.setenv("MOECHAT_HOME", str(tmp_path / "moechat-home"))
+    home = tmp_path / "moechat-home"
+    monkeypatch.setenv("MOECHAT_HOME", str(home))
+    return home
+
+
+@pytest.fixture
+def demo_home(_isolated_home: Path, demo_gguf: Path) -> Path:
+    """This test's MOECHAT_HOME with the demo already built in its cache: a hard link, not another
+    half-gigabyte build (tests of the build itself start from an empty home instead)."""
+    cache = _isolated_home / "cache"
+    cache.mkdir(parents=True, exist_ok=True)
+    try:
+        os.link(demo_gguf, cache / demo_gguf.name)
+    except OSError:  # another file system
+        shutil.copyfile(demo_gguf, cache / demo_gguf.name)
+    return _isolated_home

@@ -22,7 +22,7 @@ def test_chat_two_turns_from_stdin(tmp_path: Path) -> None:
     assert "Traceback" not in r.stderr
 
 
-def test_moechat_alone_chats_with_the_demo(tmp_path: Path) -> None:
+def test_moechat_alone_chats_with_the_demo(demo_home: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "moechat", "chat", "-n", "12", "--temp", "0"],
                        input="The capital of France is\n", capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr
@@ -32,7 +32,7 @@ def test_moechat_alone_chats_with_the_demo(tmp_path: Path) -> None:
     assert r.returncode == 0 and r.stdout.strip() == ""  # empty stdin: the chat ends at once
 
 
-def test_moechat_run_on_the_demo_uses_its_expert_cache(tmp_path: Path) -> None:
+def test_moechat_run_on_the_demo_uses_its_expert_cache(demo_home: Path) -> None:
     # The demo's own defaults turn the cache on (half its experts), with a CPU share, unless the
     # user says otherwise.
     cmd = [sys.executable, "-m", "moechat", "-v", "run", "-p", "Bread is", "-n", "8", "--temp", "0"]
