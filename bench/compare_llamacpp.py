@@ -144,22 +144,14 @@ def f32_copy(path: Path, out_dir: Path) -> Path:
     blocks) before the dot products; moechat computes with exact fp32 activations. On an F32
     copy both do fp32 arithmetic, so what is left between them is the model code itself.
     """
-    from gguf import GGUFValueType, GGUFWriter
-    from moechat.engine.gguf_file import GGUFFile
+    from gguf import GGUFWriter
+    from moechat.engine.gguf_file import GGUFFile, copy_metadata
     from moechat.engine.quants import dequantize
 
     out = out_dir / f"{path.stem}-f32.gguf"
     with GGUFFile(path) as src:
         w = GGUFWriter(str(out), src.architecture)
-        for key, value in src.metadata.items():
-            if key in ("general.architecture", "general.file_type") or key.startswith("split."):
-                continue
-            vtype, etype = src.value_types[key]
-            if vtype == GGUFValueType.ARRAY:
-                sub = GGUFValueType(etype) if etype is not None else None
-                w.add_key_value(key, list(value), GGUFValueType.ARRAY, sub_type=sub)
-            else:
-                w.add_key_value(key, value, GGUFValueType(vtype))
+        copy_metadata(src, w, src.architecture, skip=("general.file_type",))  # every tensor is F32 now
         for name, t in src.tensors.items():
             w.add_tensor(name, dequantize(src.tensor_data(name), t.qtype).numpy().astype(np.float32))
         w.write_header_to_file()

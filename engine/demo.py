@@ -20,10 +20,10 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-from gguf import GGMLQuantizationType, GGUFValueType, GGUFWriter, quants
+from gguf import GGMLQuantizationType, GGUFWriter, quants
 
 from .demo_source import source_gguf
-from .gguf_file import GGUFFile
+from .gguf_file import GGUFFile, copy_metadata
 from .quants import dequantize
 
 logger = logging.getLogger(__name__)
@@ -139,7 +139,7 @@ def build_demo(
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".partial")
         w = GGUFWriter(str(tmp), ARCH)
-        _copy_metadata(src, w)
+        copy_metadata(src, w, ARCH, skip=("general.name",))
         w.add_uint32(f"{ARCH}.expert_count", n_expert)
         w.add_uint32(f"{ARCH}.expert_used_count", k)
         w.add_uint32(f"{ARCH}.expert_feed_forward_length", width)
@@ -188,19 +188,3 @@ def _add_matrix(w: GGUFWriter, name: str, x: np.ndarray, qtype: GGMLQuantization
         w.add_tensor(name, x)
     else:
         w.add_tensor(name, quants.quantize(x, qtype), raw_dtype=qtype)
-
-
-_RENAMED = "gemma3."
-
-
-def _copy_metadata(src: GGUFFile, w: GGUFWriter) -> None:
-    for key, value in src.metadata.items():
-        if key in ("general.architecture", "general.name") or key.startswith("split."):
-            continue
-        vtype, etype = src.value_types[key]
-        name = ARCH + "." + key[len(_RENAMED) :] if key.startswith(_RENAMED) else key
-        if vtype == GGUFValueType.ARRAY:
-            sub = GGUFValueType(etype) if etype is not None else None
-            w.add_key_value(name, list(value), GGUFValueType.ARRAY, sub_type=sub)
-        else:
-            w.add_key_value(name, value, GGUFValueType(vtype))

@@ -15,13 +15,13 @@ import mmap
 import os
 import re
 import struct
-from collections.abc import Iterator, Mapping
+from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
-from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 logger = logging.getLogger(__name__)
 
@@ -377,3 +377,20 @@ class GGUFFile(Mapping[str, TensorInfo]):
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def copy_metadata(src: GGUFFile, w: GGUFWriter, arch: str, skip: Collection[str] = ()) -> None:
+    """Every key of `src` into a writer for architecture `arch`, with its own value type; the
+    source architecture's keys are renamed to `arch`'s. The writer sets general.architecture;
+    split.* keys describe the source's shards and are dropped, as are the keys in `skip`."""
+    prefix = src.architecture + "."
+    for key, value in src.metadata.items():
+        if key == "general.architecture" or key in skip or key.startswith("split."):
+            continue
+        vtype, etype = src.value_types[key]
+        name = arch + "." + key[len(prefix) :] if key.startswith(prefix) else key
+        if vtype == GGUFValueType.ARRAY:
+            sub = GGUFValueType(etype) if etype is not None else None
+            w.add_key_value(name, list(value), GGUFValueType.ARRAY, sub_type=sub)
+        else:
+            w.add_key_value(name, value, GGUFValueType(vtype))
