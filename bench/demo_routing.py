@@ -15,7 +15,6 @@ import argparse
 import random
 import tempfile
 import time
-from collections import OrderedDict
 from pathlib import Path
 
 from moechat.app.paths import app_paths
@@ -25,6 +24,7 @@ from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import SamplingParams, TokenEvent, generate
 from moechat.engine.loader import load_model
 from moechat.engine.trace import read_trace
+from moechat.tuner.routing_stats import lru_hit_rate, reuse_rate, top_share
 
 PROMPTS = [
     "The old bridge over the river was built",
@@ -33,22 +33,6 @@ PROMPTS = [
     "Dear Sir, I am writing to complain about",
     "To make a good cup of tea, you should",
 ]
-
-
-def lru_hit_rate(steps: list[list[int]], capacity: int) -> float:
-    cache: OrderedDict[int, None] = OrderedDict()
-    hits = total = 0
-    for ids in steps:
-        for e in ids:
-            total += 1
-            if e in cache:
-                hits += 1
-                cache.move_to_end(e)
-            else:
-                cache[e] = None
-                if len(cache) > capacity:
-                    cache.popitem(last=False)
-    return hits / max(total, 1)
 
 
 def main() -> None:
@@ -89,12 +73,6 @@ def main() -> None:
     report(steps, n_expert, k, f"{n_dec} decode tokens, {tps:.1f} t/s (prompts included)")
 
 
-def reuse_rate(sel: list[list[int]], k: int) -> float:
-    """Share of selections whose expert was also selected in one of the previous 8 tokens."""
-    reused = sum(1 for t, ids in enumerate(sel) for e in ids if any(e in sel[p] for p in range(max(0, t - 8), t)))
-    return reused / (len(sel) * k)
-
-
 def report(steps: dict[int, list[list[int]]], n_expert: int, k: int, what: str) -> None:
     rng = random.Random(0)
     print(f"demo: {n_expert} experts per layer, {k} per token; {what}\n")
@@ -103,14 +81,8 @@ def report(steps: dict[int, list[list[int]]], n_expert: int, k: int, what: str) 
     sums = [0.0] * 5
     for layer in sorted(steps):
         sel = steps[layer]
-        counts = [0] * n_expert
-        for ids in sel:
-            for e in ids:
-                counts[e] += 1
-        top = sorted(counts, reverse=True)[: max(1, n_expert // 5)]
-        skew = sum(top) / sum(counts)
         uniform = [rng.sample(range(n_expert), k) for _ in sel]  # what uniformly random routing gives
-        row = (skew, reuse_rate(sel, k), reuse_rate(uniform, k), lru_hit_rate(sel, n_expert // 2),
+        row = (top_share(sel, n_expert), reuse_rate(sel), reuse_rate(uniform), lru_hit_rate(sel, n_expert // 2),
                lru_hit_rate(uniform, n_expert // 2))  # fmt: skip
         for j, v in enumerate(row):
             sums[j] += v

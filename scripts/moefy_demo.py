@@ -39,6 +39,7 @@ import numpy as np
 import torch
 from moechat.engine.generate import GREEDY, SamplingParams, TokenEvent, generate
 from moechat.engine.loader import LoadedModel
+from moechat.tuner.routing_stats import lru_hit_rate, reuse_rate, top_share
 from torch.nn import functional as F
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -181,20 +182,8 @@ def perplexity(lm: LoadedModel, texts: list[list[int]]) -> float:
 def routing_stats(picks: list[torch.Tensor], n_expert: int) -> tuple[float, float, float]:
     """Share of selections by the top 20% of experts, reuse within 8 tokens, LRU hit rate with half
     the experts cached (uniform random routing: 0.2, about 0.4, 0.5)."""
-    seq = torch.cat(picks).tolist()
-    counts = sorted(np.bincount(seq, minlength=n_expert).tolist(), reverse=True)
-    top = sum(counts[: max(1, n_expert // 5)]) / len(seq)
-    reuse = sum(seq[t] in seq[max(0, t - 8) : t] for t in range(1, len(seq))) / (len(seq) - 1)
-    lru: dict[int, None] = {}
-    hits = 0
-    for e in seq:
-        if e in lru:
-            hits += 1
-            del lru[e]
-        elif len(lru) >= n_expert // 2:
-            del lru[next(iter(lru))]
-        lru[e] = None
-    return top, reuse, hits / len(seq)
+    steps = [[e] for e in torch.cat(picks).tolist()]
+    return top_share(steps, n_expert), reuse_rate(steps), lru_hit_rate(steps, n_expert // 2)
 
 
 def record_inputs(lm: LoadedModel, texts: list[list[int]]) -> list[torch.Tensor]:

@@ -12,6 +12,7 @@ from moechat.engine.demo import DemoError, build_demo, read_recipe, recipe_path
 from moechat.engine.generate import decode_one, prefill
 from moechat.engine.gguf_file import GGUFFile
 from moechat.engine.loader import load_model
+from moechat.tuner.routing_stats import lru_hit_rate
 
 PROMPT = "The lighthouse stood at the end of a long spit of sand, and for most of the year nobody went out to it"
 
@@ -130,19 +131,6 @@ def test_the_shipped_recipe_routes_one_expert_beside_a_shared_one() -> None:
     assert len(np.unique(rec.routed[0])) > width and len(np.unique(rec.routed[0])) <= 2048 - n_shared
 
 
-def _lru_hit_rate(seq: list[int], capacity: int) -> float:
-    cached: list[int] = []
-    hits = 0
-    for e in seq:
-        if e in cached:
-            hits += 1
-            cached.remove(e)
-        elif len(cached) >= capacity:
-            cached.pop(0)
-        cached.append(e)
-    return hits / len(seq)
-
-
 def test_the_demo_routes_like_a_real_moe(demo_gguf: Path) -> None:
     # Skewed, input-dependent routing with reuse between nearby tokens is what makes an expert
     # cache pay: an LRU cache of half the experts must beat what uniform routing gets from it.
@@ -156,7 +144,7 @@ def test_the_demo_routes_like_a_real_moe(demo_gguf: Path) -> None:
     lm.close()
     assert len(steps[0]) == 18
     rng = np.random.default_rng(0)
-    demo = np.mean([_lru_hit_rate([s[layer] for s in steps], 8) for layer in range(18)])
-    uniform = np.mean([_lru_hit_rate(rng.integers(0, 16, 48).tolist(), 8) for _ in range(18)])
+    demo = np.mean([lru_hit_rate([[s[layer]] for s in steps], 8) for layer in range(18)])
+    uniform = np.mean([lru_hit_rate([[e] for e in rng.integers(0, 16, 48).tolist()], 8) for _ in range(18)])
     assert demo >= 0.6 and uniform <= 0.5, (demo, uniform)  # measured: 0.73 and about 0.43
     assert len({tuple(s) for s in steps}) > 8  # and it depends on the input: not one fixed set
