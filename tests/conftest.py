@@ -33,8 +33,9 @@ def gemma_gguf(test_cache: Path) -> Path:
 
 
 @pytest.fixture(scope="session")
-def demo_gguf(test_cache: Path, gemma_gguf: Path) -> Path:
-    """The built-in demo from the shipped recipe, built once and kept with the assembled Gemma file."""
+def demo_gguf(test_cache: Path) -> Path:
+    """The built-in demo from the shipped recipe, built once and kept beside the assembled Gemma file
+    (test_cache/sources, where `gemma_gguf` also finds it)."""
     from moechat.engine.demo import ensure_demo
 
     return ensure_demo(test_cache)

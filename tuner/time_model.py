@@ -107,11 +107,12 @@ def fit(runs: Sequence[Observation], cpu_is_device: bool = False) -> TimeModel:
             return solve([t for t in terms if t != "split"])
         return out
 
-    def physical(m: dict[str, float]) -> bool:
+    def physical(m: dict[str, float], cpu_free: bool = False) -> bool:
         up, cpu, overlap = m.get("up", 0.0), m.get("cpu", 0.0), m.get("overlap", 0.0)
-        # Each path costs time, the rest of the token is a good part of the fastest run, and running
-        # the two paths together hides at most the cheaper one.
-        return up > 0 and cpu > 0 and m.get("base", 0.0) >= 0.2 * float(y.min()) and -overlap <= min(up, cpu)
+        # Each path costs time (the CPU's may not, where `cpu_free`), the rest of the token is a good
+        # part of the fastest run, and running the two paths together hides at most the cheaper one.
+        paths = up > 0 and (cpu_free or (cpu > 0 and -overlap <= min(up, cpu)))
+        return paths and m.get("base", 0.0) >= 0.2 * float(y.min())
 
     m = solve(list(TERMS))
     ok = physical(m)
@@ -120,7 +121,7 @@ def fit(runs: Sequence[Observation], cpu_is_device: bool = False) -> TimeModel:
         ok = physical(m)
     if not ok and cpu_is_device and m.get("cpu", 0.0) <= 0:
         m = solve(["base", "up", "split"])  # CPU misses free: no CPU cost, nothing for it to overlap
-        ok = physical({**m, "cpu": float("inf")})
+        ok = physical(m, cpu_free=True)
     base, up, cpu, split, overlap = (m.get(t, 0.0) for t in TERMS)
     model = TimeModel(base, up, cpu, split, overlap, physical=ok)
     errors = tuple((model.ms(o.upload_gib, o.cpu_gib, o.share) - o.ms_per_token) / o.ms_per_token for o in runs)
