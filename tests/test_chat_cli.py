@@ -12,6 +12,9 @@ import pytest
 import torch
 from testkit.ggufgen import tiny_moe
 
+# `moechat run`'s cache summary for decode-sized batches: hits, misses, misses computed on the CPU.
+DECODE_COUNTS = re.compile(r"batch <= 8: hits = (\d+), misses = (\d+) \((\d+) on the CPU\)")
+
 
 def test_chat_two_turns_from_stdin(tmp_path: Path) -> None:
     model = tiny_moe(tmp_path / "m.gguf", n_vocab=512)
@@ -40,13 +43,13 @@ def test_moechat_run_on_the_demo_uses_its_expert_cache(demo_home: Path) -> None:
     assert r.returncode == 0, r.stderr
     assert re.search(r"MoE cache group 0: layers 0-17, 16 experts .*\(50.0% of the experts.*CPU share 0.5$", r.stderr,
                      re.MULTILINE), r.stderr  # fmt: skip
-    m = re.search(r"batch <= 8: hits = (\d+), misses = (\d+) \((\d+) on the CPU\)", r.stderr)
+    m = DECODE_COUNTS.search(r.stderr)
     assert m is not None, r.stderr
     hits, misses, cpu = map(int, m.groups())
     assert hits > 0 and misses > 0 and cpu == 0  # 8 tokens do not fill half the experts
     # A smaller cache fills within the reply; then the demo's CPU share takes misses.
     small = subprocess.run([*cmd, "--moe-cache-mib", "40"], capture_output=True, text=True, timeout=300)
-    m = re.search(r"batch <= 8: hits = (\d+), misses = (\d+) \((\d+) on the CPU\)", small.stderr)
+    m = DECODE_COUNTS.search(small.stderr)
     assert small.returncode == 0 and m is not None and int(m.group(3)) > 0, small.stderr
     off = subprocess.run([*cmd, "--moe-cache-mib", "0"], capture_output=True, text=True, timeout=300)
     assert off.returncode == 0 and "MoE cache" not in off.stderr
