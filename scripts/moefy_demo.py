@@ -32,8 +32,11 @@ import json
 import math
 import sys
 import time
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,12 +63,17 @@ SEEDS = [
 ]
 
 
-def load_dense() -> LoadedModel:
+def source_path() -> Path:
     from moechat.app.paths import app_paths
     from moechat.engine.demo_source import source_gguf
+
+    return source_gguf(app_paths().cache / "sources")
+
+
+def load_dense() -> LoadedModel:
     from moechat.engine.loader import load_model
 
-    return load_model(source_gguf(app_paths().cache / "sources"), n_ctx=1024)
+    return load_model(source_path(), n_ctx=1024)
 
 
 def make_texts(out: Path, n_tokens: int, seed: int) -> None:
@@ -166,6 +174,20 @@ def routed_ffn(ffn: object, layer: Layer, width: int, picks: list[torch.Tensor] 
     return forward
 
 
+@contextmanager
+def routed(blocks: Sequence[Any], layers: list[Layer], width: int,
+           picks: list[list[torch.Tensor]] | None = None) -> Iterator[None]:  # fmt: skip
+    """Every block's FFN routed (recording the experts picked, per layer), dense again afterwards."""
+    dense = [b.ffn.forward for b in blocks]
+    for i, (b, layer) in enumerate(zip(blocks, layers, strict=True)):
+        b.ffn.forward = routed_ffn(b.ffn, layer, width, picks[i] if picks is not None else None)
+    try:
+        yield
+    finally:
+        for b, fwd in zip(blocks, dense, strict=True):
+            b.ffn.forward = fwd
+
+
 def nll(lm: LoadedModel, ids: list[int], skip: int = 8) -> tuple[float, int]:
     with torch.inference_mode():
         logits = lm.model(torch.tensor(ids), 0, lm.new_cache())
@@ -208,15 +230,13 @@ def fit(texts_path: Path, n_expert: int, n_shared: int, held_out: int, out: Path
     layers = [fit_layer(b.ffn, h, n_expert, n_shared) for b, h in zip(blocks, record_inputs(lm, train), strict=True)]
     print(f"clustered {len(layers)} layers in {time.time() - t:.0f} s", file=sys.stderr)
 
-    dense_forwards = [b.ffn.forward for b in blocks]
     dense_ppl = perplexity(lm, test)
     rows = [("dense", dense_ppl, 1.0, "")]
     chosen = WIDTHS[-1]
     for width in WIDTHS:
         picks: list[list[torch.Tensor]] = [[] for _ in blocks]
-        for b, layer, p in zip(blocks, layers, picks, strict=True):
-            b.ffn.forward = routed_ffn(b.ffn, layer, width, p)
-        ppl = perplexity(lm, test)
+        with routed(blocks, layers, width, picks):
+            ppl = perplexity(lm, test)
         stats = np.mean([routing_stats(p, n_expert) for p in picks], axis=0)
         active = (n_shared + width) / blocks[0].ffn.gate.shape[0]
         routing = f"{stats[0]:.0%} / {stats[1]:.0%} / {stats[2]:.0%}"
@@ -226,8 +246,6 @@ def fit(texts_path: Path, n_expert: int, n_shared: int, held_out: int, out: Path
         if ppl <= MARGIN * dense_ppl:
             chosen = width
             break
-    for b, fwd in zip(blocks, dense_forwards, strict=True):
-        b.ffn.forward = fwd
     agree = greedy_agreement(lm, test[0][:16], layers, chosen)
     np.savez_compressed(
         out,
@@ -248,23 +266,18 @@ def greedy_agreement(lm: LoadedModel, prompt: list[int], layers: list[Layer], wi
     """Dense greedy continuation vs MoE: tokens equal before the first difference, and top-1 agreement
     when the MoE model reads the dense continuation (teacher forcing)."""
     model = lm.model
-    blocks = model.blocks
-    dense_forwards = [b.ffn.forward for b in blocks]
 
     def run() -> list[int]:
         ev = generate(model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=n, params=GREEDY, ignore_eos=True)
         return [e.token for e in ev if isinstance(e, TokenEvent) and e.token >= 0]
 
     dense = run()
-    for b, layer in zip(blocks, layers, strict=True):
-        b.ffn.forward = routed_ffn(b.ffn, layer, width)
-    moe = run()
-    same = next((i for i, (x, y) in enumerate(zip(dense, moe, strict=False)) if x != y), min(len(dense), len(moe)))
-    with torch.inference_mode():
-        logits = model(torch.tensor(prompt + dense), 0, lm.new_cache())
+    with routed(model.blocks, layers, width):
+        moe = run()
+        same = next((i for i, (x, y) in enumerate(zip(dense, moe, strict=False)) if x != y), min(len(dense), len(moe)))
+        with torch.inference_mode():
+            logits = model(torch.tensor(prompt + dense), 0, lm.new_cache())
     forced = float((logits[len(prompt) - 1 : -1].argmax(-1) == torch.tensor(dense)).float().mean())
-    for b, fwd in zip(blocks, dense_forwards, strict=True):
-        b.ffn.forward = fwd
     return f"{same} identical tokens before the first difference; teacher-forced top-1 {forced:.1%}"
 
 
@@ -273,13 +286,11 @@ def check(texts_path: Path, held_out: int, recipe: Path) -> None:
     `down`, as users get it) and compare held-out perplexity with the dense source file."""
     import tempfile
 
-    from moechat.app.paths import app_paths
     from moechat.engine.demo import build_demo
-    from moechat.engine.demo_source import source_gguf
     from moechat.engine.loader import load_model
 
     test = json.loads(texts_path.read_text())[-held_out:]
-    source = source_gguf(app_paths().cache / "sources")
+    source = source_path()
     with tempfile.TemporaryDirectory() as tmp:
         t = time.time()
         built = build_demo(source, recipe, Path(tmp) / "demo.gguf")
