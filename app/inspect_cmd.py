@@ -10,6 +10,7 @@ from moechat.engine.gguf_file import GGUFFile
 from moechat.engine.model_file import open_model, quant_histogram
 from rich.console import Console
 from rich.table import Table
+from rich.text import Text
 
 _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 
@@ -63,10 +64,12 @@ def summary_rows(gguf: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str]]:
 def run_inspect(path: str, console: Console) -> int:
     gguf, cfg = open_model(path)
     with gguf:
-        table = Table(title=f"moechat inspect: {gguf.path.name}", show_header=False)
+        # The values come from the file (its name, its metadata): rich Text, so that rich never
+        # reads them as markup ("[/x]" would raise, "[link=...]" would make a link).
+        table = Table(title=Text(f"moechat inspect: {gguf.path.name}"), show_header=False)
         table.add_column("property", style="bold")
         table.add_column("value")
         for key, value in summary_rows(gguf, cfg):
-            table.add_row(key, value)
+            table.add_row(key, Text(value))
         console.print(table)
     return 0

@@ -32,7 +32,7 @@ class Loading(Screen[None]):
     DEFAULT_CSS = "Loading { align: center middle; } Loading Label { margin: 1; }"
 
     def compose(self) -> ComposeResult:
-        yield Label("loading the model...", id="what")
+        yield Label("loading the model...", id="what", markup=False)
         yield LoadingIndicator()
 
 
@@ -58,7 +58,7 @@ class MoechatApp(App[int]):
         if self.settings.theme in self.available_themes:
             self.theme = self.settings.theme
         for w in self.startup_warnings:
-            self.notify(w, severity="warning", timeout=10)
+            self.notify(w, severity="warning", timeout=10, markup=False)
         self.push_screen(Loading())
         self.load_engine()
 
@@ -104,13 +104,13 @@ class MoechatApp(App[int]):
         try:
             self.store.save(conv)
         except OSError as e:
-            self.notify(f"could not save the conversation: {e}", severity="error", timeout=10)
+            self.notify(f"could not save the conversation: {e}", severity="error", timeout=10, markup=False)
 
     def save_session(self) -> None:
         try:
             write_stats(self.session.to_dict(), self.session_file, "json")
         except OSError as e:
-            self.notify(f"could not save the session stats: {e}", severity="error")
+            self.notify(f"could not save the session stats: {e}", severity="error", markup=False)
 
     def export_all(self, folder: Path | None = None) -> list[Path]:
         """Session stats as JSON, CSV and Markdown, and the chat as Markdown, into the exports folder."""
@@ -127,9 +127,9 @@ class MoechatApp(App[int]):
             if isinstance(self.screen, ChatScreen):
                 written.append(write_atomic(folder / f"chat-{stamp}.md", transcript_markdown(self.screen.conv)))
         except OSError as e:
-            self.notify(f"export failed: {e}; earlier files are intact", severity="error", timeout=10)
+            self.notify(f"export failed: {e}; earlier files are intact", severity="error", timeout=10, markup=False)
             return written
-        self.notify(f"exported to {folder}: " + ", ".join(p.name for p in written))
+        self.notify(f"exported to {folder}: " + ", ".join(p.name for p in written), markup=False)
         return written
 
     def watch_theme(self, theme: str) -> None:

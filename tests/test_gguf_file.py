@@ -222,3 +222,14 @@ def test_cli_inspect_table(tiny_model: Path) -> None:
     assert f"{2 * 3 * 8 * 256 * 272 / 2**20:,.1f} MiB total" in out
     assert "Q8_0 x6" in out and "F32 x21" in out
     assert "chat template" in out and "yes" in out
+
+
+def test_cli_inspect_shows_metadata_as_written_never_as_markup(tmp_path: Path) -> None:
+    """A file's own strings are untrusted: rich markup in them ("[/x]" raises, "[link=...]" makes
+    a terminal link) must print as plain text."""
+    name = "[/x] evil [link=https://example.invalid]click[/link]"
+    path = tiny_moe(tmp_path / "[b]odd[red].gguf", extra={"general.name": name})
+    r = subprocess.run([sys.executable, "-m", "moechat", "inspect", str(path)], capture_output=True, text=True,
+                       env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert name in r.stdout and "[b]odd[red].gguf" in r.stdout

@@ -8,14 +8,16 @@ import gc
 import io
 import json
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 from moechat.app.screens.chat import SHOWN_TURNS, ChatScreen, EarlierMarker, Turn
 from moechat.app.screens.wizard import TuneWizard
 from moechat.app.settings import Settings, resolve
 from moechat.app.tui import MoechatApp
+from moechat.engine.generate import Event
 from moechat.widgets.dashboard import Dashboard
 from moechat.widgets.expert_heatmap import CACHED, ExpertHeatmap, heat_rows
 from moechat.widgets.layer_stats import LayerStats
@@ -59,6 +61,11 @@ async def say(pilot: Pilot[int], screen: ChatScreen, text: str) -> None:
     await until(pilot, lambda: len(screen.conv.messages) >= n + 2 and not screen.generating)
 
 
+def drawn(widget: Static) -> str:
+    """The text a Static draws (its content is what it was given, before any markup is read)."""
+    return str(widget.visual)
+
+
 def reply_markdown(screen: ChatScreen) -> str:
     return screen.query(Turn).last().query_one(Markdown).source
 
@@ -95,7 +102,7 @@ async def test_escape_stops_within_a_token_and_the_next_request_works(tmp_path: 
         last = screen.conv.messages[-1]
         assert last["stopped"] is True and 0 < len(last["content"].split()) < 400
         assert engine.tokens < 400
-        assert "stopped" in str(screen.query(Turn).last().query_one(".role", Static).content)
+        assert "[stopped]" in drawn(screen.query(Turn).last().query_one(".role", Static))
         engine.words, engine.delay = WORDS, 0.0
         await say(pilot, screen, "again")
         assert screen.conv.messages[-1]["content"] == "The river rose in spring."
@@ -589,3 +596,40 @@ async def test_a_failing_save_is_reported_and_the_old_file_kept(
         assert app.export_all(tmp_path / "exports") == []
         assert any("export failed" in m for m in shown)
         assert [m["content"] for m in screen.conv.messages][-2:] == ["second", "The river rose in spring."]
+
+
+MARKUP = "[/x] a [b]b[/b] [@click=app.quit]q[/] [/]"
+
+
+async def test_text_from_users_files_and_errors_is_shown_as_written_never_as_markup(tmp_path: Path) -> None:
+    """Square brackets in a prompt, a system prompt or an error are text: Textual's markup would
+    swallow them ("[stopped]"), run them ("[@click=...]") or fail on them ("[/x]": MarkupError)."""
+    from moechat.app.screens.dialogs import OpenChat
+    from textual.widgets import OptionList
+
+    class FailsWithBrackets(FakeEngine):
+        def reply(self, *args: Any, **kw: Any) -> Iterator[Event]:
+            if self.replies >= 1:
+                raise RuntimeError(f"bad state {MARKUP}")
+            return super().reply(*args, **kw)
+
+    engine = FailsWithBrackets(WORDS)
+    app = make_app(tmp_path, engine, Settings(system=f"be brief {MARKUP}"))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        assert f"system: be brief {MARKUP}"[:40] in drawn(screen.query_one("#info", Static))
+        await say(pilot, screen, MARKUP)
+        await pilot.press("ctrl+n")
+        await until(pilot, lambda: not screen.query(Turn))
+        await pilot.press("ctrl+o")
+        await until(pilot, lambda: isinstance(app.screen, OpenChat))
+        option = app.screen.query_one(OptionList).get_option_at_index(0)
+        assert str(option.prompt).endswith(MARKUP)
+        await pilot.press("enter")
+        await until(pilot, lambda: app.screen is screen and len(screen.query(Turn)) == 2)
+        assert drawn(screen.query_one("#status", Static)) == f"reopened: {MARKUP}"
+        engine.replies = 1
+        await say(pilot, screen, "again")
+        assert drawn(screen.query_one("#status", Static)) == f"error: RuntimeError: bad state {MARKUP}"
+        assert "[error]" in drawn(screen.query(Turn).last().query_one(".role", Static))
+        assert app.is_running

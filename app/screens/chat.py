@@ -90,7 +90,7 @@ class Turn(Vertical):
         self.role, self.content, self.note = role, content, note
 
     def compose(self) -> ComposeResult:
-        yield Static(self.role + (f"  [{self.note}]" if self.note else ""), classes="role")
+        yield Static(self.role + (f"  [{self.note}]" if self.note else ""), classes="role", markup=False)
         yield Markdown(self.content)
 
     def set_note(self, note: str) -> None:
@@ -150,10 +150,10 @@ class ChatScreen(Screen[None]):
     def compose(self) -> ComposeResult:
         with Horizontal():
             with Vertical(id="chat-pane"):
-                yield Static(id="info")
+                yield Static(id="info", markup=False)  # names and the system prompt, as written
                 with VerticalScroll(id="log"):
                     yield EarlierMarker(id="earlier")
-                yield Static("", id="status")
+                yield Static("", id="status", markup=False)
                 yield ChatInput(id="input")
             yield Dashboard(id="dashboard")
         yield Footer()
@@ -167,7 +167,8 @@ class ChatScreen(Screen[None]):
         self.watch(log, "scroll_y", self._scrolled)
         self.refresh_info()
         if self.moechat.engine.info.template_note:
-            self.notify(f"{self.moechat.engine.info.template_note}; using the plain format", severity="warning")
+            self.notify(f"{self.moechat.engine.info.template_note}; using the plain format", severity="warning",
+                        markup=False)  # fmt: skip
         self.query_one(ChatInput).focus()
         # What exists now (modules, the app, this screen's widgets) lives as long as the app:
         # moved out of the collector's sight, the collections that streaming's many short-lived
@@ -282,7 +283,7 @@ class ChatScreen(Screen[None]):
         if msg.dropped:
             self.notify(f"the conversation outgrew the context: the {msg.dropped} oldest message(s) are left out")
         if msg.note:
-            self.notify(msg.note, severity="warning", timeout=10)
+            self.notify(msg.note, severity="warning", timeout=10, markup=False)
             self.refresh_info()
 
     async def _finish(self, note: str) -> None:
@@ -315,7 +316,7 @@ class ChatScreen(Screen[None]):
     async def on_reply_failed(self, msg: ReplyFailed) -> None:
         await self._finish("error")
         self.query_one("#status", Static).update(f"error: {msg.error}")
-        self.notify(f"the engine failed: {msg.error}", severity="error", timeout=10)
+        self.notify(f"the engine failed: {msg.error}", severity="error", timeout=10, markup=False)
 
     # -- actions ------------------------------------------------------------------------
 

@@ -9,6 +9,7 @@ from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical
+from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
@@ -37,7 +38,8 @@ class OpenChat(ModalScreen[Conversation | None]):
     def compose(self) -> ComposeResult:
         with Vertical():
             yield Label("Reopen a conversation" if self.conversations else "No saved conversations yet")
-            yield OptionList(*[Option(f"{c.updated[:16]}  {c.title}", id=c.id) for c in self.conversations])
+            # Titles are the user's own words: shown as written, never read as markup.
+            yield OptionList(*[Option(Content(f"{c.updated[:16]}  {c.title}"), id=c.id) for c in self.conversations])
 
     @on(OptionList.OptionSelected)
     def chosen(self, event: OptionList.OptionSelected) -> None:
@@ -65,7 +67,7 @@ class SettingsDialog(ModalScreen[bool]):
             for name in EDITABLE:
                 yield Static(name.replace("_", " "))
                 yield Input(str(getattr(self.settings, name)), id=f"set-{name}")
-            yield Static("", id="error")
+            yield Static("", id="error", markup=False)
             yield Button("Apply", id="apply", variant="primary")
 
     @on(Button.Pressed, "#apply")
