@@ -61,6 +61,11 @@ async def say(pilot: Pilot[int], screen: ChatScreen, text: str) -> None:
     await until(pilot, lambda: len(screen.conv.messages) >= n + 2 and not screen.generating)
 
 
+def on_screen(widget: Static) -> str:
+    """The lines the widget draws in its region (what is cut off is not there)."""
+    return " ".join(widget.render_line(y).text.strip() for y in range(widget.size.height))
+
+
 def drawn(widget: Static) -> str:
     """The text a Static draws (its content is what it was given, before any markup is read)."""
     return str(widget.visual)
@@ -81,6 +86,9 @@ async def test_send_streams_a_reply_and_saves_the_conversation(tmp_path: Path) -
         await until(pilot, lambda: "The river rose" in reply_markdown(screen))
         status = str(screen.query_one("#status", Static).content)
         assert "reply 6 tok" in status and "first token" in status and "context" in status
+        # ... and all of it is on the screen: it wraps beside the dashboard instead of being cut.
+        await until(pilot, lambda: "context" in on_screen(screen.query_one("#status", Static)))
+        assert "eos" in on_screen(screen.query_one("#status", Static))
         saved = json.loads(app.store.path(screen.conv.id).read_text())
         assert [m["role"] for m in saved["messages"]] == ["user", "assistant"]
         # Up recalls the earlier prompt.

@@ -128,7 +128,8 @@ class ChatScreen(Screen[None]):
     #chat-pane { width: 1fr; }
     #info { height: auto; color: $text-muted; padding: 0 1; }
     #log { height: 1fr; padding: 0 1; }
-    #status { height: 1; color: $text-muted; padding: 0 1; }
+    /* The numbers after a reply wrap onto a second (third) line beside the dashboard, never cut. */
+    #status { height: auto; max-height: 3; color: $text-muted; padding: 0 1; }
     ChatInput { height: 5; }
     """
 
