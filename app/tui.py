@@ -14,6 +14,7 @@ from typing import Any
 
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
+from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.widgets import Label, LoadingIndicator
 
@@ -58,7 +59,7 @@ class MoechatApp(App[int]):
         if self.settings.theme in self.available_themes:
             self.theme = self.settings.theme
         for w in self.startup_warnings:
-            self.notify(w, severity="warning", timeout=10, markup=False)
+            self.notify(w, severity="warning", timeout=10)
         self.push_screen(Loading())
         self.load_engine()
 
@@ -73,6 +74,13 @@ class MoechatApp(App[int]):
             self.call_from_thread(self._failed, str(e).splitlines()[0] if str(e) else type(e).__name__)
             return
         self.call_from_thread(self._engine_ready, engine)
+
+    def notify(self, message: str, *, title: str = "", severity: SeverityLevel = "information",
+               timeout: float | None = None, markup: bool = True) -> None:  # fmt: skip
+        # Notifications carry errors, file paths and strings from model files: plain text always,
+        # never markup ("[/x]" would raise, "[@click=...]" would act). Widgets' notify() lands
+        # here too, with markup=True by default, so the argument is overridden, not defaulted.
+        super().notify(message, title=title, severity=severity, timeout=timeout, markup=False)
 
     def _loading_text(self, text: str) -> None:
         if isinstance(self.screen, Loading):
@@ -104,13 +112,13 @@ class MoechatApp(App[int]):
         try:
             self.store.save(conv)
         except OSError as e:
-            self.notify(f"could not save the conversation: {e}", severity="error", timeout=10, markup=False)
+            self.notify(f"could not save the conversation: {e}", severity="error", timeout=10)
 
     def save_session(self) -> None:
         try:
             write_stats(self.session.to_dict(), self.session_file, "json")
         except OSError as e:
-            self.notify(f"could not save the session stats: {e}", severity="error", markup=False)
+            self.notify(f"could not save the session stats: {e}", severity="error")
 
     def export_all(self, folder: Path | None = None) -> list[Path]:
         """Session stats as JSON, CSV and Markdown, and the chat as Markdown, into the exports folder."""
@@ -127,9 +135,9 @@ class MoechatApp(App[int]):
             if isinstance(self.screen, ChatScreen):
                 written.append(write_atomic(folder / f"chat-{stamp}.md", transcript_markdown(self.screen.conv)))
         except OSError as e:
-            self.notify(f"export failed: {e}; earlier files are intact", severity="error", timeout=10, markup=False)
+            self.notify(f"export failed: {e}; earlier files are intact", severity="error", timeout=10)
             return written
-        self.notify(f"exported to {folder}: " + ", ".join(p.name for p in written), markup=False)
+        self.notify(f"exported to {folder}: " + ", ".join(p.name for p in written))
         return written
 
     def watch_theme(self, theme: str) -> None:

@@ -623,7 +623,7 @@ async def test_text_from_users_files_and_errors_is_shown_as_written_never_as_mar
 
     engine = FailsWithBrackets(WORDS)
     app = make_app(tmp_path, engine, Settings(system=f"be brief {MARKUP}"))
-    async with app.run_test(size=(120, 40)) as pilot:
+    async with app.run_test(size=(120, 40), notifications=True) as pilot:
         screen = await ready(pilot)
         assert f"system: be brief {MARKUP}"[:40] in drawn(screen.query_one("#info", Static))
         await say(pilot, screen, MARKUP)
@@ -640,4 +640,6 @@ async def test_text_from_users_files_and_errors_is_shown_as_written_never_as_mar
         await say(pilot, screen, "again")
         assert drawn(screen.query_one("#status", Static)) == f"error: RuntimeError: bad state {MARKUP}"
         assert "[error]" in drawn(screen.query(Turn).last().query_one(".role", Static))
+        # The notification ("the engine failed: ...") shows it as written too.
+        await until(pilot, lambda: any(MARKUP in str(t.render()) for t in app.screen.query("Toast")))
         assert app.is_running

@@ -168,8 +168,7 @@ class ChatScreen(Screen[None]):
         self.watch(log, "scroll_y", self._scrolled)
         self.refresh_info()
         if self.moechat.engine.info.template_note:
-            self.notify(f"{self.moechat.engine.info.template_note}; using the plain format", severity="warning",
-                        markup=False)  # fmt: skip
+            self.notify(f"{self.moechat.engine.info.template_note}; using the plain format", severity="warning")
         self.query_one(ChatInput).focus()
         # What exists now (modules, the app, this screen's widgets) lives as long as the app:
         # moved out of the collector's sight, the collections that streaming's many short-lived
@@ -284,7 +283,7 @@ class ChatScreen(Screen[None]):
         if msg.dropped:
             self.notify(f"the conversation outgrew the context: the {msg.dropped} oldest message(s) are left out")
         if msg.note:
-            self.notify(msg.note, severity="warning", timeout=10, markup=False)
+            self.notify(msg.note, severity="warning", timeout=10)
             self.refresh_info()
 
     async def _finish(self, note: str) -> None:
@@ -317,7 +316,7 @@ class ChatScreen(Screen[None]):
     async def on_reply_failed(self, msg: ReplyFailed) -> None:
         await self._finish("error")
         self.query_one("#status", Static).update(f"error: {msg.error}")
-        self.notify(f"the engine failed: {msg.error}", severity="error", timeout=10, markup=False)
+        self.notify(f"the engine failed: {msg.error}", severity="error", timeout=10)
 
     # -- actions ------------------------------------------------------------------------
 

@@ -142,7 +142,7 @@ class TuneWizard(Screen[bool]):
         if msg.cancelled:
             return
         self.query_one("#advice", Static).update(f"the sweep failed: {msg.error}")
-        self.notify(msg.error, severity="error", markup=False)
+        self.notify(msg.error, severity="error")
 
     def action_cancel(self) -> None:
         if self.running:
@@ -168,7 +168,7 @@ class TuneWizard(Screen[bool]):
 
     def on_cache_applied(self, msg: CacheApplied) -> None:
         if msg.error:
-            self.notify(f"could not apply: {msg.error}", severity="error", markup=False)
+            self.notify(f"could not apply: {msg.error}", severity="error")
             return
         self.moechat.apply_cache_settings(msg.mib, msg.share)
         self.notify(f"applied: cache {msg.mib:g} MiB, share {msg.share:g}")
@@ -182,6 +182,6 @@ class TuneWizard(Screen[bool]):
         try:
             path = save_config(self.moechat.config_path, {"moe_cache_mib": rec.mib, "moe_cache_cpu_share": rec.share})
         except (OSError, ValueError) as e:
-            self.notify(f"could not save: {e}", severity="error", markup=False)
+            self.notify(f"could not save: {e}", severity="error")
             return
-        self.notify(f"saved to {path}", markup=False)
+        self.notify(f"saved to {path}")
