@@ -89,24 +89,33 @@ def with_tui(path: Path, n: int, home: Path, base: Settings, prompt_text: str) -
     return result[0], int(result[1]), result[2]
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--demo", action="store_true", help="the built-in demo, with its default fp32 expert cache")
+
+
+def bench_model(args: argparse.Namespace, tmp: str) -> tuple[Path, Settings]:
+    """The model the flags name and the app's settings for it: the demo with its own defaults,
+    a given file, or (neither) a generated MoE written into `tmp`, with a MIB expert cache."""
+    if args.demo:
+        return resolve_model(None), for_demo(Settings(), None)
+    if args.model:
+        return Path(args.model), Settings(moe_cache_mib=MIB)
+    from testkit.ggufgen import tiny_moe
+
+    path = tiny_moe(Path(tmp) / "bench.gguf", n_layers=8, n_embd=512, n_expert=32, n_expert_used=4, n_ff_exp=512,
+                    n_vocab=4096)  # fmt: skip
+    return path, Settings(moe_cache_mib=MIB)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add_model_args(ap)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        base = Settings(moe_cache_mib=MIB)
-        if args.demo:
-            path, base = resolve_model(None), for_demo(Settings(), None)
-        elif args.model:
-            path = Path(args.model)
-        else:
-            from testkit.ggufgen import tiny_moe
-
-            path = tiny_moe(Path(tmp) / "bench.gguf", n_layers=8, n_embd=512, n_expert=32, n_expert_used=4,
-                            n_ff_exp=512, n_vocab=4096)  # fmt: skip
+        path, base = bench_model(args, tmp)
         rows = []
         for r in range(args.rounds):
             t0 = time.perf_counter()

@@ -16,7 +16,6 @@ import argparse
 import itertools
 import multiprocessing as mp
 import statistics
-import sys
 import tempfile
 import threading
 import time
@@ -24,14 +23,11 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-
-from moechat.app.demo_model import resolve_model
-from moechat.app.settings import Settings, for_demo
+from moechat.app.settings import Settings
 from moechat.app.tui import real_engine_factory
 from moechat.engine.generate import GREEDY, TokenEvent
+from tui_overhead import PROMPT, add_model_args, bench_model  # the same prompt and models (bench/ is on the path)
 
-PROMPT = "Write a long essay about the history of the city of Rome, from its founding to the present day."
 SETTLE = 0.2  # seconds after a phase switch whose tokens count for neither phase
 
 
@@ -94,8 +90,7 @@ def one_run(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--model", default=None)
-    ap.add_argument("--demo", action="store_true", help="the built-in demo with the settings `moechat` gives it")
+    add_model_args(ap)
     ap.add_argument("--tokens", type=int, default=400)
     ap.add_argument("--busy-ms", type=float, default=25.0)
     ap.add_argument("--period-ms", type=float, default=250.0)
@@ -103,16 +98,7 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=3)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        if args.demo or not args.model:
-            path, settings = (resolve_model(None), for_demo(Settings(), None)) if args.demo else (None, Settings())
-            if path is None:
-                from testkit.ggufgen import tiny_moe
-
-                path = tiny_moe(Path(tmp) / "bench.gguf", n_layers=8, n_embd=512, n_expert=32, n_expert_used=4,
-                                n_ff_exp=512, n_vocab=4096)  # fmt: skip
-                settings = Settings(moe_cache_mib=64)
-        else:
-            path, settings = Path(args.model), Settings(moe_cache_mib=64)
+        path, settings = bench_model(args, tmp)
         settings = replace(settings, ctx_size=1024, device="cpu")
         busy, period = args.busy_ms / 1000, args.period_ms / 1000
         print(f"{path.name}: load {args.busy_ms:g} ms of every {args.period_ms:g} ms "
