@@ -13,7 +13,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from moechat.app.screens.chat import SHOWN_TURNS, ChatScreen, EarlierMarker, Turn
+from moechat.app.screens.chat import (
+    SHOWN_TURNS,
+    ChatScreen,
+    EarlierMarker,
+    ReplyMarkdown,
+    StreamedParagraph,
+    Turn,
+)
 from moechat.app.screens.wizard import TuneWizard
 from moechat.app.settings import Settings, resolve
 from moechat.app.tui import MoechatApp
@@ -96,6 +103,42 @@ async def test_send_streams_a_reply_and_saves_the_conversation(tmp_path: Path) -
         assert screen.query_one("#input").text == "hi"
         assert gc.get_freeze_count() > 0  # the app's long-lived heap is out of the collector's way
     assert gc.get_freeze_count() == 0  # ... until the app ends
+
+
+async def test_a_streamed_reply_relays_out_only_as_it_grows_and_is_drawn_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    from textual.app import App, ComposeResult
+
+    layouts: list[bool] = []  # the layout flag of each update of the reply's paragraph on the screen
+    update = Static.update
+
+    def spy(self: Static, content: Any = "", *, layout: bool = True) -> None:
+        if isinstance(self, StreamedParagraph) and self.is_mounted:
+            layouts.append(layout)
+        update(self, content, layout=layout)
+
+    monkeypatch.setattr(Static, "update", spy)
+
+    class OneReply(App[int]):  # nothing else on the screen relays it out
+        def compose(self) -> ComposeResult:
+            yield ReplyMarkdown()
+
+    app = OneReply()
+    async with app.run_test(size=(40, 20)) as pilot:
+        md = app.query_one(ReplyMarkdown)
+        stream = Markdown.get_stream(md)
+        words: list[str] = []
+
+        def drawn() -> list[str]:
+            paras = md.query(StreamedParagraph)
+            return [w for p in paras for y in range(p.size.height) for w in p.render_line(y).text.split()]
+
+        for i in range(60):  # one word an append: wraps onto a new line every few
+            words.append(f"w{i}")
+            await stream.write(f" w{i}")
+            await until(pilot, lambda: drawn() == words)  # each word on the screen: it grew when it had to
+        await stream.stop()
+        assert md.query_one(StreamedParagraph).size.height >= 6
+        assert layouts.count(False) > layouts.count(True) > 1  # ... and kept its layout when it did not
 
 
 async def test_escape_stops_within_a_token_and_the_next_request_works(tmp_path: Path) -> None:

