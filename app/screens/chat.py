@@ -23,6 +23,8 @@ from textual.message import Message
 from textual.screen import Screen
 from textual.visual import VisualType
 from textual.widgets import Footer, Markdown, Static, TextArea
+
+# MarkdownParagraph is not exported; pyproject keeps textual to the major version it is tested with.
 from textual.widgets._markdown import MarkdownParagraph, MarkdownStream
 
 from ..conversations import Conversation
@@ -96,6 +98,8 @@ class StreamedParagraph(MarkdownParagraph):
 
 
 class ReplyMarkdown(Markdown):
+    """A turn's Markdown, whose paragraphs are StreamedParagraphs (Markdown builds blocks from BLOCKS)."""
+
     def __init__(self, markdown: str | None = None) -> None:
         super().__init__(markdown)
         self.BLOCKS = {**Markdown.BLOCKS, "paragraph_open": StreamedParagraph}
