@@ -128,14 +128,13 @@ async def test_a_streamed_reply_relays_out_only_as_it_grows_and_is_drawn_whole(m
         stream = Markdown.get_stream(md)
         words: list[str] = []
 
-        def drawn() -> list[str]:
-            paras = md.query(StreamedParagraph)
-            return [w for p in paras for y in range(p.size.height) for w in p.render_line(y).text.split()]
+        def words_on_screen() -> list[str]:
+            return [w for p in md.query(StreamedParagraph) for w in on_screen(p).split()]
 
         for i in range(60):  # one word an append: wraps onto a new line every few
             words.append(f"w{i}")
             await stream.write(f" w{i}")
-            await until(pilot, lambda: drawn() == words)  # each word on the screen: it grew when it had to
+            await until(pilot, lambda: words_on_screen() == words)  # each word there: it grew when it had to
         await stream.stop()
         assert md.query_one(StreamedParagraph).size.height >= 6
         assert layouts.count(False) > layouts.count(True) > 1  # ... and kept its layout when it did not
