@@ -1,6 +1,6 @@
 """Generation speed with the Textual app on vs headless, same model and prompt, alternating runs.
 
-    python bench/tui_overhead.py [--model MODEL.gguf | --demo] [--tokens 96] [--rounds 3]
+    python bench/tui_overhead.py [--model MODEL.gguf | --demo] [--tokens 96] [--rounds 3] [--threads N]
 
 --demo: the built-in demo with the settings `moechat` gives it (its fp32 expert cache, its expert
 cache and CPU share); a generated model or --model runs with a 64 MiB cache.
@@ -38,7 +38,7 @@ from moechat.app.settings import Settings, for_demo
 from moechat.app.tui import MoechatApp, real_engine_factory
 from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import GREEDY, DoneEvent
-from moechat.engine.loader import load_model
+from moechat.engine.loader import load_model, set_threads
 
 MIB = 64  # the expert cache of a generated or given model
 # The demo (a base model behind a plain User:/Assistant: format) writes 256 greedy tokens for this
@@ -113,9 +113,14 @@ def main() -> None:
     add_model_args(ap)
     ap.add_argument("--tokens", type=int, default=96)
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=0,
+                    help="the engine's intra-op threads on both sides (0: torch's default, one per core); "
+                         "fewer than the cores leaves the UI a core of its own")  # fmt: skip
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         path, base = bench_model(args, tmp)
+        # Headless runs in this process, the app's engine in its child (which takes it from the settings).
+        base = replace(base, threads=set_threads(args.threads))
         rows = []
         for r in range(args.rounds):
             t0 = time.perf_counter()
@@ -132,7 +137,8 @@ def main() -> None:
                   f"{100 * ui:.0f}% of a core "
                   f"({time.perf_counter() - t0:.0f} s)")  # fmt: skip
         ratios = [b / a for a, b in rows]
-        print(f"\n{path.name}: TUI / headless generation t/s, median of {len(rows)}: {statistics.median(ratios):.3f}")
+        print(f"\n{path.name}, {base.threads} engine threads: TUI / headless generation t/s, median of {len(rows)}: "
+              f"{statistics.median(ratios):.3f}")  # fmt: skip
 
 
 if __name__ == "__main__":
