@@ -234,7 +234,7 @@ class ChatScreen(Screen[None]):
         self._reply_turn, self._reply_text = turn, ""
         self._stream = Markdown.get_stream(turn.query_one(Markdown))
         self.generating = True
-        # A steady cursor while the reply streams: each blink is a frame of its own, 30 in a
+        # A steady cursor while the reply streams: each blink is a frame of its own, 29 in a
         # 200-token demo reply, about a tenth of the UI's CPU then (9.4 -> 8.5% of a core).
         self.query_one(ChatInput).cursor_blink = False
         self.stop_event.clear()
