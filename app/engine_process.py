@@ -47,7 +47,7 @@ class EngineSpec:
     emulate_link_gbps: float = 0.0
     ctx_source: str = "default"  # where ctx_size came from, for the error if it does not fit
     cpu_dequant_mib: float = 0.0
-    cpu_kernels: str = "exact"
+    cpu_kernels: str = "fast"
     threads: int = 0
 
 

@@ -41,9 +41,10 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--emulate-link-gbps", type=float, default=None, metavar="X",
                    help="CPU device: uploads also cost bytes / X GB/s")  # fmt: skip
     p.add_argument("--cpu-dequant-mib", type=float, default=None, metavar="N",
-                   help="keep up to N MiB of dequantized experts for CPU compute (exact; 0 = off)")  # fmt: skip
-    p.add_argument("--cpu-kernels", choices=("exact", "int4"), default=None,
-                   help="CPU expert kernels: exact (default) or int4 (faster on Q4_0/Q4_K, not bit-exact)")  # fmt: skip
+                   help="with --cpu-kernels exact: keep up to N MiB of dequantized experts (0 = off)")  # fmt: skip
+    p.add_argument("--cpu-kernels", choices=("fast", "exact"), default=None,
+                   help="CPU matmuls: fast (default; kernels that read the file's quantized blocks in place) or "
+                   "exact (dequantize with torch, then multiply: the slow reference path)")  # fmt: skip
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads for the engine (default 0: one per core)")  # fmt: skip
     p.add_argument("--refresh-ms", type=int, default=None, help="dashboard refresh interval (default 250)")

@@ -46,10 +46,10 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         "(uploads at full link speed, slower start, locked RAM)",
     )
     p.add_argument("--cpu-dequant-mib", type=float, default=None, metavar="N",
-                   help="keep up to N MiB of dequantized experts for CPU compute (exact; 0 = off)")  # fmt: skip
-    p.add_argument("--cpu-kernels", choices=("exact", "int4"), default=None,
-                   help="CPU expert kernels: exact (default) or int4 (Q4_0/Q4_K through torch's int4 kernel, "
-                   "bf16 activations: faster, not bit-exact)")  # fmt: skip
+                   help="with --cpu-kernels exact: keep up to N MiB of dequantized experts (0 = off)")  # fmt: skip
+    p.add_argument("--cpu-kernels", choices=("fast", "exact"), default=None,
+                   help="CPU matmuls: fast (default; kernels that read the file's quantized blocks in place) or "
+                   "exact (dequantize with torch, then multiply: the slow reference path)")  # fmt: skip
     p.add_argument("--emulate-link-gbps", type=float, default=None, metavar="X",
                    help="CPU device: make each upload also cost bytes / X GB/s, like a PCIe link")  # fmt: skip
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",

@@ -42,7 +42,7 @@ SPEC: dict[str, tuple[type, Callable[[Any], bool], str]] = {
     "moe_cache_cpu_share": (float, _unit, "in [0, 1]"),
     "emulate_link_gbps": (float, _nonneg, ">= 0"),
     "cpu_dequant_mib": (float, _nonneg, ">= 0"),
-    "cpu_kernels": (str, lambda v: v in ("exact", "int4"), "exact or int4"),
+    "cpu_kernels": (str, lambda v: v in ("fast", "exact"), "fast or exact"),
     "threads": (int, lambda v: 0 <= v <= 1024, "in 0..1024 (0: one per core)"),
     "ctx_size": (int, lambda v: 16 <= v <= 1 << 20, "in 16..1048576"),
     "n_predict": (int, lambda v: v > 0, "> 0"),
@@ -63,7 +63,7 @@ class Settings:
     moe_cache_cpu_share: float = 0.0
     emulate_link_gbps: float = 0.0
     cpu_dequant_mib: float = 0.0
-    cpu_kernels: str = "exact"
+    cpu_kernels: str = "fast"
     threads: int = 0  # torch's intra-op threads for the engine; 0: torch's default
     ctx_size: int = 4096
     n_predict: int = 512
@@ -80,16 +80,11 @@ class Settings:
         return self.sources.get(name, "default")
 
 
-# The demo's 18 x 16 routed experts take 274 MiB (0.95 MiB each) and 1.3 GiB in fp32. The
-# dequantized copies fill on use: with room for all of them, peak RSS grows by about 0.3 GiB
-# (2.8 -> 3.1 GB, 96 tokens) and decode speeds up by a quarter (10.4 -> 12.9 t/s on 2 cores).
-DEMO_CPU_DEQUANT_MIB = 1536.0
 # Half of the routed experts, so hits, uploads and CPU-computed misses all show on the dashboard
 # (2 cores, 96 greedy tokens: hit rate 90%, 63 misses on the CPU once the cache had filled).
 DEMO_MOE_CACHE_MIB = 138.0
 DEMO_MOE_CACHE_CPU_SHARE = 0.5
 DEMO_DEFAULTS: dict[str, float] = {
-    "cpu_dequant_mib": DEMO_CPU_DEQUANT_MIB,
     "moe_cache_mib": DEMO_MOE_CACHE_MIB,
     "moe_cache_cpu_share": DEMO_MOE_CACHE_CPU_SHARE,
 }

@@ -79,7 +79,7 @@ def compare(
     threads: int,
     repeats: int,
     cpu_dequant_mib: float = 0.0,
-    cpu_kernels: str = "exact",
+    cpu_kernels: str = "fast",
 ) -> dict[str, float | str]:
     import llama_cpp
 

@@ -18,7 +18,6 @@ import time
 from pathlib import Path
 
 from moechat.app.paths import app_paths
-from moechat.app.settings import DEMO_CPU_DEQUANT_MIB
 from moechat.engine.demo import ensure_demo
 from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import SamplingParams, TokenEvent, generate
@@ -54,9 +53,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         trace = args.trace or Path(tmp) / "demo.trace"
         # A cache of one slot per layer group is enough to record the trace; routing does not depend on it.
-        # The demo's own default fp32 expert cache, as `moechat` runs it (and about 4x faster).
-        lm = load_model(path, n_ctx=per_prompt + 64, cache=CacheSettings(mib=8, trace=trace),
-                        cpu_dequant_mib=DEMO_CPU_DEQUANT_MIB)  # fmt: skip
+        lm = load_model(path, n_ctx=per_prompt + 64, cache=CacheSettings(mib=8, trace=trace))
         n_expert, k = lm.config.n_expert, lm.config.n_expert_used
         steps = {}
         t0, n_dec = time.perf_counter(), 0

@@ -1,24 +1,24 @@
-"""CPU expert GEMV speed per quant type and shape: GB/s of quantized bytes read, vs RAM bandwidth.
+"""CPU kernel speed per quant type: GB/s of the file's bytes read per second, against RAM bandwidth.
 
-    python bench/kernels.py [--threads 1] [--mib 384]
+    python bench/kernels.py [--threads N] [--mib 384] [--tokens 1]
 
 Cold cache: each measurement cycles through enough distinct matrices (--mib of quantized bytes)
-that none is in the CPU caches when it is read. Paths:
-  exact    the default path: dequantize the expert to fp32 (engine/quants.py), then x @ W.T
-  int4     --cpu-kernels int4: engine/fast_kernels.Int4Linear, torch's _weight_int4pack_mm_for_cpu
-           with the file's exact codes in one or two nibble planes, bf16 activations and scales
-  int8     for comparison only: torch._weight_int8pack_mm with one scale per output row (Q8_0
-           requantized, lossy), the fastest weight-only kernel torch has on this CPU
-The int4/int8 rows time the kernel on weights already repacked (done once per expert, lazily).
-Types without an int4 row say why after the table.
+that none is in the CPU caches when it is read. Rows:
+  fast     engine/cpu_kernels.dense: the blocks read in place, float32 accumulation (the default)
+  moe      engine/fused_moe.run_fused: a layer of 128 experts, 8 selected (Qwen3-30B-A3B shapes),
+           gate+up+down in three calls; GB/s of the selected experts' bytes
+  exact    the reference path: dequantize with torch, then x @ W.T (--cpu-kernels exact)
+The RAM figure is numpy summing a 1 GiB array on as many threads as the kernels use.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -28,24 +28,28 @@ from gguf import GGMLQuantizationType as Q
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from moechat.engine.fast_kernels import Int4Linear, int4_capable
+from moechat.engine import cpu_kernels
+from moechat.engine.fused_moe import run_fused
+from moechat.engine.jit import set_kernel_threads
+from moechat.engine.moe import ExpertTensor, LayerExperts
 from moechat.engine.quants import dequantize
-from testkit.ggufgen import random_blocks
+from testkit.ggufgen import quantized
 
 TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.IQ4_XS)
-SHAPES = {"768x2048 (Qwen3-30B-A3B expert)": (768, 2048), "14336x4096 (Mixtral expert)": (14336, 4096)}
+SHAPES = {"768x2048 (Qwen3-30B-A3B expert)": (768, 2048), "2048x768 (its down)": (2048, 768),
+          "14336x4096 (Mixtral expert)": (14336, 4096)}  # fmt: skip
 
 
-def ram_bandwidth() -> float:
-    """GB/s of an fp32 matrix-vector product over 1 GiB: the read bandwidth a GEMV can reach."""
-    w = torch.randn(16384, 16384)
-    x = torch.randn(16384)
-    torch.mv(w, x)
+def ram_bandwidth(threads: int) -> float:
+    """GB/s of numpy summing 1 GiB, split over `threads` threads (numpy's sum releases the GIL)."""
+    a = np.ones(2**28, np.float32)
+    parts = np.array_split(a, threads)
     best = 0.0
-    for _ in range(3):
-        t = time.perf_counter()
-        torch.mv(w, x)
-        best = max(best, w.numel() * 4 / (time.perf_counter() - t) / 1e9)
+    with ThreadPoolExecutor(threads) as pool:
+        for _ in range(4):
+            t = time.perf_counter()
+            list(pool.map(np.sum, parts))
+            best = max(best, a.nbytes / (time.perf_counter() - t) / 1e9)
     return best
 
 
@@ -58,54 +62,66 @@ def timed(fn: Callable[[int], object], n: int, bytes_each: int, seconds: float =
     return i * bytes_each / (time.perf_counter() - t0) / 1e9
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--threads", type=int, default=1)
-    ap.add_argument("--mib", type=int, default=384, help="quantized bytes cycled through per measurement")
-    args = ap.parse_args()
-    torch.set_num_threads(args.threads)
-    rng = np.random.default_rng(0)
-    bw = ram_bandwidth()
-    print(f"RAM read bandwidth (fp32 mv over 1 GiB, {args.threads} thread(s)): {bw:.1f} GB/s\n")
-    print(f"{'type':<7} {'shape':<34} {'path':<6} {'GB/s':>6} {'of RAM':>7}")
-    for qtype in TYPES:
-        for label, (n_rows, k) in SHAPES.items():
-            for path, gbs in measure(qtype, n_rows, k, args.mib, rng):
-                print(f"{qtype.name:<7} {label:<34} {path:<6} {gbs:>6.2f} {100 * gbs / bw:>6.0f}%")
-    print()
-    for qtype, why in WHY_NOT.items():
-        print(f"{qtype.name}: {why}")
-    print("No path reaches 70% of the RAM bandwidth: torch's int4 kernel peaks near 6 GB/s per thread here,")
-    print("and a fused kernel of our own would need a compiler toolchain at install time.")
-
-
-def measure(qtype: Q, n_rows: int, k: int, mib: int, rng: np.random.Generator) -> list[tuple[str, float]]:
+def measure(qtype: Q, n_rows: int, k: int, mib: int, tokens: int, rng: np.random.Generator) -> list[tuple[str, float]]:
     block, size = GGML_QUANT_SIZES[qtype]
     if k % block:
         return []
-    row_bytes = k // block * size
-    mat_bytes = n_rows * row_bytes
+    mat_bytes = n_rows * k // block * size
     n = max(2, mib * 2**20 // mat_bytes)
-    raws = [torch.from_numpy(random_blocks(qtype, n_rows * k // block, rng).reshape(n_rows, row_bytes))
-            for _ in range(n)]  # fmt: skip
-    x = torch.randn(1, k)
-    xb = x.bfloat16()
-    rows = [("exact", timed(lambda i: x @ dequantize(raws[i], qtype).T, n, mat_bytes))]
-    if qtype == Q.Q8_0:
-        scale = dequantize(raws[0], qtype).abs().amax(1).clamp_min(1e-12) / 127
-        q8 = [(dequantize(r, qtype) / scale[:, None]).round().clamp(-127, 127).to(torch.int8) for r in raws]
-        sb = scale.bfloat16()
-        rows.append(("int8", timed(lambda i: torch._weight_int8pack_mm(xb, q8[i], sb), n, mat_bytes)))
-    if int4_capable(qtype, n_rows, k):
-        packs = [Int4Linear(r, qtype) for r in raws]
-        label = f"int4x{packs[0].planes}"  # nibble planes read per weight
-        rows.append((label, timed(lambda i: packs[i](x), n, mat_bytes)))
+    raws = [quantized((n_rows, k), qtype, rng) for _ in range(n)]
+    x = rng.standard_normal((tokens, k)).astype(np.float32)
+    rows = [("fast", timed(lambda i: cpu_kernels.dense(raws[i], qtype, x), n, mat_bytes))]
+    xt = torch.from_numpy(x)
+    rows.append(("exact", timed(lambda i: xt @ dequantize(raws[i], qtype).T, min(n, 8), mat_bytes, 0.5)))
     return rows
 
 
-WHY_NOT = {
-    Q.Q2_K: "a min per 16 values: no per-32 integer form, so it stays on the exact path",
-}
+def measure_moe(qtype: Q, mib: int, rng: np.random.Generator) -> float:
+    """A Qwen3-30B-A3B MoE layer at decode: 8 of 128 experts (2048 hidden, 768 FFN), all in `qtype`."""
+    e, f, n_expert, k = 2048, 768, 128, 8
+    layer_bytes = 3 * n_expert * f * e // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
+    layers = []
+    for _ in range(max(2, mib * 2**20 // layer_bytes)):
+        g, u, d = (torch.from_numpy(quantized((n_expert, *s), qtype, rng)) for s in ((f, e), (f, e), (e, f)))
+        layers.append(LayerExperts(ExpertTensor(g, qtype), ExpertTensor(u, qtype), ExpertTensor(d, qtype)))
+    x = rng.standard_normal((1, e)).astype(np.float32)
+    w = np.full((1, k), 1 / k, np.float32)
+    contrib = np.empty((k, e), np.float32)
+
+    def step(i: int) -> None:
+        lx = layers[i]
+        ids = rng.choice(n_expert, k, replace=False).astype(np.int64)[None]
+        run_fused(lx, (lx.gate.raw.numpy(), lx.up.raw.numpy(), lx.down.raw.numpy()), None, 0, x, ids, w,
+                  sorted(ids[0].tolist()), contrib)  # fmt: skip
+        cpu_kernels.combine(contrib, ids)
+
+    return timed(step, len(layers), layers[0].bytes_per_expert * k)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    ap.add_argument("--mib", type=int, default=384, help="quantized bytes cycled through per measurement")
+    ap.add_argument("--tokens", type=int, default=1, help="activation rows per call (1: decode)")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    set_kernel_threads(args.threads)
+    rng = np.random.default_rng(0)
+    bw = ram_bandwidth(args.threads)
+    load = os.getloadavg()
+    print(f"RAM read bandwidth (numpy sum over 1 GiB, {args.threads} thread(s)): {bw:.1f} GB/s; "
+          f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {args.tokens} token(s) per call\n")  # fmt: skip
+    print("| type | shape | path | GB/s | of RAM |")
+    print("|---|---|---|---|---|")
+    for qtype in TYPES:
+        for label, (n_rows, k) in SHAPES.items():
+            for path, gbs in measure(qtype, n_rows, k, args.mib, args.tokens, rng):
+                print(f"| {qtype.name} | {label} | {path} | {gbs:.2f} | {100 * gbs / bw:.0f}% |", flush=True)
+        if args.tokens == 1:
+            gbs = measure_moe(qtype, args.mib, rng)
+            print(
+                f"| {qtype.name} | MoE layer, 8 of 128 experts | moe | {gbs:.2f} | {100 * gbs / bw:.0f}% |", flush=True
+            )
 
 
 if __name__ == "__main__":

@@ -31,7 +31,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .cache_policy import ClassLRU, CpuShare, split_budget
+from .cache_policy import ClassLRU, CpuShare, Plan, split_budget
+from .fused_moe import combine as fused_combine
+from .fused_moe import host_arrays, run_fused
+from .jit import concurrent_calls_safe, set_kernel_threads
 from .moe import Contribution, HostExperts, LayerExperts, combine, run_experts
 from .quants import dequantize
 from .stats import GroupInfo, LayerSnapshot, LayerStats, Publisher, StatsSnapshot
@@ -114,9 +117,7 @@ class ExpertCache:
         # device (and on the CPU device computes too); two teams of intra-op threads on a small
         # machine only oversubscribe it. The setting is per thread: the main thread keeps its own.
         self._worker = (
-            ThreadPoolExecutor(1, thread_name_prefix="moechat-cpu", initializer=torch.set_num_threads, initargs=(1,))
-            if self.share.q
-            else None
+            ThreadPoolExecutor(1, thread_name_prefix="moechat-cpu", initializer=_one_thread) if self.share.q else None
         )
         self._link_debt = 0.0  # seconds of emulated link time not yet waited
         self._lock = threading.Lock()  # guards the counters while a snapshot is taken
@@ -230,9 +231,15 @@ class ExpertCache:
                 counters.cpu += len(plan.cpu)
                 counters.uploads += len(plan.uploads)
                 counters.uploaded_bytes += len(plan.uploads) * group.info.expert_bytes
+        fused = self.device.type == "cpu" and self.host.fused[layer]
         if plan is None or policy is None:
-            fetch = self.host.fetcher(layer) if self.device.type == "cpu" else self._host_fetch(lx)
-            out = combine(x, run_experts(lx, x, ids, weights, self.host.act, uniq, fetch=fetch))
+            if self.device.type == "cpu":
+                out = self.host(layer, x, ids, weights)
+            else:
+                out = combine(x, run_experts(lx, x, ids, weights, self.host.act, uniq, fetch=self._host_fetch(lx)))
+        elif fused:
+            out = self._run_fused(layer, group, policy, lx, plan, x, ids, weights)
+            self.seconds += time.perf_counter() - t0
         else:
             future: Future[list[Contribution]] | None = None
             if plan.cpu and self._worker is not None:
@@ -253,6 +260,32 @@ class ExpertCache:
         if self.publisher.due():
             self.publisher.publish(self.snapshot())
         return out
+
+    def _run_fused(
+        self, layer: int, group: _Group, policy: ClassLRU, lx: LayerExperts, plan: Plan, x: torch.Tensor,
+        ids: torch.Tensor, weights: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """CPU device, fused kernels: hits and uploads from the slots, the CPU share from the host copy.
+
+        Both parts fill their own rows of one contribution buffer, summed once in expert order.
+        """
+        xh, ih, wh = host_arrays(x, ids, weights)
+        contrib = np.empty((ih.size, xh.shape[1]), np.float32)  # [T*k, E]
+        future: Future[None] | None = None
+        if plan.cpu:
+            if self._worker is not None and concurrent_calls_safe():
+                future = self._worker.submit(self.host.run_host_part, layer, xh, ih, wh, list(plan.cpu), contrib)
+            else:
+                self.host.run_host_part(layer, xh, ih, wh, list(plan.cpu), contrib)
+        self._upload(group, lx, plan.uploads)
+        on_device = sorted([*plan.hits, *(e for e, _ in plan.uploads)])
+        if on_device:
+            banks = tuple(b.numpy() for b in group.banks)
+            slots = np.asarray(policy.slot_map[layer], dtype=np.int64)
+            run_fused(lx, (banks[0], banks[1], banks[2]), slots, self.host.act_code, xh, ih, wh, on_device, contrib)
+        if future is not None:
+            future.result()
+        return fused_combine(contrib, ih)
 
     def _host_fetch(self, lx: LayerExperts) -> Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Bypass on a device: upload an expert for this call only, without caching it."""
@@ -388,6 +421,11 @@ def device_free_bytes(device: torch.device) -> int:
     return 1 << 62  # unknown: let the allocator decide
 
 
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+    set_kernel_threads(1)
+
+
 def _pinned(host: HostExperts) -> HostExperts:
     """A copy of the host experts in pinned (page-locked) memory: uploads then run at link speed."""
     layers = {}
@@ -399,7 +437,7 @@ def _pinned(host: HostExperts) -> HostExperts:
             tensors.append(dataclasses.replace(t, raw=pinned))
         layers[layer] = LayerExperts(*tensors)
     logger.info("experts copied to pinned memory")
-    return HostExperts(layers, host.act)
+    return host.with_layers(layers)
 
 
 def _span(layers: list[int] | tuple[int, ...]) -> str:

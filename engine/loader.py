@@ -18,7 +18,6 @@ from .model_file import open_model
 from .models import build_model, family_for
 from .models.decoder import MoeDecoder
 from .models.gemma3 import Gemma3
-from .moe import DequantCache
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -34,7 +33,7 @@ class LoadedModel:
     n_ctx: int
     cache: ExpertCache | None = None
     cpu_dequant_mib: float = 0.0  # as loaded: the tuner's arms reuse the model and key their runs on these
-    cpu_kernels: str = "exact"
+    cpu_kernels: str = "fast"
 
     def close(self) -> None:
         if self.cache is not None:
@@ -88,11 +87,15 @@ def resolve_device(name: str) -> str:
 
 
 def set_threads(n: int) -> int:
-    """torch's intra-op threads for this process: n > 0 sets them, 0 keeps torch's default (one
-    per core). Returns the count in use. Fewer than the cores leaves room for other work (the
-    app's UI), at the engine's cost: on 2 cores, decode with 1 thread runs 1.4x slower."""
+    """The engine's CPU threads (torch's intra-op threads and the kernels' threads) for this
+    thread: n > 0 sets them, 0 keeps torch's default (one per core). Returns the count in use.
+    Fewer than the cores leaves room for other work (the app's UI), at the engine's cost."""
+    from .jit import set_kernel_threads
+
     if n < 0:
         raise ValueError(f"--threads must be >= 0, got {n}")
+    # The kernels' thread pool first: starting it resets the OpenMP thread count torch reads too.
+    set_kernel_threads(n if n > 0 else torch.get_num_threads())
     if n > 0:
         torch.set_num_threads(n)
     logger.info("%d intra-op threads", torch.get_num_threads())
@@ -154,7 +157,7 @@ def load_model(
     chat_template: str | Path | None = None,
     cache: CacheSettings | None = None,
     cpu_dequant_mib: float = 0.0,
-    cpu_kernels: str = "exact",
+    cpu_kernels: str = "fast",
 ) -> LoadedModel:
     if n_ctx < 16:
         raise ValueError(f"context size must be at least 16, got {n_ctx}")
@@ -173,25 +176,16 @@ def load_model(
         )
         if cpu_dequant_mib < 0:
             raise ValueError(f"--cpu-dequant-mib must be >= 0, got {cpu_dequant_mib}")
-        if cpu_kernels not in ("exact", "int4"):
-            raise ValueError(f"--cpu-kernels must be exact or int4, got '{cpu_kernels}'")
+        if cpu_kernels not in ("fast", "exact"):
+            raise ValueError(f"--cpu-kernels must be fast or exact, got '{cpu_kernels}'")
         on_cpu = device == "cpu"
-        model = build_model(gguf, cfg, n_ctx, packed_ends=cpu_kernels == "int4" and on_cpu)
-        if model.head_kernel is not None:
-            logger.info("--cpu-kernels int4: the output projection runs packed")
+        # On the CPU the dense matrices stay the file's bytes and run through the kernels; on a
+        # GPU they are dequantized once and moved there.
+        model = build_model(gguf, cfg, n_ctx, quantized=on_cpu and cpu_kernels == "fast", kernels=cpu_kernels,
+                            dequant_mib=cpu_dequant_mib)  # fmt: skip
         if not on_cpu:
             model.to_device(torch.device(device))
         check_fit(gguf, cfg, model, tok)
-        if cfg.is_moe and cpu_kernels == "int4":
-            # Room for every expert packed (0.6 to 2.5 bytes a weight by type, on top of the file's
-            # mapped bytes: the documented price of the option), plus any dequantized budget asked.
-            host = model.host_experts
-            packed = sum(t.packed_nbytes() for lx in host.layers.values() for t in (lx.gate, lx.up, lx.down))
-            host.int4 = True
-            host.dequant = DequantCache(int(packed + cpu_dequant_mib * 2**20))
-            logger.info("--cpu-kernels int4: packed experts may take up to %.0f MiB", packed / 2**20)
-        elif cpu_dequant_mib > 0 and cfg.is_moe:
-            model.host_experts.dequant = DequantCache(int(cpu_dequant_mib * 2**20))
         expert_cache = None
         if cache is not None and cache.mib > 0 and cfg.is_moe:
             expert_cache = ExpertCache(model.host_experts, cfg.n_expert_used, cache)

@@ -4,8 +4,8 @@ router -> (ids, weights) per token -> expert execution -> weighted sum (+ shared
 
 `ExpertExecutor` is that interface: given a layer, the hidden states and the selected ids and
 weights, it returns the weighted sum of the selected experts' outputs. `HostExperts` reads
-the experts straight from the file's quantized bytes and dequantizes only the selected ones,
-never the whole layer.
+the experts straight from the file's quantized bytes: by default with the fused kernels
+(fused_moe), else (exact path) dequantizing only the selected ones, never the whole layer.
 """
 
 from __future__ import annotations
@@ -16,11 +16,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .config import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX_SELECTED, ModelConfig
+from .cpu_kernels import ACT_SILU
+from .fused_moe import activation_code, fusable, host_arrays, register_activation, run_fused
+from .fused_moe import combine as fused_combine
 from .gguf_file import GGUFError, GGUFFile
 from .quants import dequantize
 
@@ -29,6 +33,9 @@ Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 def swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
+
+
+register_activation(swiglu, ACT_SILU)
 
 
 def route(
@@ -75,22 +82,6 @@ class ExpertTensor:
     def expert(self, e: int) -> torch.Tensor:
         return dequantize(self.raw[e], self.qtype)  # [rows, cols]
 
-    def packed(self, e: int) -> Weight:
-        """Expert e through torch's int4 kernel (exact codes, bf16 scales) where its type allows."""
-        from .fast_kernels import Int4Linear, int4_capable
-
-        rows = self.raw.shape[1]
-        return Int4Linear(self.raw[e], self.qtype) if int4_capable(self.qtype, rows, self.cols) else self.expert(e)
-
-    def packed_nbytes(self) -> int:
-        """Bytes of all experts of this tensor once packed (fp32 for the types the kernel does not take)."""
-        from .fast_kernels import int4_capable, packed_nbytes
-
-        n_expert, rows = self.raw.shape[0], self.raw.shape[1]
-        if int4_capable(self.qtype, rows, self.cols):
-            return n_expert * packed_nbytes(self.qtype, rows * self.cols)
-        return n_expert * rows * self.cols * 4
-
 
 @dataclass(frozen=True)
 class LayerExperts:
@@ -120,26 +111,16 @@ def load_layer_experts(gguf: GGUFFile, layer: int) -> LayerExperts:
     return LayerExperts(one("gate"), one("up"), one("down"))
 
 
-Weight = torch.Tensor | Callable[[torch.Tensor], torch.Tensor]  # a dense matrix, or a packed one that applies itself
+def _nbytes(w: torch.Tensor) -> int:
+    return int(w.numel() * w.element_size())
 
 
-def _linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None) -> torch.Tensor:
-    if isinstance(w, torch.Tensor):
-        return F.linear(x, w, b)
-    y = w(x)
-    return y if b is None else y + b
-
-
-def _nbytes(w: Weight) -> int:
-    return int(w.numel() * w.element_size()) if isinstance(w, torch.Tensor) else int(getattr(w, "nbytes", 0))
-
-
-def expert_ffn(x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: Activation,
+def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torch.Tensor, act: Activation,
                biases: tuple[torch.Tensor | None, ...] = (None, None, None)) -> torch.Tensor:  # fmt: skip
     """One expert on the rows routed to it: x [n, E] -> [n, E]."""
-    g = _linear(x, gate, biases[0])
-    u = _linear(x, up, biases[1])
-    return _linear(act(g, u), down, biases[2])
+    g = F.linear(x, gate, biases[0])
+    u = F.linear(x, up, biases[1])
+    return F.linear(act(g, u), down, biases[2])
 
 
 class ExpertExecutor(Protocol):
@@ -155,16 +136,16 @@ class ExpertExecutor(Protocol):
 Contribution = tuple[int, torch.Tensor, torch.Tensor]  # (expert, token rows, weighted output rows)
 
 
-Triple = tuple[Weight, Weight, Weight]
+Triple = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
 
 
 class DequantCache:
     """Dequantized (gate, up, down) of recently used experts, least recently used dropped past a byte budget.
 
-    Dequantizing is most of a CPU expert's time (bench/kernels.py: 0.03 to 0.9 GB/s against
-    ~15 GB/s of RAM reads); a hot expert kept in fp32 skips it. The values are the exact
-    dequantizer's, so results do not change. It costs 4 bytes per weight (7 to 14 times the
-    quantized size), which is why it is an explicit option (`--cpu-dequant-mib`), off by default.
+    Exact path only (`--cpu-kernels exact`): dequantizing is most of an expert's time there, and a
+    hot expert kept in fp32 skips it. The values are the exact dequantizer's, so results do not
+    change. It costs 4 bytes per weight (7 to 14 times the quantized size): `--cpu-dequant-mib`,
+    off by default.
     """
 
     def __init__(self, budget_bytes: int) -> None:
@@ -195,28 +176,61 @@ class DequantCache:
 
 
 class HostExperts:
-    """Expert execution straight from the host copy: dequantize each selected expert, run it."""
+    """Expert execution straight from the host copy (the file's bytes).
 
-    def __init__(self, layers: dict[int, LayerExperts], act: Activation) -> None:
+    `kernels="fast"`: the layer's selected experts in three kernel calls that read the quantized
+    blocks in place (fused_moe); layers whose types or activation have no kernel, and
+    `kernels="exact"`, dequantize each selected expert with torch and multiply in float32 (the
+    reference path), optionally keeping up to `dequant_mib` of dequantized experts.
+    """
+
+    def __init__(
+        self, layers: dict[int, LayerExperts], act: Activation, *, kernels: str = "fast", dequant_mib: float = 0.0
+    ) -> None:
+        if kernels not in ("fast", "exact"):
+            raise ValueError(f"--cpu-kernels must be fast or exact, got '{kernels}'")
+        if dequant_mib < 0:
+            raise ValueError(f"--cpu-dequant-mib must be >= 0, got {dequant_mib}")
         self.layers = layers
         self.act = act
-        self.dequant: DequantCache | None = None  # set by the loader when asked for
-        self.int4 = False  # --cpu-kernels int4: Q4_0/Q4_K matrices through torch's int4 kernel
+        self.kernels = kernels
+        self.dequant_mib = dequant_mib
+        self.dequant = DequantCache(int(dequant_mib * 2**20)) if dequant_mib > 0 else None
+        code = activation_code(act)
+        self.act_code = -1 if code is None else code
+        self.fused = {i: kernels == "fast" and fusable(lx, act) for i, lx in layers.items()}
+
+    def with_layers(self, layers: dict[int, LayerExperts]) -> HostExperts:
+        """The same execution options over other copies of the experts (pinned memory)."""
+        return HostExperts(layers, self.act, kernels=self.kernels, dequant_mib=self.dequant_mib)
+
+    def mats(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        lx = self.layers[layer]
+        return lx.gate.raw.numpy(), lx.up.raw.numpy(), lx.down.raw.numpy()
 
     def fetcher(self, layer: int) -> Callable[[int], Triple] | None:
-        """How CPU code gets an expert's fp32 matrices: through the dequant cache when there is one."""
+        """How exact-path CPU code gets an expert's fp32 matrices: through the dequant cache when there is one."""
         cache = self.dequant
         if cache is None:
             return None
         lx = self.layers[layer]
-        if self.int4:
-            return lambda e: cache.get((layer, e), lambda: (lx.gate.packed(e), lx.up.packed(e), lx.down.packed(e)))
         return lambda e: cache.get((layer, e), lambda: (lx.gate.expert(e), lx.up.expert(e), lx.down.expert(e)))
 
+    def run_host_part(
+        self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, experts: list[int], contrib: np.ndarray
+    ) -> None:
+        """Fused path: the contributions of `experts`, computed from the host copy, into their rows of contrib."""
+        run_fused(self.layers[layer], self.mats(layer), None, self.act_code, x, ids, w, experts, contrib)
+
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        if self.fused[layer]:
+            xh, ih, wh = host_arrays(x, ids, weights)
+            contrib = np.empty((ih.size, xh.shape[1]), np.float32)  # [T*k, E]: every row gets set
+            self.run_host_part(layer, xh, ih, wh, sorted(set(ih.reshape(-1).tolist())), contrib)
+            return fused_combine(contrib, ih).to(x.device)
         # The experts live in host memory and run there; x may be on a device.
-        xh, ih, wh = x.cpu(), ids.cpu(), weights.cpu()
-        parts = run_experts(self.layers[layer], xh, ih, wh, self.act, ih.unique().tolist(), fetch=self.fetcher(layer))
+        xc, ic, wc = x.cpu(), ids.cpu(), weights.cpu()
+        parts = run_experts(self.layers[layer], xc, ic, wc, self.act, ic.unique().tolist(), fetch=self.fetcher(layer))
         return combine(x, parts)
 
     def end_of_generation(self) -> None:
@@ -230,7 +244,7 @@ def run_experts(
     weights: torch.Tensor,
     act: Activation,
     experts: list[int],
-    fetch: Callable[[int], tuple[Weight, Weight, Weight]] | None = None,
+    fetch: Callable[[int], Triple] | None = None,
 ) -> list[Contribution]:
     """Weighted outputs of `experts` (a subset of those in `ids`) for the tokens routed to them.
 

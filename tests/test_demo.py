@@ -134,7 +134,7 @@ def test_the_shipped_recipe_routes_one_expert_beside_a_shared_one() -> None:
 def test_the_demo_routes_like_a_real_moe(demo_gguf: Path) -> None:
     # Skewed, input-dependent routing with reuse between nearby tokens is what makes an expert
     # cache pay: an LRU cache of half the experts must beat what uniform routing gets from it.
-    lm = load_model(demo_gguf, n_ctx=96, cpu_dequant_mib=1536)
+    lm = load_model(demo_gguf, n_ctx=96)
     cache = lm.new_cache()
     tok = int(prefill(lm.model, lm.tokenizer.encode("The old bridge over the river was built"), cache).argmax())
     steps = []

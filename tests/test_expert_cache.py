@@ -221,13 +221,14 @@ def test_device_fetch_paths_agree_with_the_host(tmp_path: Path) -> None:
 
 
 def test_dequant_cache_is_exact_and_bounded(tmp_path: Path) -> None:
-    """Keeping dequantized experts (--cpu-dequant-mib) changes no logit, with or without the device cache."""
+    """On the exact path, keeping dequantized experts (--cpu-dequant-mib) changes no logit, with or without the
+    device cache."""
     path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=8, n_expert_used=2)
     ids = torch.tensor(load_model(path, n_ctx=64).tokenizer.encode(PROMPT)[:10])
     expert_fp32 = 3 * 256 * 256 * 4  # one expert's gate, up and down in fp32
 
     def logits(**kw: object) -> tuple[torch.Tensor, LoadedModel]:
-        lm = load_model(path, n_ctx=64, **kw)
+        lm = load_model(path, n_ctx=64, cpu_kernels="exact", **kw)
         kv = lm.new_cache()
         with torch.inference_mode():
             out = [lm.model(ids[i : i + 1], i, kv) for i in range(len(ids))]

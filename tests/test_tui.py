@@ -495,14 +495,15 @@ def test_the_demo_has_its_own_defaults_below_anything_the_user_set(tmp_path: Pat
 
     config = tmp_path / "config.toml"
     config.write_text("moe_cache_mib = 8\n")
-    s = for_demo(resolve({}, {"MOECHAT_CPU_DEQUANT_MIB": "0"}, config)[0], None)
+    s = for_demo(resolve({}, {"MOECHAT_MOE_CACHE_CPU_SHARE": "0.25"}, config)[0], None)
     assert (s.moe_cache_mib, s.source("moe_cache_mib")) == (8.0, str(config))
-    assert (s.cpu_dequant_mib, s.source("cpu_dequant_mib")) == (0.0, "env MOECHAT_CPU_DEQUANT_MIB")
+    assert (s.moe_cache_cpu_share, s.source("moe_cache_cpu_share")) == (0.25, "env MOECHAT_MOE_CACHE_CPU_SHARE")
+    s = for_demo(resolve({}, {}, config)[0], None)
     assert s.moe_cache_cpu_share == DEMO_DEFAULTS["moe_cache_cpu_share"] > 0
     assert s.source("moe_cache_cpu_share") == "the demo's default"
     # No setting at all: the demo runs with a cache, so the dashboard has something to show.
     d = for_demo(Settings(), None)
-    assert d.moe_cache_mib == DEMO_DEFAULTS["moe_cache_mib"] > 0 and d.cpu_dequant_mib > 0
+    assert d.moe_cache_mib == DEMO_DEFAULTS["moe_cache_mib"] > 0 and d.cpu_kernels == "fast"
     # The user's own model: the plain defaults.
     assert for_demo(Settings(), "m.gguf") == Settings() and Settings().moe_cache_mib == 0
 

@@ -199,7 +199,7 @@ def test_sweep_runs_six_arms_caches_them_and_cancels_cleanly(tmp_path: Path) -> 
     assert changed.key() != settings.key()
     # The CPU-side engine options change the arms' speed, so they are part of the runs' identity.
     assert _sweep_settings(path, cpu_dequant_mib=64).key() != settings.key()
-    assert _sweep_settings(path, cpu_kernels="int4").key() != settings.key()
+    assert _sweep_settings(path, cpu_kernels="exact").key() != settings.key()
     stop = threading.Event()
     with pytest.raises(Cancelled):
         for ev in calibrate(changed, cache_dir=cache_dir, stop=stop):

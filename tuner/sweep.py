@@ -57,7 +57,7 @@ class SweepSettings:
     emulate_link_gbps: float = 0.0
     load_mode: str = "mmap"
     cpu_dequant_mib: float = 0.0
-    cpu_kernels: str = "exact"
+    cpu_kernels: str = "fast"
     max_mib: float | None = None
     tokens: int = 256  # generated per arm
     warmup: int = 32  # first tokens of an arm, not timed

@@ -35,9 +35,15 @@ def family_for(gguf: GGUFFile, cfg: ModelConfig) -> Family | None:
     return family
 
 
-def build_model(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, packed_ends: bool = False) -> MoeDecoder | Gemma3:
-    """`packed_ends`: the output projection through the int4 kernel (DecoderBase._load_ends)."""
+def build_model(
+    gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, *, quantized: bool = False, kernels: str = "fast",
+    dequant_mib: float = 0.0,
+) -> MoeDecoder | Gemma3:  # fmt: skip
+    """`quantized`: dense matrices stay the file's bytes and run through the CPU kernels (CPU device only).
+
+    `kernels` and `dequant_mib`: how the host experts run (moe.HostExperts).
+    """
     family = family_for(gguf, cfg)
     if family is None:
-        return Gemma3(gguf, cfg, n_ctx, packed_ends)
-    return MoeDecoder(gguf, cfg, n_ctx, family, packed_ends)
+        return Gemma3(gguf, cfg, n_ctx, quantized=quantized, kernels=kernels, dequant_mib=dequant_mib)
+    return MoeDecoder(gguf, cfg, n_ctx, family, quantized=quantized, kernels=kernels, dequant_mib=dequant_mib)

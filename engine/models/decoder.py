@@ -6,9 +6,7 @@ router bias) and by the config (sliding-window layers, gating), never by the mod
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from dataclasses import dataclass
-from typing import cast
 
 import torch
 from torch import nn
@@ -28,6 +26,7 @@ from ..layers import (
     rms_norm,
 )
 from ..moe import Activation, ExpertExecutor, HostExperts, load_layer_experts, route, swiglu
+from ..qlinear import Weight, linear, load_linear, maybe_linear
 
 
 @dataclass(frozen=True)
@@ -39,13 +38,13 @@ class Family:
 
 
 class Attention(nn.Module):
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int) -> None:
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, quantized: bool = False) -> None:
         super().__init__()
         p = f"blk.{i}."
         self.cfg, self.i = cfg, i
-        self.wq, self.wk, self.wv = (load_weight(gguf, p + f"attn_{n}.weight") for n in "qkv")
+        self.wq, self.wk, self.wv = (load_linear(gguf, p + f"attn_{n}.weight", quantized) for n in "qkv")
         self.bq, self.bk, self.bv = (maybe_weight(gguf, p + f"attn_{n}.bias") for n in "qkv")
-        self.wo = load_weight(gguf, p + "attn_output.weight")  # [E, H*Dv]
+        self.wo = load_linear(gguf, p + "attn_output.weight", quantized)  # [E, H*Dv]
         self.bo = maybe_weight(gguf, p + "attn_output.bias")
         # QK norms act per head (Qwen3) or over the whole projection (OLMoE): the weight's size says which.
         self.q_norm = maybe_weight(gguf, p + "attn_q_norm.weight")
@@ -58,9 +57,9 @@ class Attention(nn.Module):
     def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
         cfg, t = self.cfg, h.shape[0]
         n_kv = cfg.n_head_kv[self.i]
-        q = F.linear(h, self.wq, self.bq)  # [T, H*D]
-        k = F.linear(h, self.wk, self.bk)  # [T, Hkv*D]
-        v = F.linear(h, self.wv, self.bv).view(t, n_kv, cfg.head_dim_v)
+        q = linear(h, self.wq, self.bq)  # [T, H*D]
+        k = linear(h, self.wk, self.bk)  # [T, Hkv*D]
+        v = linear(h, self.wv, self.bv).view(t, n_kv, cfg.head_dim_v)
         if not self.qk_norm_per_head:
             if self.q_norm is not None:
                 q = rms_norm(q, self.q_norm, cfg.norm_eps)
@@ -77,7 +76,7 @@ class Attention(nn.Module):
             q, cache, k, v, pos0, scale=cfg.head_dim**-0.5, window=self.window, sinks=self.sinks,
             softcap=cfg.attn_softcap,
         )  # fmt: skip
-        return F.linear(a.reshape(t, -1), self.wo, self.bo)
+        return linear(a.reshape(t, -1), self.wo, self.bo)
 
 
 class Routed(nn.Module):
@@ -92,38 +91,30 @@ class DecoderBase(nn.Module):
     cfg: ModelConfig
     embed: torch.Tensor | QuantRows  # [V, E]
     norm: torch.Tensor
-    output: torch.Tensor | QuantRows  # [V, E]; the embedding itself when the file ties them
+    output: Weight  # [V, E]; the embedding's matrix when the file ties them
     experts: ExpertExecutor
-    head_kernel: Callable[[torch.Tensor], torch.Tensor] | None = None  # the output projection, packed
 
-    def _load_ends(self, gguf: GGUFFile, packed: bool = False) -> None:
+    def _load_ends(self, gguf: GGUFFile, quantized: bool = False) -> None:
         """The token embedding, the final norm and the output projection.
 
-        `packed` (--cpu-kernels int4 on the CPU): the output projection runs through the int4
-        kernel and the embedding is looked up from the file's rows, so no float copy of either
-        is ever made. The vocabulary projection is the largest matrix a small model reads per
-        token (Gemma 3 270M: 262k x 640, 671 MB in fp32). Types without a packed form load as usual.
+        `quantized` (the CPU kernels): the output projection runs from the file's bytes and the
+        embedding is looked up row by row, so no float copy of either is made. The vocabulary
+        projection is the largest matrix a small model reads per token (Gemma 3 270M: 262k x 640,
+        671 MB in fp32). Types without a kernel load as float32.
         """
-        from ..fast_kernels import Int4Linear, int4_capable
-
         self.norm = load_weight(gguf, "output_norm.weight")
         name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
-        t = gguf.tensors.get(name)
-        if packed and t is not None and int4_capable(t.qtype, t.shape[0], t.shape[1]):
-            self.head_kernel = Int4Linear(torch.from_numpy(gguf.tensor_data(name)), t.qtype)
+        self.output = load_linear(gguf, name, quantized)
+        if isinstance(self.output, torch.Tensor) and name == "token_embd.weight":
+            self.embed = self.output
+        elif quantized:
             self.embed = QuantRows(gguf, "token_embd.weight")
-            self.output = self.embed if name == "token_embd.weight" else QuantRows(gguf, name)
-            return
-        self.embed = load_weight(gguf, "token_embd.weight")
-        out = maybe_weight(gguf, "output.weight")
-        self.output = out if out is not None else self.embed
+        else:
+            self.embed = load_weight(gguf, "token_embd.weight")
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states [T, E] -> logits [T, V]."""
-        x = rms_norm(x, self.norm, self.cfg.norm_eps)
-        if self.head_kernel is not None:
-            return self.head_kernel(x)
-        return F.linear(x, cast(torch.Tensor, self.output))  # rows only come with a head kernel
+        return linear(rms_norm(x, self.norm, self.cfg.norm_eps), self.output)
 
     @property
     def device(self) -> torch.device:
@@ -142,15 +133,15 @@ class DecoderBase(nn.Module):
 class MoeFFN(Routed):
     """Router -> expert execution (behind `ExpertExecutor`) -> plus the shared expert, if any."""
 
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, act: Activation) -> None:
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, act: Activation, quantized: bool = False) -> None:
         super().__init__()
         p = f"blk.{i}."
         self.cfg, self.i, self.act = cfg, i, act
         self.router = load_weight(gguf, p + "ffn_gate_inp.weight")  # [n_expert, E]
         self.router_bias = maybe_weight(gguf, p + "ffn_gate_inp.bias")
-        self.sh_gate = maybe_weight(gguf, p + "ffn_gate_shexp.weight")
-        self.sh_up = maybe_weight(gguf, p + "ffn_up_shexp.weight")
-        self.sh_down = maybe_weight(gguf, p + "ffn_down_shexp.weight")
+        self.sh_gate = maybe_linear(gguf, p + "ffn_gate_shexp.weight", quantized)
+        self.sh_up = maybe_linear(gguf, p + "ffn_up_shexp.weight", quantized)
+        self.sh_down = maybe_linear(gguf, p + "ffn_down_shexp.weight", quantized)
         self.sh_gate_inp = maybe_weight(gguf, p + "ffn_gate_inp_shexp.weight")  # [E]
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
@@ -159,7 +150,7 @@ class MoeFFN(Routed):
         self.last_ids = ids  # read by routing(): the experts of the latest step
         y = experts(self.i, h, ids, weights)
         if self.sh_gate is not None and self.sh_up is not None and self.sh_down is not None:
-            shared = F.linear(self.act(F.linear(h, self.sh_gate), F.linear(h, self.sh_up)), self.sh_down)
+            shared = linear(self.act(linear(h, self.sh_gate), linear(h, self.sh_up)), self.sh_down)
             if self.sh_gate_inp is not None:
                 shared = shared * torch.sigmoid(h @ self.sh_gate_inp.reshape(-1, 1))
             y = y + shared
@@ -167,12 +158,12 @@ class MoeFFN(Routed):
 
 
 class Block(nn.Module):
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, family: Family) -> None:
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, family: Family, quantized: bool) -> None:
         super().__init__()
         self.attn_norm = load_weight(gguf, f"blk.{i}.attn_norm.weight")
         self.ffn_norm = load_weight(gguf, f"blk.{i}.{family.ffn_norm}.weight")
-        self.attn = Attention(gguf, cfg, i)
-        self.ffn = MoeFFN(gguf, cfg, i, family.act)
+        self.attn = Attention(gguf, cfg, i, quantized)
+        self.ffn = MoeFFN(gguf, cfg, i, family.act, quantized)
         self.eps = cfg.norm_eps
 
     def forward(
@@ -185,14 +176,18 @@ class Block(nn.Module):
 class MoeDecoder(DecoderBase):
     """Token embedding -> blocks -> norm -> output projection, for the MoE families."""
 
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, family: Family, packed_ends: bool = False) -> None:
+    def __init__(
+        self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, family: Family, *, quantized: bool = False,
+        kernels: str = "fast", dequant_mib: float = 0.0,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.cfg = cfg
-        self._load_ends(gguf, packed_ends)
-        self.blocks = nn.ModuleList(Block(gguf, cfg, i, family) for i in range(cfg.n_layers))
+        self._load_ends(gguf, quantized)
+        self.blocks = nn.ModuleList(Block(gguf, cfg, i, family, quantized) for i in range(cfg.n_layers))
         self.rope = Rope(cfg.rope_dim, cfg.rope_theta, n_ctx, neox=family.neox_rope, cfg=cfg,
                          truncate=family.yarn_truncate)  # fmt: skip
-        self.host_experts = HostExperts({i: load_layer_experts(gguf, i) for i in range(cfg.n_layers)}, family.act)
+        layers = {i: load_layer_experts(gguf, i) for i in range(cfg.n_layers)}
+        self.host_experts = HostExperts(layers, family.act, kernels=kernels, dequant_mib=dequant_mib)
         self.experts: ExpertExecutor = self.host_experts
 
     def to_device(self, device: torch.device) -> MoeDecoder:

@@ -17,9 +17,12 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import ModelConfig
+from ..cpu_kernels import ACT_GELU_TANH
+from ..fused_moe import register_activation
 from ..gguf_file import GGUFFile
 from ..layers import KVCache, LayerCache, Rope, load_weight, move_tensors, rms_norm
 from ..moe import ExpertExecutor, HostExperts, load_layer_experts
+from ..qlinear import linear, load_linear
 from .decoder import Attention, DecoderBase, MoeFFN
 
 
@@ -27,19 +30,22 @@ def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
+register_activation(gelu_gate, ACT_GELU_TANH)
+
+
 class DenseFFN(nn.Module):
-    def __init__(self, gguf: GGUFFile, i: int) -> None:
+    def __init__(self, gguf: GGUFFile, i: int, quantized: bool) -> None:
         super().__init__()
-        self.gate = load_weight(gguf, f"blk.{i}.ffn_gate.weight")  # [F, E]
-        self.up = load_weight(gguf, f"blk.{i}.ffn_up.weight")
-        self.down = load_weight(gguf, f"blk.{i}.ffn_down.weight")  # [E, F]
+        self.gate = load_linear(gguf, f"blk.{i}.ffn_gate.weight", quantized)  # [F, E]
+        self.up = load_linear(gguf, f"blk.{i}.ffn_up.weight", quantized)
+        self.down = load_linear(gguf, f"blk.{i}.ffn_down.weight", quantized)  # [E, F]
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
-        return F.linear(gelu_gate(F.linear(h, self.gate), F.linear(h, self.up)), self.down)
+        return linear(gelu_gate(linear(h, self.gate), linear(h, self.up)), self.down)
 
 
 class Block(nn.Module):
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int) -> None:
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, quantized: bool) -> None:
         super().__init__()
         p = f"blk.{i}."
         self.eps = cfg.norm_eps
@@ -48,8 +54,8 @@ class Block(nn.Module):
         self.post_attn_norm = load_weight(gguf, p + "post_attention_norm.weight")
         self.ffn_norm = load_weight(gguf, p + "ffn_norm.weight")
         self.post_ffn_norm = load_weight(gguf, p + "post_ffw_norm.weight")
-        self.attn = Attention(gguf, cfg, i)
-        self.ffn: nn.Module = MoeFFN(gguf, cfg, i, gelu_gate) if cfg.is_moe else DenseFFN(gguf, i)
+        self.attn = Attention(gguf, cfg, i, quantized)
+        self.ffn: nn.Module = MoeFFN(gguf, cfg, i, gelu_gate, quantized) if cfg.is_moe else DenseFFN(gguf, i, quantized)
 
     def forward(
         self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: tuple[Rope, Rope], experts: ExpertExecutor
@@ -69,18 +75,22 @@ class _NoExperts:
 
 
 class Gemma3(DecoderBase):
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, packed_ends: bool = False) -> None:
+    def __init__(
+        self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, *, quantized: bool = False, kernels: str = "fast",
+        dequant_mib: float = 0.0,
+    ) -> None:  # fmt: skip
         super().__init__()
         self.cfg = cfg
-        self._load_ends(gguf, packed_ends)
+        self._load_ends(gguf, quantized)
         self.embed_scale = math.sqrt(cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(gguf, cfg, i) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(gguf, cfg, i, quantized) for i in range(cfg.n_layers))
         rope_global = Rope(cfg.rope_dim, cfg.rope_theta, n_ctx, neox=True, cfg=cfg)
         rope_local = Rope(cfg.rope_dim, cfg.rope_theta_swa or cfg.rope_theta, n_ctx, neox=True)
         self.rope = (rope_global, rope_local)
         self.host_experts = HostExperts(
-            {i: load_layer_experts(gguf, i) for i in range(cfg.n_layers)} if cfg.is_moe else {}, gelu_gate
-        )
+            {i: load_layer_experts(gguf, i) for i in range(cfg.n_layers)} if cfg.is_moe else {}, gelu_gate,
+            kernels=kernels, dequant_mib=dequant_mib,
+        )  # fmt: skip
         self.experts: ExpertExecutor = self.host_experts if cfg.is_moe else _NoExperts()
 
     def to_device(self, device: torch.device) -> Gemma3:

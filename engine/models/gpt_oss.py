@@ -6,16 +6,18 @@ fractional, where ggml floors/ceils it (docs/design.md).
 
 import torch
 
+from ..cpu_kernels import ACT_OAI, SWIGLU_ALPHA, SWIGLU_LIMIT
+from ..fused_moe import register_activation
 from .decoder import Family
-
-SWIGLU_LIMIT = 7.0
-SWIGLU_ALPHA = 1.702
 
 
 def oai_swiglu(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     gate = gate.clamp(max=SWIGLU_LIMIT)
     up = up.clamp(-SWIGLU_LIMIT, SWIGLU_LIMIT)
     return (up + 1) * (gate * torch.sigmoid(gate * SWIGLU_ALPHA))
+
+
+register_activation(oai_swiglu, ACT_OAI)
 
 
 # Its files call the pre-FFN norm `post_attention_norm`.

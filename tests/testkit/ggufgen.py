@@ -140,11 +140,17 @@ def tiny_moe(
     logit_scale: float = 1.0,
     ends_type: GGMLQuantizationType = Q.F32,
     tied: bool = False,
+    dense_type: GGMLQuantizationType = Q.F32,
+    down_type: GGMLQuantizationType | None = None,
+    output_type: GGMLQuantizationType | None = None,
 ) -> Path:
     """A small MoE model of `arch` with random weights and a real (truncated) Qwen vocabulary.
 
-    `ends_type` is the type of the token embedding and output projection; `tied` leaves the
-    output out, so the embedding serves as both (as Gemma's files do).
+    `ends_type` is the type of the token embedding and output projection (`output_type`, if
+    given, of the output alone); `tied` leaves the output out, so the embedding serves as both
+    (as Gemma's files do). `dense_type` is the type of the attention and shared-expert matrices,
+    `down_type` that of the experts' down projections (default: `expert_type`): a Q4_K_M file
+    has Q4_K attention and gate/up experts, Q6_K down projections and output.
 
     Each architecture gets the tensors its family has: QK norms (per head for qwen3moe, whole
     projection for olmoe), biases and a shared expert (qwen2moe), sinks, router and expert
@@ -158,14 +164,19 @@ def tiny_moe(
     if n_head_kv is None:
         n_head_kv = n_head if arch == "olmoe" else n_head // 2  # OLMoE has no grouped-query attention
 
-    def dense(*shape: int) -> tuple[np.ndarray, GGMLQuantizationType]:
+    def vector(*shape: int) -> tuple[np.ndarray, GGMLQuantizationType]:
         return quantized(shape, f32, rng), f32
+
+    def dense(*shape: int) -> tuple[np.ndarray, GGMLQuantizationType]:
+        return quantized(shape, dense_type, rng), dense_type
 
     def norm(n: int) -> tuple[np.ndarray, GGMLQuantizationType]:
         return (1 + 0.1 * rng.standard_normal(n)).astype(np.float32), f32
 
-    def experts(layer: int, *shape: int) -> tuple[np.ndarray, GGMLQuantizationType]:
+    def experts(layer: int, *shape: int, down: bool = False) -> tuple[np.ndarray, GGMLQuantizationType]:
         qtype = (layer_expert_types or {}).get(layer, expert_type)
+        if down and down_type is not None:
+            qtype = down_type
         return quantized(shape, qtype, rng), qtype
 
     meta: dict[str, Any] = {
@@ -197,7 +208,7 @@ def tiny_moe(
     t: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {
         "token_embd.weight": (quantized((v, n_embd), ends_type, rng), ends_type),
         "output_norm.weight": norm(n_embd),
-        "output.weight": (quantized((v, n_embd), ends_type, rng), ends_type),
+        "output.weight": (quantized((v, n_embd), output_type or ends_type, rng), output_type or ends_type),
     }
     if logit_scale != 1.0:
         if ends_type != f32:
@@ -214,9 +225,9 @@ def tiny_moe(
         t[b + "attn_v.weight"] = dense(n_head_kv * hd, n_embd)
         t[b + "attn_output.weight"] = dense(n_embd, n_head * hd)
         if biased:
-            t[b + "attn_q.bias"] = dense(n_head * hd)
-            t[b + "attn_k.bias"] = dense(n_head_kv * hd)
-            t[b + "attn_v.bias"] = dense(n_head_kv * hd)
+            t[b + "attn_q.bias"] = vector(n_head * hd)
+            t[b + "attn_k.bias"] = vector(n_head_kv * hd)
+            t[b + "attn_v.bias"] = vector(n_head_kv * hd)
         if arch == "qwen3moe":
             t[b + "attn_q_norm.weight"] = norm(hd)
             t[b + "attn_k_norm.weight"] = norm(hd)
@@ -224,21 +235,21 @@ def tiny_moe(
             t[b + "attn_q_norm.weight"] = norm(n_head * hd)
             t[b + "attn_k_norm.weight"] = norm(n_head_kv * hd)
         if arch == "gpt-oss":
-            t[b + "attn_output.bias"] = dense(n_embd)
-            t[b + "attn_sinks.weight"] = dense(n_head)
-            t[b + "ffn_gate_inp.bias"] = dense(n_expert)
-            t[b + "ffn_gate_exps.bias"] = dense(n_expert, n_ff_exp)
-            t[b + "ffn_up_exps.bias"] = dense(n_expert, n_ff_exp)
-            t[b + "ffn_down_exps.bias"] = dense(n_expert, n_embd)
+            t[b + "attn_output.bias"] = vector(n_embd)
+            t[b + "attn_sinks.weight"] = vector(n_head)
+            t[b + "ffn_gate_inp.bias"] = vector(n_expert)
+            t[b + "ffn_gate_exps.bias"] = vector(n_expert, n_ff_exp)
+            t[b + "ffn_up_exps.bias"] = vector(n_expert, n_ff_exp)
+            t[b + "ffn_down_exps.bias"] = vector(n_expert, n_embd)
         # gpt-oss files name the pre-FFN norm after the attention it follows.
         t[b + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight")] = norm(n_embd)
-        t[b + "ffn_gate_inp.weight"] = dense(n_expert, n_embd)
+        t[b + "ffn_gate_inp.weight"] = vector(n_expert, n_embd)
         t[b + "ffn_gate_exps.weight"] = experts(i, n_expert, n_ff_exp, n_embd)
         t[b + "ffn_up_exps.weight"] = experts(i, n_expert, n_ff_exp, n_embd)
-        t[b + "ffn_down_exps.weight"] = experts(i, n_expert, n_embd, n_ff_exp)
+        t[b + "ffn_down_exps.weight"] = experts(i, n_expert, n_embd, n_ff_exp, down=True)
         if arch == "qwen2moe":
             t[b + "ffn_gate_shexp.weight"] = dense(2 * n_ff_exp, n_embd)
             t[b + "ffn_up_shexp.weight"] = dense(2 * n_ff_exp, n_embd)
             t[b + "ffn_down_shexp.weight"] = dense(n_embd, 2 * n_ff_exp)
-            t[b + "ffn_gate_inp_shexp.weight"] = dense(n_embd)
+            t[b + "ffn_gate_inp_shexp.weight"] = vector(n_embd)
     return write_gguf(path, arch, meta, t, vocab=vocab, template=template)

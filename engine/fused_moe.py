@@ -1,0 +1,93 @@
+"""A MoE layer's selected experts in three kernel calls: gate and up with the activation, then down.
+
+`run_fused` computes the weighted contribution of every (token, selected expert) pair among the
+`experts` it is given, into rows `t * k + j` of `contrib` [T*k, E]: the host experts call it with
+all of a layer's selected experts, the expert cache with its slots for the hits and with the host
+copy for the misses left to the CPU, each part filling its own rows. `cpu_kernels.combine` then
+sums each token's rows in ascending expert order, so the result never depends on where an
+expert ran (cache on or off, any CPU share: bit-identical).
+
+An activation runs in the kernel when it is registered here with a kernel code; a layer whose
+activation or quant types have no kernel runs on the exact path (moe.run_experts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from . import cpu_kernels
+from .qblocks import has_kernel
+
+if TYPE_CHECKING:
+    from .moe import LayerExperts
+
+_ACTS: dict[Callable[..., object], int] = {}
+
+
+def register_activation(fn: Callable[..., object], code: int) -> None:
+    """Declare that the kernels compute activation `fn` as `cpu_kernels.ACT_*` code `code`."""
+    _ACTS[fn] = code
+
+
+def activation_code(fn: Callable[..., object]) -> int | None:
+    return _ACTS.get(fn)
+
+
+def fusable(lx: LayerExperts, act: Callable[..., object]) -> bool:
+    return act in _ACTS and all(has_kernel(t.qtype) for t in (lx.gate, lx.up, lx.down))
+
+
+def _bias(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.float().contiguous().numpy()
+
+
+def run_fused(
+    lx: LayerExperts,
+    mats: tuple[np.ndarray, np.ndarray, np.ndarray],
+    slot_of: np.ndarray | None,
+    act: int,
+    x: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    experts: Sequence[int],
+    contrib: np.ndarray,
+) -> None:
+    """Fill contrib[t*k + j] = weights[t, j] * expert_{ids[t, j]}(x[t]) for the pairs whose expert is in `experts`.
+
+    mats: (gate, up, down) stacked [S, rows, row_bytes]: the layer's experts (slot_of None) or a
+    cache's slots (slot_of[e]: expert e's slot). x [T, E] float32; ids int64 and weights float32 [T, k].
+    """
+    k = ids.shape[1]
+    flat = ids.reshape(-1)  # [T*k]
+    if len(experts) == flat.shape[0] == k:  # one token, all its experts: the common decode case
+        a = np.argsort(flat, kind="stable")
+    else:
+        a = np.flatnonzero(np.isin(flat, np.asarray(experts, dtype=np.int64)))
+        a = a[np.argsort(flat[a], kind="stable")]  # assignments grouped by expert
+    if a.shape[0] == 0:
+        return
+    eids, starts = np.unique(flat[a], return_index=True)
+    ptr = np.append(starts, a.shape[0]).astype(np.int64)
+    sel = eids if slot_of is None else slot_of[eids]
+    gate, up, down = mats
+    h = np.empty((flat.shape[0], gate.shape[1]), np.float32)  # [T*k, F]; only the rows in `a` are set
+    cpu_kernels.gate_up(gate, lx.gate.qtype, up, lx.up.qtype, x, sel, eids, ptr, a // k, a, h, act,
+                        _bias(lx.gate.bias), _bias(lx.up.bias))  # fmt: skip
+    cpu_kernels.matmul(down, lx.down.qtype, h, sel, eids, ptr, a, a, contrib, weights.reshape(-1), _bias(lx.down.bias))
+
+
+def combine(contrib: np.ndarray, ids: np.ndarray) -> torch.Tensor:
+    return torch.from_numpy(cpu_kernels.combine(contrib, ids))
+
+
+def host_arrays(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """The routing inputs as the kernels take them: float32 activations and weights, int64 ids, on the host."""
+    return (
+        x.detach().to("cpu", torch.float32).contiguous().numpy(),
+        ids.detach().to("cpu", torch.int64).contiguous().numpy(),
+        weights.detach().to("cpu", torch.float32).contiguous().numpy(),
+    )

@@ -1,0 +1,78 @@
+"""Dense matrices kept as the file's quantized bytes and applied with the CPU kernels.
+
+`QLinear` is what a model holds for a quantized matrix it runs on the CPU (attention
+projections, shared experts, dense FFNs, the output head): no float copy is ever made. A few
+tokens (decode) go through `cpu_kernels.dense`, which reads each row once for all of them; many
+(prefill) are cheaper as a float GEMM over the matrix decoded a tile of rows at a time.
+`linear` applies either kind of weight.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+
+from . import cpu_kernels
+from .gguf_file import GGUFError, GGUFFile
+from .qblocks import has_kernel
+from .quants import dequantize
+
+GEMM_TOKENS = 16  # from this many tokens on, decode tiles and use a float GEMM (bench/kernels.py)
+GEMM_TILE_BYTES = 16 << 20  # float32 bytes of one decoded tile
+
+
+class QLinear:
+    """y = x @ W.T for a quantized matrix W [N, K] read from its bytes [N, row_bytes]."""
+
+    def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType) -> None:
+        if not has_kernel(qtype):
+            raise ValueError(f"no CPU kernel for {qtype.name}")
+        block, size = GGML_QUANT_SIZES[qtype]
+        self.raw = np.ascontiguousarray(raw)  # a view of the file's map: no copy
+        self.qtype = qtype
+        self.shape = (int(raw.shape[0]), int(raw.shape[1]) // size * block)
+        self.device = torch.device("cpu")
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.float().contiguous()
+        if x.shape[0] < GEMM_TOKENS:
+            return torch.from_numpy(cpu_kernels.dense(self.raw, self.qtype, x.numpy()))
+        n, k = self.shape
+        tile = max(1, GEMM_TILE_BYTES // (4 * k))
+        out = torch.empty(x.shape[0], n)
+        for r in range(0, n, tile):
+            w = torch.from_numpy(cpu_kernels.dequantize_rows(self.raw[r : r + tile], self.qtype, k))
+            out[:, r : r + tile] = F.linear(x, w)
+        return out
+
+    def dequantized(self) -> torch.Tensor:
+        """The whole matrix in float32, as the exact dequantizer gives it."""
+        return dequantize(self.raw, self.qtype)
+
+
+Weight = torch.Tensor | QLinear
+
+
+def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+    if isinstance(w, torch.Tensor):
+        return F.linear(x, w, b)
+    y = w(x)
+    return y if b is None else y + b
+
+
+def load_linear(gguf: GGUFFile, name: str, quantized: bool) -> Weight:
+    """A matrix from the file: kept quantized when asked and a kernel reads its type, else float32."""
+    from .layers import load_weight
+
+    if name not in gguf.tensors:
+        raise GGUFError(f"{gguf.path}: tensor '{name}' is missing")
+    t = gguf.tensors[name]
+    if quantized and has_kernel(t.qtype) and len(t.shape) == 2:
+        return QLinear(gguf.tensor_data(name), t.qtype)
+    return load_weight(gguf, name)
+
+
+def maybe_linear(gguf: GGUFFile, name: str, quantized: bool) -> Weight | None:
+    return load_linear(gguf, name, quantized) if name in gguf.tensors else None

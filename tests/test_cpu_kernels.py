@@ -1,0 +1,142 @@
+"""The CPU kernels that read GGUF blocks in place, against gguf-py's dequantizer and the exact path.
+
+Stated bound: relative error <= 1e-5 (max |error| / max |reference|) for every type, shape and
+token count, with float32 activations and accumulation.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGML_QUANT_SIZES
+from gguf.quants import dequantize as gguf_dequantize
+from moechat.engine import cpu_kernels
+from moechat.engine.fused_moe import run_fused
+from moechat.engine.models.gemma3 import gelu_gate
+from moechat.engine.models.gpt_oss import oai_swiglu
+from moechat.engine.moe import ExpertTensor, LayerExperts, combine, run_experts, swiglu
+from moechat.engine.qblocks import DECODERS, GROUP
+from moechat.engine.qlinear import GEMM_TOKENS, QLinear
+from testkit.ggufgen import Q, quantized
+
+BOUND = 1e-5
+TYPES = sorted(DECODERS, key=lambda t: t.name)
+
+
+def _rel(got: np.ndarray, ref: np.ndarray) -> float:
+    return float(np.abs(got - ref).max() / np.abs(ref).max())
+
+
+def _shape(qtype: Q) -> tuple[int, int]:
+    """Rows not a multiple of the kernels' row tiles; for 32-weight blocks, a row that ends mid-group."""
+    per_block = GGML_QUANT_SIZES[qtype][0]
+    return 37, (3 * GROUP if per_block == GROUP else 2 * GROUP + 64)
+
+
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
+def test_dense_kernel_matches_gguf_py(qtype: Q) -> None:
+    rng = np.random.default_rng(int(qtype))
+    n, k = _shape(qtype)
+    raw = quantized((n, k), qtype, rng)
+    w = gguf_dequantize(raw, qtype).reshape(n, k).astype(np.float64)
+    for t in (1, 2, 8, 33):
+        x = rng.standard_normal((t, k)).astype(np.float32)
+        got = cpu_kernels.dense(raw, qtype, x)
+        assert got.shape == (t, n)
+        assert _rel(got, x.astype(np.float64) @ w.T) <= BOUND, t
+    decoded = cpu_kernels.dequantize_rows(raw, qtype, k)
+    np.testing.assert_allclose(decoded, w, rtol=1e-6, atol=1e-7 * np.abs(w).max())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
+def test_qlinear_agrees_below_and_above_the_gemm_switch(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Few tokens run the kernel, many a float GEMM over decoded tiles: both are the same product."""
+    rng = np.random.default_rng(1)
+    raw = quantized((300, 512), qtype, rng)
+    lin = QLinear(raw, qtype)
+    lin_tiles = QLinear(raw, qtype)  # another matrix object over the same bytes
+    w = lin.dequantized().double()
+    for t in (1, GEMM_TOKENS - 1, GEMM_TOKENS, 40):
+        x = torch.randn(t, 512)
+        got = lin(x)
+        assert got.shape == (t, 300)
+        assert _rel(got.numpy(), (x.double() @ w.T).numpy()) <= BOUND
+    # Tiles smaller than the matrix (64 rows, the last one short): every row is still computed once.
+    x = torch.randn(GEMM_TOKENS + 3, 512)
+    whole = lin(x)
+    monkeypatch.setattr("moechat.engine.qlinear.GEMM_TILE_BYTES", 64 * 512 * 4 + 4)
+    assert torch.allclose(lin_tiles(x), whole, rtol=1e-6, atol=1e-6)
+
+
+def _experts(qtypes: tuple[Q, Q, Q], n_expert: int, e: int, f: int, rng: np.random.Generator,
+             bias: bool = False) -> LayerExperts:  # fmt: skip
+    def one(qtype: Q, rows: int, cols: int) -> ExpertTensor:
+        raw = torch.from_numpy(quantized((n_expert, rows, cols), qtype, rng))
+        b = torch.from_numpy(rng.standard_normal((n_expert, rows)).astype(np.float32) * 0.1) if bias else None
+        return ExpertTensor(raw, qtype, b)
+
+    return LayerExperts(one(qtypes[0], f, e), one(qtypes[1], f, e), one(qtypes[2], e, f))
+
+
+MOE_CASES = [
+    ((Q.Q4_K, Q.Q4_K, Q.Q6_K), swiglu, 0, False),
+    ((Q.Q8_0, Q.Q8_0, Q.Q8_0), gelu_gate, 1, False),
+    ((Q.MXFP4, Q.MXFP4, Q.MXFP4), oai_swiglu, 2, True),
+    ((Q.IQ4_XS, Q.Q5_K, Q.Q4_0), swiglu, 0, False),
+]
+
+
+@pytest.mark.parametrize(("qtypes", "act", "code", "bias"), MOE_CASES, ids=lambda c: getattr(c, "__name__", None))
+def test_fused_moe_matches_the_exact_path(qtypes: tuple[Q, Q, Q], act: object, code: int, bias: bool) -> None:
+    """All selected experts of a layer in three calls == one expert at a time, dequantized (rel 1e-5)."""
+    rng = np.random.default_rng(7)
+    n_expert, e, f, k = 6, 256, 512, 3
+    lx = _experts(qtypes, n_expert, e, f, rng, bias)
+    mats = (lx.gate.raw.numpy(), lx.up.raw.numpy(), lx.down.raw.numpy())
+    for t in (1, 2, 8, 33):
+        x = torch.randn(t, e)
+        # Experts repeat across tokens, and expert 5 is never selected.
+        ids = torch.stack([torch.from_numpy(rng.permutation(5)[:k]) for _ in range(t)])
+        w = torch.rand(t, k)
+        ref = combine(x, run_experts(lx, x, ids, w, act, ids.unique().tolist()))
+        contrib = np.full((t * k, e), np.nan, np.float32)
+        run_fused(lx, mats, None, code, x.numpy(), ids.numpy(), w.numpy(), sorted(set(ids.flatten().tolist())), contrib)
+        assert not np.isnan(contrib).any()
+        got = cpu_kernels.combine(contrib, ids.numpy())
+        assert _rel(got, ref.double().numpy()) <= BOUND, t
+
+
+def test_fused_moe_parts_add_up_bit_for_bit() -> None:
+    """Experts split over two calls (slots for some, the host copy for the rest) give the very same sums."""
+    rng = np.random.default_rng(3)
+    n_expert, e, f, k, t = 8, 256, 256, 4, 5
+    lx = _experts((Q.Q4_K, Q.Q4_K, Q.Q6_K), n_expert, e, f, rng)
+    mats = (lx.gate.raw.numpy(), lx.up.raw.numpy(), lx.down.raw.numpy())
+    x = rng.standard_normal((t, e)).astype(np.float32)
+    ids = np.stack([rng.permutation(n_expert)[:k] for _ in range(t)]).astype(np.int64)
+    w = rng.random((t, k)).astype(np.float32)
+    whole = np.empty((t * k, e), np.float32)
+    run_fused(lx, mats, None, 0, x, ids, w, list(range(n_expert)), whole)
+    # "Slots": the experts 0..3 copied into a bank in reverse order, as a cache would hold them.
+    slot_of = np.full(n_expert, -1, np.int64)
+    slot_of[[0, 1, 2, 3]] = [3, 2, 1, 0]
+    bank = tuple(np.ascontiguousarray(m[[3, 2, 1, 0]]) for m in mats)
+    parts = np.empty((t * k, e), np.float32)
+    run_fused(lx, (bank[0], bank[1], bank[2]), slot_of, 0, x, ids, w, [0, 1, 2, 3], parts)
+    run_fused(lx, mats, None, 0, x, ids, w, [4, 5, 6, 7], parts)
+    assert np.array_equal(parts, whole)
+    assert np.array_equal(cpu_kernels.combine(parts, ids), cpu_kernels.combine(whole, ids))
+
+
+def test_combine_sums_in_expert_order() -> None:
+    """The sum per token does not depend on the order in which the router listed its experts."""
+    rng = np.random.default_rng(5)
+    contrib = (rng.standard_normal((6, 16)) * 10.0 ** rng.integers(-4, 4, (6, 1))).astype(np.float32)
+    ids = np.array([[4, 1, 7], [0, 9, 3]], np.int64)
+    swapped = np.array([[7, 4, 1], [3, 0, 9]], np.int64)
+    perm = np.array([2, 0, 1, 5, 3, 4])  # the rows of each token, in the swapped listing's order
+    a = cpu_kernels.combine(contrib, ids)
+    b = cpu_kernels.combine(contrib[perm], swapped)
+    assert np.array_equal(a, b)
+    assert np.allclose(a, contrib.reshape(2, 3, 16).sum(1), rtol=1e-6, atol=1e-6)
