@@ -15,6 +15,7 @@ import hashlib
 import logging
 import os
 import shutil
+import warnings
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, TypeVar
@@ -44,9 +45,15 @@ if "NUMBA_CACHE_DIR" not in os.environ:
     os.environ["NUMBA_CACHE_DIR"] = str(_default_cache_dir())
 
 import numba  # noqa: E402  (after the cache folder is set: numba reads it at import)
-from numba import prange  # noqa: E402
+from numba import prange, types  # noqa: E402
+from numba.core.errors import NumbaIRAssumptionWarning  # noqa: E402
+from numba.extending import overload  # noqa: E402
 
-__all__ = ["njit", "prange"]
+# numba's own pedantic check on the IR of inlined functions, not a problem of ours: its text would
+# reach the user's terminal on every first compile.
+warnings.filterwarnings("ignore", category=NumbaIRAssumptionWarning)
+
+__all__ = ["njit", "overload", "prange", "types"]
 
 F = TypeVar("F", bound=Callable[..., Any])
 
