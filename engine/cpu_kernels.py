@@ -56,6 +56,13 @@ def _dot(a: np.ndarray, b: np.ndarray, n: int) -> np.float32:
 
 
 @njit(inline="always")
+def _job(job: int, n_tiles: int, n_rows: int, sel: np.ndarray, ptr: np.ndarray) -> tuple[int, int, int, int, int, int]:
+    """Work item `job` of (selected matrix, tile of rows): (u, its matrix, first assignment, count, rows r0..r1)."""
+    u, tile = job // n_tiles, job % n_tiles
+    return u, sel[u], ptr[u], ptr[u + 1] - ptr[u], tile * ROWS, min(n_rows, tile * ROWS + ROWS)
+
+
+@njit(inline="always")
 def _act(kind: int, g: np.float32, u: np.float32) -> np.float32:
     if kind == ACT_SILU:
         return g / (np.float32(1) + np.exp(-g)) * u
@@ -75,17 +82,15 @@ def _gate_up_kernel(gate_type: Q, up_type: Q) -> Any:
 
     @njit(parallel=True)
     def gate_up(gate, up, x, sel, eid, ptr, a_in, a_out, bias_g, bias_u, act, out):
-        n_sel, n_rows, k = sel.shape[0], gate.shape[1], x.shape[1]
-        n_tiles = (n_rows + ROWS - 1) // ROWS
-        n_groups = (k + GROUP - 1) // GROUP
-        for job in prange(n_sel * n_tiles):
-            u, tile = job // n_tiles, job % n_tiles
-            m, c0, nc = sel[u], ptr[u], ptr[u + 1] - ptr[u]
+        n_rows, k = gate.shape[1], x.shape[1]
+        n_tiles, n_groups = (n_rows + ROWS - 1) // ROWS, (k + GROUP - 1) // GROUP
+        for job in prange(sel.shape[0] * n_tiles):
+            u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
             yg = np.empty(GROUP, np.float32)
             yu = np.empty(GROUP, np.float32)
             ag = np.empty(nc, np.float32)
             au = np.empty(nc, np.float32)
-            for r in range(tile * ROWS, min(n_rows, tile * ROWS + ROWS)):
+            for r in range(r0, r1):
                 ag[:] = 0
                 au[:] = 0
                 for g in range(n_groups):
@@ -111,15 +116,13 @@ def _matmul_kernel(qtype: Q) -> Any:
 
     @njit(parallel=True)
     def matmul(w, x, sel, eid, ptr, a_in, a_out, bias, scale, out):
-        n_sel, n_rows, k = sel.shape[0], w.shape[1], x.shape[1]
-        n_tiles = (n_rows + ROWS - 1) // ROWS
-        n_groups = (k + GROUP - 1) // GROUP
-        for job in prange(n_sel * n_tiles):
-            u, tile = job // n_tiles, job % n_tiles
-            m, c0, nc = sel[u], ptr[u], ptr[u + 1] - ptr[u]
+        n_rows, k = w.shape[1], x.shape[1]
+        n_tiles, n_groups = (n_rows + ROWS - 1) // ROWS, (k + GROUP - 1) // GROUP
+        for job in prange(sel.shape[0] * n_tiles):
+            u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
             y = np.empty(GROUP, np.float32)
             acc = np.empty(nc, np.float32)
-            for r in range(tile * ROWS, min(n_rows, tile * ROWS + ROWS)):
+            for r in range(r0, r1):
                 acc[:] = 0
                 for g in range(n_groups):
                     n = decode_group(code, w[m, r], g, k, y)

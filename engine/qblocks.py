@@ -140,12 +140,18 @@ def _k_scale(b: np.ndarray, s: int, i: int) -> tuple[np.float32, np.float32]:
 
 
 @njit(inline="always")
-def _q4_k(b: np.ndarray, o: int, y: np.ndarray, yo: int) -> None:
+def _k_pair(b: np.ndarray, o: int, c: int) -> tuple[np.float32, np.float32, np.float32, np.float32]:
+    """Q4_K/Q5_K block at o, weights 64c..64c+63: (scale, min) of the low 32, then of the high 32."""
     d, dmin = _f16(b, o), _f16(b, o + 2)
+    sc0, m0 = _k_scale(b, o + 4, 2 * c)
+    sc1, m1 = _k_scale(b, o + 4, 2 * c + 1)
+    return d * sc0, dmin * m0, d * sc1, dmin * m1
+
+
+@njit(inline="always")
+def _q4_k(b: np.ndarray, o: int, y: np.ndarray, yo: int) -> None:
     for c in range(4):
-        sc0, m0 = _k_scale(b, o + 4, 2 * c)
-        sc1, m1 = _k_scale(b, o + 4, 2 * c + 1)
-        d0, d1, m0f, m1f = d * sc0, d * sc1, dmin * m0, dmin * m1
+        d0, m0f, d1, m1f = _k_pair(b, o, c)
         qo, lo = o + 16 + 32 * c, yo + 64 * c
         for j in range(32):
             q = np.int32(b[qo + j])
@@ -155,11 +161,8 @@ def _q4_k(b: np.ndarray, o: int, y: np.ndarray, yo: int) -> None:
 
 @njit(inline="always")
 def _q5_k(b: np.ndarray, o: int, y: np.ndarray, yo: int) -> None:
-    d, dmin = _f16(b, o), _f16(b, o + 2)
     for c in range(4):
-        sc0, m0 = _k_scale(b, o + 4, 2 * c)
-        sc1, m1 = _k_scale(b, o + 4, 2 * c + 1)
-        d0, d1, m0f, m1f = d * sc0, d * sc1, dmin * m0, dmin * m1
+        d0, m0f, d1, m1f = _k_pair(b, o, c)
         qo, lo = o + 48 + 32 * c, yo + 64 * c
         for j in range(32):
             q = np.int32(b[qo + j])

@@ -246,7 +246,7 @@ def test_sim_and_tune_commands(
     assert len(report["arms"]) == 6 and report["recommendation"]["command"].startswith("--moe-cache-mib ")
 
     # `tune` reads the engine's settings through the same layers as `run` (flag > env > config.toml).
-    monkeypatch.setenv("MOECHAT_CPU_KERNELS", "fast")
+    monkeypatch.setenv("MOECHAT_CPU_KERNELS", "int4")  # gone: the reference path is "exact"
     assert main(["tune", str(path), "--device", "cpu", "--tokens", "40", "--warmup", "8", "-c", "256"]) == 2
     err = capsys.readouterr().err
     assert "cpu_kernels from env MOECHAT_CPU_KERNELS" in err and len(err.strip().splitlines()) == 1
