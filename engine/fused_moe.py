@@ -53,21 +53,22 @@ def run_fused(
     x: np.ndarray,
     ids: np.ndarray,
     weights: np.ndarray,
-    experts: Sequence[int],
+    experts: Sequence[int] | None,
     contrib: np.ndarray,
 ) -> None:
-    """Fill contrib[t*k + j] = weights[t, j] * expert_{ids[t, j]}(x[t]) for the pairs whose expert is in `experts`.
+    """Fill contrib[t*k + j] = weights[t, j] * expert_{ids[t, j]}(x[t]) for the pairs whose expert is in `experts`
+    (None: every pair).
 
     mats: (gate, up, down) stacked [S, rows, row_bytes]: the layer's experts (slot_of None) or a
     cache's slots (slot_of[e]: expert e's slot). x [T, E] float32; ids int64 and weights float32 [T, k].
     """
     k = ids.shape[1]
     flat = ids.reshape(-1)  # [T*k]
-    if len(experts) == flat.shape[0] == k:  # one token, all its experts: the common decode case
-        a = np.argsort(flat, kind="stable")
+    if experts is None:
+        a = np.argsort(flat, kind="stable")  # assignments grouped by expert
     else:
         a = np.flatnonzero(np.isin(flat, np.asarray(experts, dtype=np.int64)))
-        a = a[np.argsort(flat[a], kind="stable")]  # assignments grouped by expert
+        a = a[np.argsort(flat[a], kind="stable")]
     if a.shape[0] == 0:
         return
     eids, starts = np.unique(flat[a], return_index=True)

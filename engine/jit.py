@@ -12,17 +12,13 @@ that kernels are compiled from, and folders of other hashes are removed.
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import shutil
 import warnings
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import platformdirs
-
-logger = logging.getLogger(__name__)
 
 KERNEL_SOURCES = ("jit.py", "qblocks.py", "cpu_kernels.py")
 
@@ -55,8 +51,6 @@ warnings.filterwarnings("ignore", category=NumbaIRAssumptionWarning)
 
 __all__ = ["njit", "overload", "prange", "types"]
 
-F = TypeVar("F", bound=Callable[..., Any])
-
 
 def njit(*args: Any, **kwargs: Any) -> Any:
     """numba.njit with the engine's defaults: cached on disk, fast math, the GIL released."""
@@ -73,17 +67,9 @@ def set_kernel_threads(n: int) -> int:
     return n
 
 
-def kernel_threads() -> int:
-    return int(numba.get_num_threads())
-
-
 def concurrent_calls_safe() -> bool:
     """Whether two threads may run parallel kernels at once (numba's workqueue layer may not)."""
     try:
         return numba.threading_layer() != "workqueue"
     except ValueError:  # no parallel kernel has run yet: the layer is not chosen
         return numba.config.THREADING_LAYER in ("omp", "tbb", "safe")  # type: ignore[attr-defined]
-
-
-def cache_dir() -> Path:
-    return Path(os.environ["NUMBA_CACHE_DIR"])

@@ -174,10 +174,6 @@ def load_model(
             bos_token=tok.tokens[sp.bos] if sp.bos is not None else "",
             eos_token=tok.tokens[sp.eos] if sp.eos is not None else "",
         )
-        if cpu_dequant_mib < 0:
-            raise ValueError(f"--cpu-dequant-mib must be >= 0, got {cpu_dequant_mib}")
-        if cpu_kernels not in ("fast", "exact"):
-            raise ValueError(f"--cpu-kernels must be fast or exact, got '{cpu_kernels}'")
         on_cpu = device == "cpu"
         # On the CPU the dense matrices stay the file's bytes and run through the kernels; on a
         # GPU they are dequantized once and moved there.

@@ -217,16 +217,16 @@ class HostExperts:
         return lambda e: cache.get((layer, e), lambda: (lx.gate.expert(e), lx.up.expert(e), lx.down.expert(e)))
 
     def run_host_part(
-        self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, experts: list[int], contrib: np.ndarray
+        self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, experts: list[int] | None, contrib: np.ndarray
     ) -> None:
-        """Fused path: the contributions of `experts`, computed from the host copy, into their rows of contrib."""
+        """Fused path: the contributions of `experts` (None: all selected), from the host copy, into their rows."""
         run_fused(self.layers[layer], self.mats(layer), None, self.act_code, x, ids, w, experts, contrib)
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.fused[layer]:
             xh, ih, wh = host_arrays(x, ids, weights)
             contrib = np.empty((ih.size, xh.shape[1]), np.float32)  # [T*k, E]: every row gets set
-            self.run_host_part(layer, xh, ih, wh, sorted(set(ih.reshape(-1).tolist())), contrib)
+            self.run_host_part(layer, xh, ih, wh, None, contrib)
             return fused_combine(contrib, ih).to(x.device)
         # The experts live in host memory and run there; x may be on a device.
         xc, ic, wc = x.cpu(), ids.cpu(), weights.cpu()

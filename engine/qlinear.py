@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import cpu_kernels
-from .gguf_file import GGUFError, GGUFFile
+from .gguf_file import GGUFFile
 from .qblocks import has_kernel
 from .quants import dequantize
 
@@ -66,12 +66,10 @@ def load_linear(gguf: GGUFFile, name: str, quantized: bool) -> Weight:
     """A matrix from the file: kept quantized when asked and a kernel reads its type, else float32."""
     from .layers import load_weight
 
-    if name not in gguf.tensors:
-        raise GGUFError(f"{gguf.path}: tensor '{name}' is missing")
-    t = gguf.tensors[name]
-    if quantized and has_kernel(t.qtype) and len(t.shape) == 2:
+    t = gguf.tensors.get(name)
+    if quantized and t is not None and has_kernel(t.qtype) and len(t.shape) == 2:
         return QLinear(gguf.tensor_data(name), t.qtype)
-    return load_weight(gguf, name)
+    return load_weight(gguf, name)  # names a missing tensor
 
 
 def maybe_linear(gguf: GGUFFile, name: str, quantized: bool) -> Weight | None:
