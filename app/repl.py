@@ -10,13 +10,14 @@ import argparse
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
-from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
-
-from .demo_model import resolve_model
 from .run_cmd import cache_settings
 from .settings import SPEC, Settings, for_demo, resolve
+
+if TYPE_CHECKING:  # the engine (torch) loads when a chat starts, not for --help
+    from moechat.engine.generate import SamplingParams
+    from moechat.engine.loader import LoadedModel
 
 # A base model continuing the plain format writes the user's next line itself: stop there.
 PLAIN_STOPS = ("\nUser:", "\nuser:")
@@ -65,6 +66,11 @@ def chat_settings(args: argparse.Namespace) -> tuple[Settings, list[str], Path]:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    from moechat.engine.generate import SamplingParams
+    from moechat.engine.loader import ContextTooLarge, load_model, set_threads
+
+    from .demo_model import resolve_model
+
     settings, warnings, config = chat_settings(args)
     settings = for_demo(settings, args.model)
     if not args.plain and sys.stdin.isatty() and sys.stdout.isatty():
@@ -114,6 +120,8 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def _reply(lm: LoadedModel, prompt: list[int], n: int, params: SamplingParams, plain: bool) -> str:
+    from moechat.engine.generate import DoneEvent, TokenEvent, generate
+
     stop = threading.Event()
     text = ""
     shown = 0

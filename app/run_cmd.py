@@ -8,36 +8,39 @@ import sys
 import threading
 from dataclasses import dataclass
 from pathlib import Path
-
-from moechat.engine.expert_cache import CacheSettings
-from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
-from moechat.engine.loader import load_model, resolve_device, set_threads
+from typing import TYPE_CHECKING
 
 from .settings import Settings, for_demo, resolve
 
+if TYPE_CHECKING:  # the engine (torch) loads when a command runs, not for --help
+    from moechat.engine.expert_cache import CacheSettings
 
-def add_cache_arguments(p: argparse.ArgumentParser) -> None:
+
+def add_cache_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None:
+    """The engine's flags; `sweep`: for `tune`, which picks the cache sizes and shares itself."""
     p.add_argument("--device", default=None, help="auto, cuda or cpu (env MOECHAT_DEVICE)")
-    p.add_argument(
-        "--moe-cache-mib",
-        type=float,
-        default=None,
-        metavar="N",
-        help="device expert cache in MiB, fractions allowed; 0 = off (env MOECHAT_MOE_CACHE_MIB)",
-    )
-    p.add_argument(
-        "--moe-cache-cpu-share",
-        type=float,
-        default=None,
-        metavar="F",
-        help="share of the misses computed on the CPU once the cache is full, 0..1 (env MOECHAT_MOE_CACHE_CPU_SHARE)",
-    )
-    p.add_argument(
-        "--moe-cache-trace",
-        default=None,
-        metavar="PATH",
-        help="write every expert lookup to PATH (env MOECHAT_MOE_CACHE_TRACE)",
-    )
+    if not sweep:
+        p.add_argument(
+            "--moe-cache-mib",
+            type=float,
+            default=None,
+            metavar="N",
+            help="device expert cache in MiB, fractions allowed; 0 = off (env MOECHAT_MOE_CACHE_MIB)",
+        )
+        p.add_argument(
+            "--moe-cache-cpu-share",
+            type=float,
+            default=None,
+            metavar="F",
+            help="share of the misses computed on the CPU once the cache is full, 0..1 "
+            "(env MOECHAT_MOE_CACHE_CPU_SHARE)",
+        )
+        p.add_argument(
+            "--moe-cache-trace",
+            default=None,
+            metavar="PATH",
+            help="write every expert lookup to PATH (env MOECHAT_MOE_CACHE_TRACE)",
+        )
     p.add_argument(
         "--load-mode",
         choices=("mmap", "pinned"),
@@ -45,13 +48,27 @@ def add_cache_arguments(p: argparse.ArgumentParser) -> None:
         help="CUDA: keep the host experts memory-mapped (fast start) or copy them to pinned memory "
         "(uploads at full link speed, slower start, locked RAM)",
     )
-    p.add_argument("--cpu-dequant-mib", type=float, default=None, metavar="N",
-                   help="with --cpu-kernels exact: keep up to N MiB of dequantized experts (0 = off)")  # fmt: skip
-    p.add_argument("--cpu-kernels", choices=("fast", "exact"), default=None,
-                   help="CPU matmuls: fast (default; kernels that read the file's quantized blocks in place) or "
-                   "exact (dequantize with torch, then multiply: the slow reference path)")  # fmt: skip
-    p.add_argument("--emulate-link-gbps", type=float, default=None, metavar="X",
-                   help="CPU device: make each upload also cost bytes / X GB/s, like a PCIe link")  # fmt: skip
+    p.add_argument(
+        "--cpu-dequant-mib",
+        type=float,
+        default=None,
+        metavar="N",
+        help="with --cpu-kernels exact: keep up to N MiB of dequantized experts (0 = off)",
+    )
+    p.add_argument(
+        "--cpu-kernels",
+        choices=("fast", "exact"),
+        default=None,
+        help="CPU matmuls: fast (default; kernels that read the file's quantized blocks in place) or "
+        "exact (dequantize with torch, then multiply: the slow reference path)",
+    )
+    p.add_argument(
+        "--emulate-link-gbps",
+        type=float,
+        default=None,
+        metavar="X",
+        help="CPU device: make each upload also cost bytes / X GB/s, like a PCIe link",
+    )
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads for the engine (default 0: one per core; env MOECHAT_THREADS)")  # fmt: skip
 
@@ -69,6 +86,9 @@ class EngineOptions:
 
 def cache_settings(layered: Settings, trace: Path | None = None, load_mode: str = "mmap") -> CacheSettings:
     """The expert cache's settings from resolved settings, checked; errors name the device's source."""
+    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.loader import resolve_device
+
     try:
         device = resolve_device(layered.device)
     except ValueError as e:
@@ -92,7 +112,7 @@ def layered_settings(args: argparse.Namespace) -> EngineOptions:
     for w in warnings:
         print(f"moechat: warning: {w}", file=sys.stderr)
     layered = for_demo(layered, getattr(args, "model", None))
-    trace = args.moe_cache_trace or os.environ.get("MOECHAT_MOE_CACHE_TRACE")
+    trace = getattr(args, "moe_cache_trace", None) or os.environ.get("MOECHAT_MOE_CACHE_TRACE")
     settings = cache_settings(layered, trace=Path(trace) if trace else None, load_mode=args.load_mode)
     return EngineOptions(settings, layered.cpu_dequant_mib, layered.cpu_kernels, layered.threads)
 
@@ -117,6 +137,9 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
+    from moechat.engine.loader import load_model, set_threads
+
     params = SamplingParams(
         temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
         repeat_penalty=args.repeat_penalty, seed=args.seed,

@@ -30,11 +30,27 @@ EngineFactory = Callable[[Callable[[str], None]], ChatEngine]
 
 
 class Loading(Screen[None]):
-    DEFAULT_CSS = "Loading { align: center middle; } Loading Label { margin: 1; }"
+    DEFAULT_CSS = """
+    Loading { align: center middle; }
+    Loading Label { margin: 1; }
+    Loading .error { color: $error; width: 90%; }
+    """
 
     def compose(self) -> ComposeResult:
         yield Label("loading the model...", id="what", markup=False)
         yield LoadingIndicator()
+
+    def show_failure(self, message: str) -> None:
+        """The load failed: the error stays on screen until a key is pressed (then the app exits)."""
+        self.query_one(LoadingIndicator).remove()
+        what = self.query_one("#what", Label)
+        what.update(message)
+        what.add_class("error")
+        self.mount(Label("press any key to quit", id="hint"))
+
+    def on_key(self) -> None:
+        if getattr(self.app, "failure", None) is not None:
+            self.app.exit(2, return_code=2)
 
 
 class MoechatApp(App[int]):
@@ -54,6 +70,7 @@ class MoechatApp(App[int]):
         self.session: SessionStats = SessionStats({}, {})
         self.session_file = self.paths.data / "sessions" / f"{now_iso().replace(':', '')}.json"
         self.exit_code = 0
+        self.failure: str | None = None  # why the model did not load; printed on stderr after exit too
 
     def on_mount(self) -> None:
         if self.settings.theme in self.available_themes:
@@ -87,7 +104,12 @@ class MoechatApp(App[int]):
             self.screen.query_one("#what", Label).update(text)
 
     def _failed(self, message: str) -> None:
-        self.exit(2, message=f"moechat: error: {message}")
+        self.failure = f"moechat: error: {message}"
+        logger.error("%s", self.failure)
+        if isinstance(self.screen, Loading):
+            self.screen.show_failure(self.failure)
+        else:
+            self.exit(2, return_code=2)
 
     def _engine_ready(self, engine: ChatEngine) -> None:
         from .screens.chat import ChatScreen
@@ -214,6 +236,9 @@ def run_tui(app: MoechatApp, log_path: Path) -> int:
             sys.__stderr__ = original  # type: ignore[misc]
             terminal.close()
             logging.getLogger().removeHandler(handler)
+    if app.failure is not None:
+        print(app.failure, file=sys.stderr)  # the terminal is restored: the error stays visible
+        return 2
     if isinstance(code, int):
         return code
     return app.return_code or 0

@@ -25,7 +25,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--markdown", action="store_true", help="Markdown tables")
     fmt.add_argument("--json", action="store_true", help="JSON")
-    add_cache_arguments(p)
+    add_cache_arguments(p, sweep=True)
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -145,4 +145,7 @@ def run_sim(args: argparse.Namespace) -> int:
           f"experts {full:.2f} MiB, warm-up {args.warmup} tokens")  # fmt: skip
     header = ["cache MiB", "slots", "policy", "share", "hit rate", "misses", "vs MIN", "vs MIN-bypass", "compulsory"]
     print(table(header, rows, markdown=args.markdown))
+    over = [f"{s:g}" for s in sizes if s > full]
+    if over:
+        print(f"note: {', '.join(over)} MiB exceed the trace's {full:.2f} MiB of experts: such a cache holds them all")
     return 0

@@ -25,7 +25,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from moechat.engine.generate import decode_one, prefill
-from moechat.engine.loader import load_model
+from moechat.engine.loader import load_model, set_threads
 
 TEXT = (
     "The lighthouse stood at the end of a long spit of sand, and for most of the year nobody went out to it "
@@ -83,7 +83,7 @@ def compare(
 ) -> dict[str, float | str]:
     import llama_cpp
 
-    torch.set_num_threads(threads)
+    set_threads(threads)
     ours = load_model(path, n_ctx=n_pos + n_decode + 8, cpu_dequant_mib=cpu_dequant_mib, cpu_kernels=cpu_kernels)
     ids = ours.tokenizer.encode(TEXT * 20)[:n_pos]  # BOS as the model asks, as in real use
     peer = llama_cpp.Llama(str(path), n_ctx=n_pos + n_decode + 8, n_batch=512, logits_all=True,

@@ -1,78 +1,103 @@
-"""Decode and prefill t/s of moechat (CPU device) vs llama.cpp on the same GGUF, same threads, alternating.
+"""Decode and prefill t/s of moechat (CPU device, default settings) vs llama.cpp on the same GGUF.
 
-    python bench/decode_vs_llamacpp.py [--threads 2] [--big] [--no-extra-bufts]
+    pip install 'moechat[peer]'     # llama-cpp-python from source; see docs/measurements.md for flags
+    python bench/decode_vs_llamacpp.py [--threads 2] [--big]
 
-Models: the dense Gemma 3 270M file the demo is built from (llama.cpp cannot run our gemma3moe
-architecture), a generated MoE with Q8_0 experts (with and without --cpu-dequant-mib), and with
---big generated models with Qwen3-30B-A3B's expert shapes (2048 hidden, 768 expert FFN, 128 experts, top-8):
-6 layers in Q4_K and 4 in Q8_0, 2.2 and 2.6 GB, so they do not fit in the CPU caches. Each runs on
-the exact path and with --cpu-kernels int4. Uses compare_llamacpp.compare
-(same token ids for both engines; logits agreement is reported too).
+Rows, each timed in alternating runs of both engines with the same thread count and the same
+token ids (bench/compare_llamacpp.compare; logits agreement is reported too):
+  - Gemma 3 270M Q4_K_M, the dense file the demo is built from;
+  - the demo itself (gemma3moe, which llama.cpp cannot run): its decode t/s against llama.cpp's on
+    the dense source, timed in the same run;
+  - with --big: a generated model with Qwen3-30B-A3B's geometry (hidden 2048, 32/4 heads of 128,
+    128 experts, top 8, expert FFN 768, the Qwen vocabulary) and 12 layers in a Q4_K_M mix (Q4_K
+    gate/up/attention/embedding, Q6_K down and output), about 5 GB: it fits in no CPU cache.
+The load average is printed with the table: this machine is shared.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
+import statistics
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from compare_llamacpp import _no_extra_buffer_types, compare
+from compare_llamacpp import TEXT, compare
+
+
+def ours_only(path: Path, n_pos: int, n_decode: int, threads: int, repeats: int) -> tuple[float, float]:
+    """moechat's prefill and decode t/s on a file llama.cpp cannot run (medians of `repeats`)."""
+    import torch
+    from moechat.engine.generate import decode_one, prefill
+    from moechat.engine.loader import load_model, set_threads
+
+    set_threads(threads)
+    lm = load_model(path, n_ctx=n_pos + n_decode + 8)
+    ids = lm.tokenizer.encode(TEXT * 20)[:n_pos]
+    pp, tg = [], []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            cache = lm.new_cache()
+            t = time.perf_counter()
+            tok = int(prefill(lm.model, ids, cache).argmax())
+            pp.append(time.perf_counter() - t)
+            t = time.perf_counter()
+            for _ in range(n_decode):
+                tok = int(decode_one(lm.model, tok, cache).argmax())
+            tg.append(time.perf_counter() - t)
+    lm.close()
+    return n_pos / statistics.median(pp), n_decode / statistics.median(tg)
+
+
+def qwen3_shaped(out: Path) -> Path:
+    from testkit.ggufgen import Q, tiny_moe
+
+    return tiny_moe(out, n_layers=12, n_embd=2048, n_head=32, n_head_kv=4, n_expert=128, n_expert_used=8,
+                    n_ff_exp=768, expert_type=Q.Q4_K, down_type=Q.Q6_K, dense_type=Q.Q4_K, ends_type=Q.Q4_K,
+                    output_type=Q.Q6_K, n_vocab=151_000)  # fmt: skip
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--positions", type=int, default=128)
-    ap.add_argument("--decode", type=int, default=16)
+    ap.add_argument("--decode", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2)
-    ap.add_argument("--big", action="store_true", help="also the generated ~2 GB Qwen3-shaped model")
-    ap.add_argument("--only-big", action="store_true", help="only the generated Qwen3-shaped model")
-    ap.add_argument("--no-extra-bufts", action="store_true", help="llama.cpp without AMX/repacked buffers")
+    ap.add_argument("--big", action="store_true", help="also the generated 5 GB Qwen3-30B-A3B-shaped model")
     args = ap.parse_args()
-    if args.no_extra_bufts:
-        _no_extra_buffer_types()
     from moechat.app.paths import app_paths
+    from moechat.engine.demo import ensure_demo
     from moechat.engine.demo_source import source_gguf
 
-    # llama.cpp cannot run the demo's own architecture (gemma3moe is ours), so the demo's side is
-    # the dense Gemma 3 270M file it is built from, which both engines run.
-    gemma = source_gguf(app_paths().cache)
-    dense = "Gemma 3 270M (the demo's source, dense)"
-    runs: list[tuple[str, Path, float, str]] = [(dense, gemma, 0.0, "exact"), (dense + ", int4", gemma, 0.0, "int4")]
-    with tempfile.TemporaryDirectory() as tmp:
-        from testkit.ggufgen import Q, tiny_moe
+    cache = app_paths().cache
+    gemma, demo = source_gguf(cache / "sources"), ensure_demo(cache)
+    print("| model | top-1 | pp t/s ours | pp t/s llama.cpp | ratio | tg t/s ours | tg t/s llama.cpp | ratio |")
+    print("|---|---|---|---|---|---|---|---|")
 
-        small = tiny_moe(Path(tmp) / "small-q8.gguf", n_layers=4, n_embd=512, n_expert=32, n_expert_used=4,
-                         n_ff_exp=512, expert_type=Q.Q8_0, n_vocab=4096)  # fmt: skip
-        runs += [
-            ("generated MoE, Q8_0, exact", small, 0.0, "exact"),
-            ("generated MoE, Q8_0, --cpu-dequant-mib 512", small, 512.0, "exact"),
-            ("generated MoE, Q8_0, --cpu-kernels int4", small, 0.0, "int4"),
-        ]
-        if args.big:
-            big = tiny_moe(Path(tmp) / "qwen3-shapes-q4k.gguf", n_layers=6, n_embd=2048, n_head=32, n_head_kv=4,
-                           n_expert=128, n_expert_used=8, n_ff_exp=768, expert_type=Q.Q4_K, n_vocab=4096)  # fmt: skip
-            label = f"Qwen3-30B-A3B shapes, 6 layers, Q4_K ({big.stat().st_size / 2**30:.1f} GiB)"
-            runs += [(label, big, 0.0, "exact"), (label + ", --cpu-kernels int4", big, 0.0, "int4")]
-            big8 = tiny_moe(Path(tmp) / "qwen3-shapes-q8.gguf", n_layers=4, n_embd=2048, n_head=32, n_head_kv=4,
-                            n_expert=128, n_expert_used=8, n_ff_exp=768, expert_type=Q.Q8_0, n_vocab=4096)  # fmt: skip
-            label = f"Qwen3-30B-A3B shapes, 4 layers, Q8_0 ({big8.stat().st_size / 2**30:.1f} GiB)"
-            runs += [(label, big8, 0.0, "exact"), (label + ", --cpu-kernels int4", big8, 0.0, "int4")]
-        print("| model | top-1 | pp t/s ours | pp t/s llama.cpp | ratio | tg t/s ours | tg t/s llama.cpp | ratio |")
-        print("|---|---|---|---|---|---|---|---|")
-        for label, path, dq, kernels in runs:
-            if args.only_big and "Qwen3" not in label:
-                continue
-            r = compare(path, args.positions, args.decode, args.threads, args.repeats, cpu_dequant_mib=dq,
-                        cpu_kernels=kernels)  # fmt: skip
-            f = {k: float(v) for k, v in r.items() if k != "model"}
-            print(f"| {label} | {100 * f['top1']:.1f}% | {f['pp_ours']:.1f} | {f['pp_peer']:.1f} | "
-                  f"{f['pp_ours'] / f['pp_peer']:.2f} | {f['tg_ours']:.2f} | {f['tg_peer']:.2f} | "
-                  f"{f['tg_ours'] / f['tg_peer']:.2f} |", flush=True)  # fmt: skip
+    def row(label: str, r: dict[str, float | str]) -> None:
+        f = {k: float(v) for k, v in r.items() if k != "model"}
+        print(f"| {label} | {100 * f['top1']:.1f}% | {f['pp_ours']:.1f} | {f['pp_peer']:.1f} | "
+              f"{f['pp_ours'] / f['pp_peer']:.2f} | {f['tg_ours']:.2f} | {f['tg_peer']:.2f} | "
+              f"{f['tg_ours'] / f['tg_peer']:.2f} |", flush=True)  # fmt: skip
+
+    dense = compare(gemma, args.positions, args.decode, args.threads, args.repeats)
+    row("Gemma 3 270M Q4_K_M (the demo's source, dense)", dense)
+    pp, tg = ours_only(demo, args.positions, args.decode, args.threads, args.repeats)
+    pp_peer, tg_peer = float(dense["pp_peer"]), float(dense["tg_peer"])
+    print(f"| the demo (gemma3moe) vs llama.cpp on its dense source | - | {pp:.1f} | {pp_peer:.1f} | "
+          f"{pp / pp_peer:.2f} | {tg:.2f} | {tg_peer:.2f} | {tg / tg_peer:.2f} |", flush=True)  # fmt: skip
+    if args.big:
+        with tempfile.TemporaryDirectory() as tmp:
+            big = qwen3_shaped(Path(tmp) / "qwen3-30b-a3b-shaped-12l-q4km.gguf")
+            label = f"Qwen3-30B-A3B geometry, 12 layers, Q4_K_M ({big.stat().st_size / 1e9:.1f} GB)"
+            row(label, compare(big, args.positions, args.decode, args.threads, args.repeats))
+    load = os.getloadavg()
+    print(f"\n{args.threads} threads; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 
 
 if __name__ == "__main__":

@@ -43,13 +43,13 @@ if "NUMBA_CACHE_DIR" not in os.environ:
 import numba  # noqa: E402  (after the cache folder is set: numba reads it at import)
 from numba import prange, types  # noqa: E402
 from numba.core.errors import NumbaIRAssumptionWarning  # noqa: E402
-from numba.extending import overload  # noqa: E402
+from numba.extending import intrinsic, overload  # noqa: E402
 
 # numba's own pedantic check on the IR of inlined functions, not a problem of ours: its text would
 # reach the user's terminal on every first compile.
 warnings.filterwarnings("ignore", category=NumbaIRAssumptionWarning)
 
-__all__ = ["njit", "overload", "prange", "types"]
+__all__ = ["intrinsic", "njit", "overload", "prange", "types"]
 
 
 def njit(*args: Any, **kwargs: Any) -> Any:

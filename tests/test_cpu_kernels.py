@@ -16,12 +16,12 @@ from moechat.engine.fused_moe import run_fused
 from moechat.engine.models.gemma3 import gelu_gate
 from moechat.engine.models.gpt_oss import oai_swiglu
 from moechat.engine.moe import ExpertTensor, LayerExperts, combine, run_experts, swiglu
-from moechat.engine.qblocks import DECODERS, GROUP
+from moechat.engine.qblocks import GROUP, LAYOUTS
 from moechat.engine.qlinear import GEMM_TOKENS, QLinear
 from testkit.ggufgen import Q, quantized
 
 BOUND = 1e-5
-TYPES = sorted(DECODERS, key=lambda t: t.name)
+TYPES = sorted(LAYOUTS, key=lambda t: t.name)
 
 
 def _rel(got: np.ndarray, ref: np.ndarray) -> float:
@@ -45,6 +45,9 @@ def test_dense_kernel_matches_gguf_py(qtype: Q) -> None:
         got = cpu_kernels.dense(raw, qtype, x)
         assert got.shape == (t, n)
         assert _rel(got, x.astype(np.float64) @ w.T) <= BOUND, t
+        # One token reads the blocks directly, more share a decoded buffer: a token's result is the same.
+        alone = np.concatenate([cpu_kernels.dense(raw, qtype, x[i : i + 1]) for i in range(t)])
+        np.testing.assert_array_equal(got, alone)
     decoded = cpu_kernels.dequantize_rows(raw, qtype, k)
     np.testing.assert_allclose(decoded, w, rtol=1e-6, atol=1e-7 * np.abs(w).max())
 

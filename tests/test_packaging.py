@@ -57,6 +57,24 @@ def test_version_and_help(tmp_path: Path) -> None:
     assert "inspect" in r.stdout and "--paths" in r.stdout
 
 
+def test_help_and_version_load_no_engine(tmp_path: Path) -> None:
+    """--help and --version answer at once: torch, numba, gguf and textual load only when a command runs."""
+    code = (
+        "import sys\n"
+        "from moechat.app.cli import main\n"
+        "for argv in (['--version'], ['--help'], ['run', '--help'], ['tune', '--help'], ['chat', '--help']):\n"
+        "    try:\n"
+        "        main(argv)\n"
+        "    except SystemExit:\n"
+        "        pass\n"
+        "heavy = sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'numba', 'textual', 'gguf'))\n"
+        "print('loaded:', heavy)\n"
+    )
+    r = _py(code, tmp_path)
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip().endswith("loaded: []"), r.stdout[-500:]
+
+
 def test_paths_prints_four_directories(tmp_path: Path) -> None:
     import os
 
@@ -109,3 +127,33 @@ def test_malloc_tuning_applies_on_glibc() -> None:
     from moechat.engine.memory import tune_malloc
 
     assert tune_malloc() is True
+
+
+def _options(parser: object) -> set[str]:
+    return {o for a in parser._actions for o in a.option_strings}  # type: ignore[attr-defined]
+
+
+def test_every_flag_the_readme_names_exists_where_it_says() -> None:
+    """Command lines in the README's code blocks use flags of their subcommand; flags in its prose exist somewhere."""
+    import argparse
+    import re
+
+    from moechat.app.cli import COMMANDS, build_parser
+
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    flags = {name: _options(p) for name, p in sub.choices.items()}
+    top = _options(parser)
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
+    checked = 0
+    for line in (ln for b in blocks for ln in b.splitlines() if ln.startswith("moechat")):
+        words = line.split("#")[0].split()
+        command = words[1] if len(words) > 1 and words[1] in COMMANDS else "chat"
+        for flag in re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", " ".join(words[1:])):
+            assert flag in flags[command] | top, f"README: `{line}`: {command} has no {flag}"
+            checked += 1
+    assert checked >= 10
+    everywhere = set().union(*flags.values()) | top
+    for flag in re.findall(r"`(--[a-z][\w-]*)", readme):
+        assert flag in everywhere, f"README names {flag}, which no command has"

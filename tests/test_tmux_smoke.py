@@ -81,3 +81,34 @@ def test_moechat_in_tmux(tmp_path: Path, width: int, height: int, term: str) -> 
         assert "Traceback" not in (home / "log" / "moechat.log").read_text()
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+def _unwrapped(screen: str) -> str:
+    """The screen's text with line breaks and indents removed (a long path wraps anywhere)."""
+    return "".join(line.strip() for line in screen.splitlines())
+
+
+def test_a_model_that_does_not_load_leaves_its_error_in_the_terminal(tmp_path: Path) -> None:
+    """The error is on screen while the app runs, and on stderr after it exits (non-zero)."""
+    exe = shutil.which("moechat")
+    if exe is None:
+        pytest.skip("the moechat script is not installed")
+    model = tmp_path / "missing.gguf"
+    session = f"moechat-{uuid.uuid4().hex[:8]}"
+    done = tmp_path / "exit-code"
+    app = f"env MOECHAT_HOME={shlex.quote(str(tmp_path / 'home'))} TERM=xterm-256color {shlex.quote(exe)}"
+    cmd = f"{app} {shlex.quote(str(model))}; echo $? > {shlex.quote(str(done))}; sleep 60"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30", cmd], check=True)
+    try:
+        screen = _unwrapped(_wait(session, "press any key to quit"))
+        assert "moechat: error:" in screen and "missing.gguf: cannot open" in screen
+        subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
+        end = time.monotonic() + 30
+        while not done.exists() and time.monotonic() < end:
+            time.sleep(0.2)
+        assert done.read_text().strip() == "2"
+        after = _unwrapped(_pane(session))
+        assert "press any key" not in after  # the app's screen is gone ...
+        assert "moechat: error:" in after and "missing.gguf: cannot open" in after  # ... and the error is still there
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

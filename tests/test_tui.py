@@ -32,6 +32,7 @@ from moechat.widgets.layer_stats import LayerStats
 from moechat.widgets.rows import RowsView, plain
 from moechat.widgets.throughput import thin
 from testkit.fake_engine import FakeEngine
+from testkit.ggufgen import tiny_moe
 from textual.binding import Binding
 from textual.pilot import Pilot
 from textual.widgets import Markdown, Static
@@ -259,6 +260,33 @@ async def test_engine_failure_is_shown_and_the_app_stays_usable(tmp_path: Path) 
         engine.fail_after = None
         await say(pilot, screen, "again")
         assert screen.conv.messages[-1]["content"] == "The river rose in spring."
+
+
+@pytest.mark.parametrize("kind", ["missing", "fake", "truncated"])
+async def test_a_model_that_does_not_load_stays_on_screen_and_the_app_exits_non_zero(tmp_path: Path, kind: str) -> None:
+    """The real engine process on a bad file: its one-line error replaces the spinner until a key is pressed."""
+    from moechat.app.paths import AppPaths
+    from moechat.app.tui import Loading, real_engine_factory
+    from textual.widgets import Label
+
+    model = tmp_path / "model.gguf"
+    if kind == "fake":
+        model.write_bytes(b"not a model at all, just some bytes" * 10)
+    elif kind == "truncated":
+        whole = tiny_moe(tmp_path / "whole.gguf").read_bytes()
+        model.write_bytes(whole[: len(whole) // 2])
+    settings = Settings()
+    paths = AppPaths(tmp_path / "config", tmp_path / "data", tmp_path / "cache", tmp_path / "log")
+    app = MoechatApp(real_engine_factory(str(model), settings, None), settings, paths=paths)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await until(pilot, lambda: app.failure is not None, timeout=120)
+        assert isinstance(app.screen, Loading)
+        shown = str(app.screen.query_one("#what", Label).render())
+        assert shown.startswith("moechat: error:") and "model.gguf" in shown, shown
+        assert "\n" not in shown
+        await pilot.press("q")
+        await until(pilot, lambda: app.return_code is not None)
+    assert app.return_code == 2
 
 
 async def test_wizard_apply_and_save(tmp_path: Path) -> None:

@@ -6,6 +6,7 @@ import json
 import math
 import random
 import threading
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -15,7 +16,7 @@ from moechat.engine.generate import SamplingParams, generate
 from moechat.engine.loader import load_model
 from moechat.tuner.baselines import simulate_baseline
 from moechat.tuner.recommend import recommend
-from moechat.tuner.report import cpu_speed
+from moechat.tuner.report import cpu_speed, render, to_json
 from moechat.tuner.simulator import Group, Routing, load_routing, replay
 from moechat.tuner.sweep import ArmDone, ArmStarted, Cancelled, SweepDone, SweepSettings, calibrate
 from moechat.tuner.time_model import FitError, Observation, TimeModel, fit
@@ -209,6 +210,37 @@ def test_sweep_runs_six_arms_caches_them_and_cancels_cleanly(tmp_path: Path) -> 
     assert list(run_dir.iterdir()) == []
 
 
+def test_recommendation_survives_degenerate_and_noisy_runs(tmp_path: Path) -> None:
+    """Real traces, synthetic timings: a fit that fails or is not physical gives the fastest measured run."""
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=16, n_expert_used=2)
+    done = list(calibrate(_sweep_settings(path), cache_dir=tmp_path / "cache"))[-1]
+    assert isinstance(done, SweepDone)
+
+    def with_times(ms: list[float], same_traffic: bool = False) -> SweepDone:
+        first = done.arms[0]
+        traffic = {"upload_gib": first.upload_gib, "cpu_gib": first.cpu_gib} if same_traffic else {}
+        arms = tuple(replace(a, ms_per_token=t, **traffic) for a, t in zip(done.arms, ms, strict=True))
+        return replace(done, arms=arms)
+
+    cases = {
+        # Every run moved the same traffic: the model's terms are not determined (FitError inside).
+        "degenerate": (with_times([20.0, 21.0, 19.0, 20.5, 22.0, 18.0], same_traffic=True), "do not determine"),
+        # Times that fall as traffic grows, wildly: the fit is not physical.
+        "noisy": (with_times([400.0, 3.0, 250.0, 2.0, 900.0, 5.0]), "not physical"),
+    }
+    for name, (arms_done, reason) in cases.items():
+        report = recommend(arms_done, path.name, workers=1)
+        rec = report.recommendation
+        fastest = min(arms_done.arms, key=lambda a: a.ms_per_token)
+        assert rec.measured and (rec.mib, rec.share) == (fastest.mib, fastest.share), name
+        assert rec.tps == pytest.approx(fastest.tps)
+        assert not report.rows
+        assert any(reason in w for w in report.warnings), (name, report.warnings)
+        text = render(report)
+        assert "fastest measured run" in text and rec.command() in text and "nan" not in text, text
+        json.loads(to_json(report))
+
+
 def test_fitted_upload_speed_recovers_the_emulated_link(tmp_path: Path) -> None:
     """Loose on purpose (this machine is shared): the fit finds the link within 40%; bench/tune_accuracy.py is tight."""
     path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=16, n_expert_used=2, n_ff_exp=512)
@@ -232,6 +264,9 @@ def test_sim_and_tune_commands(
     out = capsys.readouterr().out
     assert "classlru" in out and "min-bypass" in out and "vs MIN" in out
     assert out.count("classlru") == 4
+    assert "exceed" not in out
+    assert main(["sim", str(trace), "--sizes", "1", "1000", "--shares", "0", "--warmup", "8"]) == 0
+    assert "note: 1000 MiB exceed the trace's" in capsys.readouterr().out  # not capped silently
     assert main(["sim", str(trace), "--shares", "1.5"]) == 2
     assert "outside [0, 1]" in capsys.readouterr().err
     bad = tmp_path / "bad.trace"

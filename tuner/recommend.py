@@ -9,7 +9,7 @@ from pathlib import Path
 
 from .simulator import Routing, load_routing, replay
 from .sweep import Arm, SweepDone, nice_mib
-from .time_model import Observation, TimeModel, fit
+from .time_model import FitError, Observation, TimeModel, fit
 
 TABLE_SHARES = (0.0, 0.5, 0.8, 0.9, 0.95, 0.98)
 TABLE_FRACTIONS = (0.05, 0.10, 0.20, 0.30, 0.40, 0.50)
@@ -21,7 +21,7 @@ class Row:
     mib: float
     tps: tuple[float, ...]  # per share of TABLE_SHARES
     hit_rate: tuple[float, ...]
-    best: int  # index of the recommended share for this size
+    best: int  # index of the recommended share for this size; -1: no share predicts a positive speed
 
 
 @dataclass(frozen=True)
@@ -29,8 +29,9 @@ class Recommendation:
     mib: float
     share: float
     tps: float
-    tps_share0: float
+    tps_share0: float  # nan when not known
     all_fit: bool  # every expert fits in the cache
+    measured: bool = False  # the fastest measured run, not a prediction (the time model did not fit)
 
     def command(self) -> str:
         return f"--moe-cache-mib {self.mib:g} --moe-cache-cpu-share {self.share:g}"
@@ -62,8 +63,24 @@ def _predict_row(args: tuple[Routing, float, tuple[float, ...], int, TimeModel])
         res = replay(routing, mib, share, warmup=warmup)
         tps.append(model.tps(res.upload_gib, res.cpu_gib, share))
         hits.append(res.hit_rate)
-    best = min(i for i, t in enumerate(tps) if 1000 / t <= WITHIN * min(1000 / x for x in tps))
-    return Row(mib, tuple(tps), tuple(hits), best)
+    return Row(mib, tuple(tps), tuple(hits), best_share(tps))
+
+
+def best_share(tps: list[float]) -> int:
+    """The lowest share within WITHIN of the fastest, among predictions that are positive speeds (-1: none is)."""
+    ms = [1000 / t if math.isfinite(t) and t > 0 else math.inf for t in tps]
+    fastest = min(ms, default=math.inf)
+    if not math.isfinite(fastest):
+        return -1
+    return min(i for i, m in enumerate(ms) if m <= WITHIN * fastest)
+
+
+def fastest_measured(arms: tuple[Arm, ...], full_mib: float) -> Recommendation:
+    """The safe advice when the time model cannot be trusted: the fastest run that was measured."""
+    best = min(arms, key=lambda a: a.ms_per_token)
+    at_zero = [a.tps for a in arms if a.mib == best.mib and a.share == 0]
+    return Recommendation(best.mib, best.share, best.tps, at_zero[0] if at_zero else math.nan,
+                          all_fit=best.mib >= full_mib, measured=True)  # fmt: skip
 
 
 def predict_rows(routing: Routing, sizes: list[float], model: TimeModel, shares: tuple[float, ...] = TABLE_SHARES,
@@ -79,7 +96,14 @@ def predict_rows(routing: Routing, sizes: list[float], model: TimeModel, shares:
 
 
 def recommend(done: SweepDone, model_name: str, workers: int = 2) -> TuneReport:
-    model = fit(observations(done.arms), cpu_is_device=done.device == "cpu")
+    """The report and advice; never fails on what the runs measured (a fit that does not hold is said so)."""
+    warnings = []
+    try:
+        model = fit(observations(done.arms), cpu_is_device=done.device == "cpu")
+    except FitError as e:
+        warnings.append(f"{e}: no time model, so no predicted table")
+        nan = tuple(math.nan for _ in done.arms)
+        model = TimeModel(min(a.ms_per_token for a in done.arms), 0.0, 0.0, physical=False, errors=nan)
     routing: Routing | None = None
     for arm in done.arms:
         r = load_routing(Path(done.run_dir) / arm.trace)
@@ -98,19 +122,25 @@ def recommend(done: SweepDone, model_name: str, workers: int = 2) -> TuneReport:
     if cap >= full:
         sizes.add(full_typed)
     sizes_l = sorted(s for s in sizes if 0 < s <= top)
-    rows = predict_rows(routing, sizes_l, model, workers=workers)
-    biggest = rows[-1]
-    rec = Recommendation(biggest.mib, TABLE_SHARES[biggest.best], biggest.tps[biggest.best], biggest.tps[0],
-                         all_fit=cap >= full)  # fmt: skip
-    warnings = []
-    if not model.physical:
+    # An unphysical model predicts nonsense (speeds <= 0, costs that fall with traffic): no table from it.
+    rows = predict_rows(routing, sizes_l, model, workers=workers) if model.physical else []
+    biggest = rows[-1] if rows else None
+    if biggest is not None and biggest.best >= 0:
+        rec = Recommendation(biggest.mib, TABLE_SHARES[biggest.best], biggest.tps[biggest.best], biggest.tps[0],
+                             all_fit=cap >= full)  # fmt: skip
+    else:
+        rec = fastest_measured(done.arms, full)
+        if not rows and not warnings:
+            warnings.append("the fitted time model is not physical (a speed <= 0 or an implausible base), "
+                            "so no predicted table")  # fmt: skip
         warnings.append(
-            "the fitted time model is not physical (a speed <= 0 or an implausible base): was the machine busy?"
+            f"the advice is the fastest measured run ({rec.mib:g} MiB, share {rec.share:g}, {rec.tps:.1f} t/s); "
+            "measure again on a quieter machine for a full table"
         )
     if model.max_error > 0.10:
         warnings.append(f"the runs fit the time model only within {100 * model.max_error:.0f}%: was the machine busy?")
     closed = model.closed_form_share()
-    if abs(closed - rec.share) > 0.25 and not rec.all_fit:
+    if abs(closed - rec.share) > 0.25 and not rec.all_fit and not rec.measured:
         warnings.append(
             f"the closed form 1 - B_upload/B_cpu suggests share {closed:.2f}, the replayed table {rec.share:g}: "
             "the table accounts for hits and the fixed cost of a CPU part, the closed form does not"

@@ -50,27 +50,38 @@ def render(report: TuneReport, markdown: bool = False) -> str:
         "measured runs:",
         table(["cache MiB", "share", "t/s", "hits", "upload MiB/t", "CPU MiB/t", "fit error"],
               [[f"{a.mib:g}", f"{a.share:g}", f"{a.tps:.1f}", f"{100 * a.hit_rate:.0f}%", f"{1024 * a.upload_gib:.2f}",
-                f"{1024 * a.cpu_gib:.2f}", f"{100 * e:+.1f}%"] for a, e in zip(report.arms, m.errors, strict=True)],
-              markdown),
-        "",
-        f"machine: uploads {m.upload_gibps:.2f} GiB/s, {cpu_speed(m)}, CPU part {m.split:.2f} ms, "
-        f"overlap {m.overlap:.1f} ms/GiB, rest {m.base:.2f} ms per token; fit within {100 * m.max_error:.1f}%"
-        + ("" if m.physical else " (not physical)"),
-        f"closed form: share ~ 1 - B_upload/B_cpu = {report.closed_form_share:.2f}",
-        "",
-        "predicted t/s, warm cache (* = lowest share within 5% of the fastest):",
-        table(["cache MiB"] + [f"{s:g}" for s in report.shares],
-              [[f"{r.mib:g}"] + [_cell(t, i == r.best, markdown) for i, t in enumerate(r.tps)] for r in report.rows],
+                f"{1024 * a.cpu_gib:.2f}", f"{100 * e:+.1f}%" if math.isfinite(e) else "-"]
+               for a, e in zip(report.arms, m.errors, strict=True)],
               markdown),
         "",
     ]  # fmt: skip
+    if all(math.isfinite(e) for e in m.errors):
+        out += [
+            f"machine: uploads {m.upload_gibps:.2f} GiB/s, {cpu_speed(m)}, CPU part {m.split:.2f} ms, "
+            f"overlap {m.overlap:.1f} ms/GiB, rest {m.base:.2f} ms per token; fit within {100 * m.max_error:.1f}%"
+            + ("" if m.physical else " (not physical)"),
+            f"closed form: share ~ 1 - B_upload/B_cpu = {report.closed_form_share:.2f}",
+        ]
+    else:
+        out.append("machine: no time model (see the warnings)")
+    out.append("")
+    if report.rows:
+        cells = [[f"{r.mib:g}"] + [_cell(t, i == r.best, markdown) for i, t in enumerate(r.tps)] for r in report.rows]
+        out += [
+            "predicted t/s, warm cache (* = lowest share within 5% of the fastest):",
+            table(["cache MiB"] + [f"{s:g}" for s in report.shares], cells, markdown),
+            "",
+        ]
+    else:
+        out += ["no predicted table: the time model does not describe the runs (see the warnings)", ""]
     rec = report.recommendation
     if rec.all_fit:
         out.append(f"all experts fit on the device ({rec.mib:g} MiB): run with {code(f'--moe-cache-mib {rec.mib:g}')}, "
                    "every expert stays resident and the host copy is only read once")  # fmt: skip
     else:
-        tail = f", {rec.tps_share0:.1f} with share 0" if rec.share > 0 else ""
-        out.append(f"recommended: {code(rec.command())} ({rec.tps:.1f} t/s{tail})")
+        tail = f", {rec.tps_share0:.1f} with share 0" if rec.share > 0 and math.isfinite(rec.tps_share0) else ""
+        how = "measured" if rec.measured else "predicted"
+        out.append(f"recommended: {code(rec.command())} ({rec.tps:.1f} t/s {how}{tail})")
     out += [f"warning: {w}" for w in report.warnings]
     return "\n".join(out)
 

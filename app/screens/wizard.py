@@ -120,7 +120,7 @@ class TuneWizard(Screen[bool]):
             runs.add_row(f"{a.mib:g}", f"{a.share:g}", f"{a.tps:.1f}", f"{100 * a.hit_rate:.0f}%")
         table = self.query_one("#table", DataTable)
         table.add_columns("cache MiB", *[f"share {s:g}" for s in r.shares])
-        top = max(max(row.tps) for row in r.rows)
+        top = max((max(row.tps) for row in r.rows), default=0.0)
         for row in r.rows:
             cells: list[str | Text] = [f"{row.mib:g}"]
             for i, tps in enumerate(row.tps):
@@ -133,8 +133,10 @@ class TuneWizard(Screen[bool]):
                 cells.append(Text(f"{tps:.1f}", style=style))
             table.add_row(*cells)
         rec = r.recommendation
+        how = "measured" if rec.measured else "predicted"
         self.query_one("#advice", Static).update(
-            f"recommended: {rec.command()} ({rec.tps:.1f} t/s)  -  a: apply now, s: save to config.toml, Esc: back"
+            f"recommended: {rec.command()} ({rec.tps:.1f} t/s {how})  -  "
+            "a: apply now, s: save to config.toml, Esc: back"
         )
 
     def on_sweep_failed(self, msg: SweepFailed) -> None:
