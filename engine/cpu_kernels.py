@@ -230,13 +230,17 @@ def matmul(
                           _NO_SCALE if scale is None else scale, out)  # fmt: skip
 
 
+@functools.cache
+def one_matrix(t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The selection arrays of one matrix used by t tokens: (sel = eid, ptr, rows), made once per t."""
+    return np.zeros(1, _I64), np.array([0, t], _I64), np.arange(t, dtype=_I64)
+
+
 def dense(w: np.ndarray, qtype: Q, x: np.ndarray) -> np.ndarray:
     """x [T, K] @ w.T for one quantized matrix w [N, row_bytes] -> [T, N]."""
     t = x.shape[0]
     out = np.empty((t, w.shape[0]), np.float32)
-    rows = np.arange(t, dtype=_I64)
-    one = np.zeros(1, _I64)
-    ptr = np.array([0, t], _I64)
+    one, ptr, rows = one_matrix(t)
     _matmul_kernel(qtype)(_blocks(w)[None], _acts(x), one, one, ptr, rows, rows, _NO_BIAS, _NO_SCALE, out)
     return out
 

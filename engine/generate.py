@@ -5,6 +5,7 @@ The CLI prints the events, the UI renders them, the tuner records them: one stre
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -120,7 +121,26 @@ def prefill(
 
 @torch.inference_mode()
 def decode_one(model: Model, token: int, cache: KVCache) -> torch.Tensor:
-    return model(torch.tensor([token]), cache.pos, cache)[-1]
+    with one_torch_thread(cache.device.type == "cpu"):
+        return model(torch.tensor([token]), cache.pos, cache)[-1]
+
+
+@contextlib.contextmanager
+def one_torch_thread(when: bool) -> Iterator[None]:
+    """torch's own ops on one thread (the calling thread's setting), for a CPU decode step.
+
+    At one token torch's ops are tiny (norms, rotary, attention over the cache): a team of
+    threads costs more than it saves, and its threads spin on the cores the kernels need.
+    """
+    n = torch.get_num_threads()
+    if not when or n == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(n)
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, history: Sequence[int], gen: torch.Generator) -> int:

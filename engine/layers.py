@@ -51,8 +51,8 @@ def move_tensors(module: torch.nn.Module, device: torch.device) -> None:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
-    y = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
-    return y * weight if weight is not None else y
+    # One fused op: at decode a model calls this a hundred times per token, and each eager op costs.
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 
 class Rope:
@@ -127,6 +127,7 @@ class KVCache:
         self, cfg: ModelConfig, n_ctx: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
     ) -> None:
         self.n_ctx = n_ctx
+        self.device = torch.device(device)
         self.layers = [
             LayerCache(
                 torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim, dtype=dtype, device=device),
@@ -159,6 +160,17 @@ def attention(
     layer.v[pos0:end] = v_new
     start = max(0, pos0 - window + 1) if window else 0
     k, v = layer.k[start:end], layer.v[start:end]  # [S, Hkv, D]
+    if t == 1 and sinks is None and not softcap:
+        # Decode: every cached position from `start` on is visible, so no mask; one fused op instead
+        # of a dozen eager ones (per layer, per token).
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, H, 1, Dv]
+        return out[0].transpose(0, 1)  # [1, H, Dv]
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)

@@ -26,7 +26,7 @@ from ..layers import (
     rms_norm,
 )
 from ..moe import Activation, ExpertExecutor, HostExperts, load_layer_experts, route, swiglu
-from ..qlinear import Weight, linear, load_linear, maybe_linear
+from ..qlinear import Weight, gated, linear, load_linear, maybe_linear
 
 
 @dataclass(frozen=True)
@@ -150,7 +150,7 @@ class MoeFFN(Routed):
         self.last_ids = ids  # read by routing(): the experts of the latest step
         y = experts(self.i, h, ids, weights)
         if self.sh_gate is not None and self.sh_up is not None and self.sh_down is not None:
-            shared = linear(self.act(linear(h, self.sh_gate), linear(h, self.sh_up)), self.sh_down)
+            shared = linear(gated(h, self.sh_gate, self.sh_up, self.act), self.sh_down)
             if self.sh_gate_inp is not None:
                 shared = shared * torch.sigmoid(h @ self.sh_gate_inp.reshape(-1, 1))
             y = y + shared

@@ -22,7 +22,7 @@ from ..fused_moe import register_activation
 from ..gguf_file import GGUFFile
 from ..layers import KVCache, LayerCache, Rope, load_weight, move_tensors, rms_norm
 from ..moe import ExpertExecutor, HostExperts, load_layer_experts
-from ..qlinear import linear, load_linear
+from ..qlinear import gated, linear, load_linear
 from .decoder import Attention, DecoderBase, MoeFFN
 
 
@@ -41,7 +41,7 @@ class DenseFFN(nn.Module):
         self.down = load_linear(gguf, f"blk.{i}.ffn_down.weight", quantized)  # [E, F]
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
-        return linear(gelu_gate(linear(h, self.gate), linear(h, self.up)), self.down)
+        return linear(gated(h, self.gate, self.up, gelu_gate), self.down)
 
 
 class Block(nn.Module):
