@@ -144,6 +144,18 @@ def to_markdown(d: dict[str, Any]) -> str:
     for r in d["layers"]:
         out.append(f"| {r['layer']} | {r['lookups']} | {r['hits']} | {100 * r['hit_rate']:.1f}% | {r['cpu']} | "
                    f"{r['uploads']} | {r['uploaded_bytes'] / 2**20:.2f} | {r['occupancy']} |")  # fmt: skip
+    if replies:
+        out += [
+            "",
+            "| reply | prompt tok | reply tok | t/s | temp | top-k | top-p | cache MiB | cpu share | system |",
+            "| ----: | ---------: | --------: | --: | ---: | ----: | ----: | --------: | --------: | ------ |",
+        ]
+        for i, r in enumerate(replies, 1):
+            rs = r.get("settings") or {}
+            system = " ".join(str(rs.get("system", "")).split())[:30].replace("|", "/") or "none"
+            cells = [i, r["n_prompt"], r["n_generated"], f"{r.get('gen_tps', 0):.2f}"]
+            cells += [rs.get(k, "?") for k in ("temp", "top_k", "top_p", "moe_cache_mib", "moe_cache_cpu_share")]
+            out.append("| " + " | ".join(str(c) for c in [*cells, system]) + " |")
     series = d["series"]
     if len(series) >= 2:
         xs = [float(p["tokens"]) for p in series]

@@ -60,7 +60,7 @@ class MoechatApp(App[int]):
                  config_path: Path | None = None, warnings: Iterable[str] = ()) -> None:  # fmt: skip
         super().__init__()
         self.factory = factory
-        self.settings = settings
+        self._settings = settings
         self.paths = paths or app_paths()
         self.config_path = config_path or self.paths.config / "config.toml"
         self.startup_warnings = list(warnings)
@@ -118,6 +118,17 @@ class MoechatApp(App[int]):
         self.session = SessionStats(asdict(engine.info), self.settings_dict())
         self.switch_screen(ChatScreen())
 
+    @property
+    def settings(self) -> Settings:
+        return self._settings
+
+    @settings.setter
+    def settings(self, value: Settings) -> None:
+        # Every change (the settings dialog, the wizard, the theme) reaches the session's export.
+        self._settings = value
+        if self.session.model:
+            self.session.settings = self.settings_dict()
+
     def settings_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self.settings).items() if k != "sources"}
         if self.engine is not None:
@@ -126,7 +137,6 @@ class MoechatApp(App[int]):
 
     def apply_cache_settings(self, mib: float, share: float) -> None:
         self.settings = replace(self.settings, moe_cache_mib=mib, moe_cache_cpu_share=share)
-        self.session.settings = self.settings_dict()
 
     # -- persistence --------------------------------------------------------------------------
 

@@ -102,7 +102,8 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--shares", type=float, nargs="+", default=[0.0], metavar="F", help="CPU shares (default 0)")
     p.add_argument("--policy", nargs="+", default=["classlru", "lru", "lfu", "min", "min-bypass"],
                    choices=["classlru", "lru", "lfu", "min", "min-bypass"], help="policies to compare")  # fmt: skip
-    p.add_argument("--warmup", type=int, default=64, metavar="N", help="tokens not counted (default 64)")
+    p.add_argument("--warmup", type=int, default=None, metavar="N",
+                   help="first tokens not counted (default: a quarter of the trace, at most 64)")  # fmt: skip
     p.add_argument("--markdown", action="store_true", help="Markdown table")
 
 
@@ -115,6 +116,11 @@ def run_sim(args: argparse.Namespace) -> int:
         if not 0 <= s <= 1:
             raise ValueError(f"--shares: {s} is outside [0, 1]")
     routing = load_routing(args.trace)
+    # A fixed warm-up would leave a short trace almost nothing to score (64 of 67 tokens).
+    if args.warmup is None:
+        args.warmup = min(64, routing.n_tokens // 4)
+    if not 0 <= args.warmup < routing.n_tokens:
+        raise ValueError(f"--warmup {args.warmup} leaves none of the trace's {routing.n_tokens} tokens to score")
     full = routing.full_mib()
     sizes = args.sizes or [round(f * full, 3) for f in (0.1, 0.2, 0.3, 0.5, 0.75, 1.0)]
     for s in sizes:
@@ -142,7 +148,7 @@ def run_sim(args: argparse.Namespace) -> int:
             rows.append([f"{mib:g}", "/".join(map(str, slots)), policy, "-", f"{100 * b.hit_rate:.1f}%", str(b.misses),
                          ratio(b.misses, "min"), ratio(b.misses, "min-bypass"), str(b.compulsory)])  # fmt: skip
     print(f"{Path(args.trace).name}: {routing.n_tokens} tokens, {len(routing.records)} lookups, "
-          f"experts {full:.2f} MiB, warm-up {args.warmup} tokens")  # fmt: skip
+          f"experts {full:.2f} MiB, warm-up {args.warmup} tokens, {routing.n_tokens - args.warmup} scored")  # fmt: skip
     header = ["cache MiB", "slots", "policy", "share", "hit rate", "misses", "vs MIN", "vs MIN-bypass", "compulsory"]
     print(table(header, rows, markdown=args.markdown))
     over = [f"{s:g}" for s in sizes if s > full]

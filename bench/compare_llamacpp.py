@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -72,60 +73,81 @@ def _no_extra_buffer_types() -> None:
     llama_cpp.llama.llama_cpp.llama_model_default_params = params
 
 
-def compare(
-    path: Path,
-    n_pos: int,
-    n_decode: int,
-    threads: int,
-    repeats: int,
-    cpu_dequant_mib: float = 0.0,
-    cpu_kernels: str = "fast",
-) -> dict[str, float | str]:
-    import llama_cpp
+def _ids(path: Path, n_pos: int) -> list[int]:
+    from moechat.engine.gguf_file import GGUFFile
+    from moechat.engine.tokenizer import Tokenizer
 
+    tok = Tokenizer.from_metadata(GGUFFile(path).metadata, str(path))
+    return tok.encode(TEXT * 20)[:n_pos]  # BOS as the model asks, as in real use
+
+
+def speed(engine: str, path: Path, n_pos: int, n_decode: int, threads: int) -> tuple[float, float]:
+    """Prefill and decode seconds of one engine, after a warm-up pass (run in a process of its own)."""
+    ids = _ids(path, n_pos)
+    if engine == "peer":
+        import llama_cpp
+
+        peer = llama_cpp.Llama(str(path), n_ctx=n_pos + n_decode + 8, n_batch=512, n_threads=threads,
+                               n_threads_batch=threads, verbose=False)  # fmt: skip
+        out = []
+        for _ in range(2):  # the first pass warms up
+            peer.reset()
+            t = time.perf_counter()
+            peer.eval(ids)
+            pp = time.perf_counter() - t
+            tok = int(np.argmax(peer.scores[n_pos - 1]))
+            t = time.perf_counter()
+            for _ in range(n_decode):
+                peer.eval([tok])
+                tok = int(np.argmax(peer.scores[peer.n_tokens - 1]))
+            out = [pp, time.perf_counter() - t]
+        peer.close()
+        return out[0], out[1]
     set_threads(threads)
-    ours = load_model(path, n_ctx=n_pos + n_decode + 8, cpu_dequant_mib=cpu_dequant_mib, cpu_kernels=cpu_kernels)
-    ids = ours.tokenizer.encode(TEXT * 20)[:n_pos]  # BOS as the model asks, as in real use
-    peer = llama_cpp.Llama(str(path), n_ctx=n_pos + n_decode + 8, n_batch=512, logits_all=True,
-                           n_threads=threads, n_threads_batch=threads, verbose=False)  # fmt: skip
-
-    # Logits of every position.
-    peer.reset()
-    peer.eval(ids)
-    ref = np.array(peer.scores[:n_pos], dtype=np.float64)
-    cache = ours.new_cache()
-    with torch.inference_mode():
-        got = ours.model(torch.tensor(ids), 0, cache).double().numpy()
-    lp, lq = log_softmax(ref), log_softmax(got)
-    kl = float((np.exp(lp) * (lp - lq)).sum(-1).mean())
-    top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
-
-    # Speed, alternating engines.
-    times: dict[str, list[float]] = {"ours_pp": [], "peer_pp": [], "ours_tg": [], "peer_tg": []}
-    for _ in range(repeats):
-        peer.reset()
-        t = time.perf_counter()
-        peer.eval(ids)
-        times["peer_pp"].append(time.perf_counter() - t)
-        tok = int(np.argmax(peer.scores[n_pos - 1]))
-        t = time.perf_counter()
-        for _ in range(n_decode):
-            peer.eval([tok])
-            tok = int(np.argmax(peer.scores[peer.n_tokens - 1]))
-        times["peer_tg"].append(time.perf_counter() - t)
-
+    ours = load_model(path, n_ctx=n_pos + n_decode + 8)
+    for _ in range(2):
         cache = ours.new_cache()
         t = time.perf_counter()
         logits = prefill(ours.model, ids, cache)
-        times["ours_pp"].append(time.perf_counter() - t)
+        pp = time.perf_counter() - t
         tok = int(logits.argmax())
         t = time.perf_counter()
         for _ in range(n_decode):
             tok = int(decode_one(ours.model, tok, cache).argmax())
-        times["ours_tg"].append(time.perf_counter() - t)
-    med = {k: statistics.median(v) for k, v in times.items()}
-    peer.close()
+        tg = time.perf_counter() - t
     ours.close()
+    return pp, tg
+
+
+def _in_process(call: str) -> list[float]:
+    """`call` (a function of this module) in a fresh process: the numbers it prints.
+
+    Every measurement runs alone in its process: llama.cpp's threads, left spinning in a process
+    that had run it, slowed moechat's kernels 1.3x to 3x (in the same process or its parent).
+    """
+    paths = [str(Path(__file__).parent), str(Path(__file__).parent.parent / "tests")]
+    code = f"import sys; sys.path[:0] = {paths!r}\nfrom pathlib import Path\nimport compare_llamacpp as c\n"
+    code += f"print(*c.{call})"
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return [float(v) for v in r.stdout.split()[-2:]]
+
+
+def _speed_in_process(engine: str, path: Path, n_pos: int, n_decode: int, threads: int) -> tuple[float, float]:
+    pp, tg = _in_process(f"speed({engine!r}, Path({str(path)!r}), {n_pos}, {n_decode}, {threads})")
+    return pp, tg
+
+
+def compare(path: Path, n_pos: int, n_decode: int, threads: int, repeats: int) -> dict[str, float | str]:
+    """Logits agreement over every position, then speed: each engine in its own process,
+    alternating, the median of `repeats` runs each."""
+    top1, kl = _in_process(f"agreement(Path({str(path)!r}), {n_pos}, {threads})")
+    times: dict[str, list[float]] = {"ours_pp": [], "peer_pp": [], "ours_tg": [], "peer_tg": []}
+    for _ in range(repeats):
+        for engine in ("peer", "ours"):
+            pp, tg = _speed_in_process(engine, path, n_pos, n_decode, threads)
+            times[f"{engine}_pp"].append(pp)
+            times[f"{engine}_tg"].append(tg)
+    med = {k: statistics.median(v) for k, v in times.items()}
     return {
         "model": path.name,
         "top1": top1,
@@ -135,6 +157,28 @@ def compare(
         "tg_ours": n_decode / med["ours_tg"],
         "tg_peer": n_decode / med["peer_tg"],
     }
+
+
+def agreement(path: Path, n_pos: int, threads: int) -> tuple[float, float]:
+    """Top-1 agreement and mean KL(llama.cpp || moechat) over every position's logits."""
+    import llama_cpp
+
+    set_threads(threads)
+    ours = load_model(path, n_ctx=n_pos + 8)
+    ids = _ids(path, n_pos)
+    peer = llama_cpp.Llama(str(path), n_ctx=n_pos + 8, n_batch=512, logits_all=True, n_threads=threads,
+                           n_threads_batch=threads, verbose=False)  # fmt: skip
+    peer.reset()
+    peer.eval(ids)
+    ref = np.array(peer.scores[:n_pos], dtype=np.float64)
+    peer.close()
+    with torch.inference_mode():
+        got = ours.model(torch.tensor(ids), 0, ours.new_cache()).double().numpy()
+    ours.close()
+    lp, lq = log_softmax(ref), log_softmax(got)
+    kl = float((np.exp(lp) * (lp - lq)).sum(-1).mean())
+    top1 = float((ref.argmax(-1) == got.argmax(-1)).mean())
+    return top1, kl
 
 
 def f32_copy(path: Path, out_dir: Path) -> Path:

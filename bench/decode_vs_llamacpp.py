@@ -21,37 +21,18 @@ import os
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from compare_llamacpp import TEXT, compare
+from compare_llamacpp import _speed_in_process, compare
 
 
 def ours_only(path: Path, n_pos: int, n_decode: int, threads: int, repeats: int) -> tuple[float, float]:
-    """moechat's prefill and decode t/s on a file llama.cpp cannot run (medians of `repeats`)."""
-    import torch
-    from moechat.engine.generate import decode_one, prefill
-    from moechat.engine.loader import load_model, set_threads
-
-    set_threads(threads)
-    lm = load_model(path, n_ctx=n_pos + n_decode + 8)
-    ids = lm.tokenizer.encode(TEXT * 20)[:n_pos]
-    pp, tg = [], []
-    with torch.inference_mode():
-        for _ in range(repeats):
-            cache = lm.new_cache()
-            t = time.perf_counter()
-            tok = int(prefill(lm.model, ids, cache).argmax())
-            pp.append(time.perf_counter() - t)
-            t = time.perf_counter()
-            for _ in range(n_decode):
-                tok = int(decode_one(lm.model, tok, cache).argmax())
-            tg.append(time.perf_counter() - t)
-    lm.close()
-    return n_pos / statistics.median(pp), n_decode / statistics.median(tg)
+    """moechat's prefill and decode t/s on a file llama.cpp cannot run (medians of `repeats` processes)."""
+    runs = [_speed_in_process("ours", path, n_pos, n_decode, threads) for _ in range(repeats)]
+    return n_pos / statistics.median(r[0] for r in runs), n_decode / statistics.median(r[1] for r in runs)
 
 
 def qwen3_shaped(out: Path) -> Path:

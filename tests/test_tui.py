@@ -224,6 +224,31 @@ async def test_dashboard_draws_the_final_snapshot(tmp_path: Path) -> None:
             assert line.split()[-3:] == [f"{100 * ls.total.hit_rate:.0f}", str(ls.total.cpu), str(ls.occupancy)]
 
 
+@pytest.mark.parametrize("size", [(120, 40), (80, 24)])
+async def test_the_dashboard_fits_the_demos_layers_without_scrolling(tmp_path: Path, size: tuple[int, int]) -> None:
+    """18 MoE layers of 16 experts (the demo): runs of layers share a row so that the per-layer rows
+    and the heat map end inside the panel; every layer is still counted."""
+    engine = FakeEngine([f" w{i}" for i in range(30)], n_layers=18, n_expert=16)
+    app = make_app(tmp_path, engine, Settings(n_predict=30))
+    async with app.run_test(size=size) as pilot:
+        screen = await ready(pilot)
+        dash = screen.query_one(Dashboard)
+        if not dash.display:
+            await pilot.press("ctrl+b")
+        await say(pilot, screen, "go")
+        heat, stats = screen.query_one(ExpertHeatmap), screen.query_one(LayerStats)
+        await until(
+            pilot, lambda: heat.lines[-1].split()[:1] != [] and heat.lines[-1].split()[0].split("-")[-1] == "17"
+        )
+        assert dash.max_scroll_y == 0, (dash.max_scroll_y, dash.size)
+        assert heat.region.bottom <= dash.region.bottom
+        labels = [line.split()[0] for line in heat.lines]
+        assert labels[-1].endswith("17") and len(labels) < 18  # folded, the last layer included
+        covered = [int(x) for label in labels for x in label.split("-")]
+        assert covered[0] == 0 and max(covered) == 17
+        assert sum(int(line.split()[-1]) for line in stats.lines[1:]) == 3 * 18  # slots: every layer's, summed
+
+
 def test_heat_rows_mark_exactly_the_cached_experts() -> None:
     snap = FakeEngine(["x"]).snapshot()
     assert snap is not None
@@ -348,6 +373,25 @@ async def test_export_files_parse_and_match_the_counters(tmp_path: Path) -> None
         assert "| model |" in md and "| tg6 |" in md and "\x1b" not in md
         chat = next(p for p in written if p.name.startswith("chat"))
         assert "The river rose in spring." in chat.read_text()
+
+
+async def test_export_records_the_settings_each_reply_ran_with(tmp_path: Path) -> None:
+    from dataclasses import replace
+
+    app = make_app(tmp_path, FakeEngine(WORDS))
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "hi")
+        first = app.settings.temp
+        app.settings = replace(app.settings, temp=0.3, system="Answer in one line.")  # as the settings dialog does
+        await say(pilot, screen, "again")
+        written = app.export_all(tmp_path / "out")
+    d = json.loads(next(p for p in written if p.name.startswith("stats") and p.suffix == ".json").read_text())
+    assert d["settings"]["temp"] == 0.3 and d["settings"]["system"] == "Answer in one line."
+    assert [r["settings"]["temp"] for r in d["replies"]] == [first, 0.3] and first != 0.3
+    assert d["replies"][1]["settings"]["system"] == "Answer in one line."
+    md = next(p for p in written if p.name.startswith("stats") and p.suffix == ".md").read_text()
+    assert "| 2 | " in md and "Answer in one line." in md
 
 
 async def test_export_to_a_read_only_folder_keeps_the_old_file(tmp_path: Path) -> None:

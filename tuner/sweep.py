@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import threading
@@ -163,6 +164,28 @@ def min_cached_mib(lm: LoadedModel) -> float:
     return need / 2**20
 
 
+def calibration_sizes(expert_mib: float, min_mib: float, room_mib: float, device: str) -> tuple[float, float]:
+    """The two cache sizes the arms run at: about 10% and 30% of the experts where those cache at
+    all, else the smallest size that caches (k + 1 experts per layer) and halfway from it to the
+    largest (every expert, or the room there is). ValueError, naming the reason, when no two sizes fit."""
+    top = min(expert_mib, room_mib)
+    small = nice_mib(max(SMALL_FRACTION * expert_mib, min_mib))
+    if small < min_mib:  # rounded below what caches: whole MiB up instead
+        small = float(math.ceil(min_mib))
+    large = nice_mib(min(max(LARGE_FRACTION * expert_mib, (small + top) / 2), top))
+    if large <= small:
+        if room_mib < expert_mib:
+            raise ValueError(
+                f"no room for two cache sizes on {device}: the smallest that caches is {min_mib:.1f} MiB "
+                f"(k + 1 experts per layer) and {room_mib:.0f} MiB are available; raise --max-mib or free memory"
+            )
+        raise ValueError(
+            f"the model's experts ({expert_mib:.1f} MiB) leave no two cache sizes between the smallest that caches "
+            f"({min_mib:.1f} MiB, k + 1 experts per layer) and all of them: there is nothing to tune"
+        )
+    return small, large
+
+
 def calibrate(
     settings: SweepSettings,
     *,
@@ -185,13 +208,7 @@ def calibrate(
         room = available_mib(settings.device)
         if settings.max_mib is not None:
             room = min(room, settings.max_mib)
-        small = nice_mib(max(SMALL_FRACTION * expert_mib, min_cached_mib(lm)))
-        large = nice_mib(min(LARGE_FRACTION * expert_mib, room))
-        if large <= small:
-            raise ValueError(
-                f"no room for a cache larger than {small:g} MiB on {settings.device} "
-                f"({room:.0f} MiB available); raise --max-mib or free memory"
-            )
+        small, large = calibration_sizes(expert_mib, min_cached_mib(lm), room, settings.device)
         plan = [(small, s) for s in CALIB_SHARES] + [(large, s) for s in CALIB_SHARES]
         prompt = lm.tokenizer.encode(settings.prompt)
         arms = []

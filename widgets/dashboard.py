@@ -22,6 +22,7 @@ class Dashboard(VerticalScroll):
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.updates = 0  # snapshots shown: tests check the rate stays bounded
+        self._snap: StatsSnapshot | None = None  # the latest, to fold again on a resize
 
     def compose(self) -> ComposeResult:
         yield Static("expert cache", classes="title")
@@ -36,6 +37,7 @@ class Dashboard(VerticalScroll):
         self, snap: StatsSnapshot | None, tokens: int, tps: float, uploaded_per_token_mib: float, final: bool = False
     ) -> None:
         self.updates += 1
+        self._snap = snap
         if tps > 0:
             self.query_one(ThroughputPlot).add(tokens, tps, final=final)
         totals = self.query_one("#totals", RowsView)
@@ -52,5 +54,30 @@ class Dashboard(VerticalScroll):
         ])  # fmt: skip
         if not self.display:
             return  # hidden: the totals above stay current, the costlier parts wait
-        self.query_one(LayerStats).show(snap)
-        self.query_one(ExpertHeatmap).show(snap, final=final)
+        fold = self.layer_fold(len(snap.layers))
+        self.query_one(LayerStats).show(snap, fold)
+        self.query_one(ExpertHeatmap).show(snap, final=final, fold=fold)
+
+    def on_resize(self) -> None:
+        # A new panel height can change how many layers share a row: fold again, without a new point.
+        snap = self._snap
+        if snap is not None and self.display:
+            fold = self.layer_fold(len(snap.layers))
+            self.query_one(LayerStats).show(snap, fold)
+            self.query_one(ExpertHeatmap).show(snap, final=True, fold=fold)
+
+    def layer_fold(self, n_layers: int) -> int:
+        """Layers per row, so that the per-layer rows and the heat map fit the panel without scrolling.
+
+        Rows are folded, never scaled: a row of a run of layers shows their sums (per layer) and
+        the busiest of them per expert (heat map). 1 until the panel has a size.
+        """
+        stats, heat = self.query_one(LayerStats), self.query_one(ExpertHeatmap)
+        height = self.scrollable_content_region.height
+        if height <= 0 or n_layers == 0:
+            return 1
+        # Rows views by their rows (a layout may not have caught up with their last update yet).
+        fixed = sum(len(w.lines) if isinstance(w, RowsView) else w.outer_size.height
+                    for w in self.children if w is not stats and w is not heat)  # fmt: skip
+        rows = (height - fixed - 1) // 2  # the stats' header, then the same number of rows for each
+        return max(1, -(-n_layers // max(1, rows)))

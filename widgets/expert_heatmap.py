@@ -8,6 +8,7 @@ from operator import itemgetter
 
 from moechat.engine.stats import StatsSnapshot
 
+from .layer_stats import fold_layers
 from .redraw import Throttle
 from .rows import Row, RowsView
 
@@ -17,26 +18,30 @@ REDRAW_EVERY = 1.0  # seconds: use counts move slowly
 CACHED = "reverse cyan"
 
 
-def heat_rows(snap: StatsSnapshot, max_columns: int = MAX_COLUMNS) -> list[Row]:
+def heat_rows(snap: StatsSnapshot, max_columns: int = MAX_COLUMNS, fold_rows: int = 1) -> list[Row]:
+    """One row per layer (per run of `fold_rows` layers: the busiest of them, cached in any of them)."""
     rows = []
     peak = max((max(ls.use_counts, default=0) for ls in snap.layers), default=0)
     scale = (len(SHADES) - 2) / math.log1p(peak) if peak else 0.0
-    for ls in snap.layers:
-        n = len(ls.use_counts)
+    runs = fold_layers(snap.layers, fold_rows)
+    width = max((len(label) for label, _ in runs), default=1)
+    for label, run in runs:
+        n = len(run[0].use_counts)
+        counts = [max(ls.use_counts[e] for ls in run) for e in range(n)]
         fold = max(1, math.ceil(n / max_columns))
-        cached = set(ls.cached)
+        cached: set[int] = set().union(*(ls.cached for ls in run))
         cells = []
         for start in range(0, n, fold):
             span = range(start, min(n, start + fold))
-            use = max(ls.use_counts[e] for e in span)
+            use = max(counts[e] for e in span)
             level = 0 if use == 0 else 1 + int(scale * math.log1p(use))
             char = SHADES[min(level, len(SHADES) - 1)]
             # Cached experts stand out in reverse video: visible in 16 colours and in monochrome.
             cells.append((char if char != " " else "·", not cached.isdisjoint(span)))
-        row: Row = [(f"{ls.layer:>3} ", "")]
+        row: Row = [(f"{label:>{max(3, width)}} ", "")]
         # Characters of one style go in one run: one segment each.
-        for is_cached, run in groupby(cells, key=itemgetter(1)):
-            row.append(("".join(c for c, _ in run), CACHED if is_cached else ""))
+        for is_cached, same in groupby(cells, key=itemgetter(1)):
+            row.append(("".join(c for c, _ in same), CACHED if is_cached else ""))
         rows.append(row)
     return rows
 
@@ -46,9 +51,11 @@ class ExpertHeatmap(RowsView):
         super().__init__("", **kw)
         self.snapshot: StatsSnapshot | None = None
         self._redraw = Throttle(REDRAW_EVERY)
+        self._fold = 1
 
-    def show(self, snap: StatsSnapshot, *, final: bool = False) -> None:
-        """Keep the snapshot; redraw at most once a second, and always for the final one."""
+    def show(self, snap: StatsSnapshot, *, final: bool = False, fold: int = 1) -> None:
+        """Keep the snapshot; redraw at most once a second, and always for the final one (or a new fold)."""
         self.snapshot = snap
-        if self._redraw.due(force=final):
-            self.set_rows(heat_rows(snap) or [[("", "")]])
+        if self._redraw.due(force=final or fold != self._fold):
+            self._fold = fold
+            self.set_rows(heat_rows(snap, fold_rows=fold) or [[("", "")]])

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from moechat.engine.stats import StatsSnapshot
+from collections.abc import Sequence
+
+from moechat.engine.stats import CountersSnapshot, LayerSnapshot, StatsSnapshot
 
 from .rows import Row, RowsView
 
@@ -16,13 +18,24 @@ def hit_bar(rate: float, width: int = BAR) -> Row:
     return [("█" * filled, "green"), ("░" * (width - filled), "bright_black")]
 
 
-def layer_rows(snap: StatsSnapshot) -> list[Row]:
-    """The header and one fixed-width line per layer."""
+def fold_layers(layers: Sequence[LayerSnapshot], fold: int) -> list[tuple[str, list[LayerSnapshot]]]:
+    """Runs of `fold` consecutive layers, each with its label ("7", or "6-7" for a run)."""
+    out = []
+    for i in range(0, len(layers), max(1, fold)):
+        run = list(layers[i : i + max(1, fold)])
+        label = str(run[0].layer) if len(run) == 1 else f"{run[0].layer}-{run[-1].layer}"
+        out.append((label, run))
+    return out
+
+
+def layer_rows(snap: StatsSnapshot, fold: int = 1) -> list[Row]:
+    """The header and one fixed-width line per layer (per run of `fold` layers, their sums)."""
     rows: list[Row] = [[(HEADER, "bold")]]
-    for ls in snap.layers:
-        tot = ls.total
-        rows.append([(f"{ls.layer:>5} ", ""), *hit_bar(tot.hit_rate),
-                     (f" {100 * tot.hit_rate:>4.0f} {tot.cpu:>7} {ls.occupancy:>5}", "")])  # fmt: skip
+    for label, run in fold_layers(snap.layers, fold):
+        tot = sum((ls.total for ls in run), CountersSnapshot())
+        slots = sum(ls.occupancy for ls in run)
+        rows.append([(f"{label:>5} ", ""), *hit_bar(tot.hit_rate),
+                     (f" {100 * tot.hit_rate:>4.0f} {tot.cpu:>7} {slots:>5}", "")])  # fmt: skip
     return rows
 
 
@@ -33,6 +46,6 @@ class LayerStats(RowsView):
         super().__init__("no expert cache yet", **kw)
         self.snapshot: StatsSnapshot | None = None
 
-    def show(self, snap: StatsSnapshot) -> None:
+    def show(self, snap: StatsSnapshot, fold: int = 1) -> None:
         self.snapshot = snap
-        self.set_rows(layer_rows(snap))
+        self.set_rows(layer_rows(snap, fold))

@@ -39,10 +39,17 @@ class ThroughputPlot(PlotextPlot):
         self._redraw = Throttle(REDRAW_EVERY)
 
     def on_mount(self) -> None:
-        self.plt.title("tokens/s")
+        self.plt.title("tokens/s, this reply")
+        self.plt.xlabel("tokens of the reply")
 
     def add(self, tokens: int, tps: float, *, final: bool = False) -> None:
-        """Record a point; redraw at most once a second (plotext drawing is the dashboard's costliest part)."""
+        """Record a point; redraw at most once a second (plotext drawing is the dashboard's costliest part).
+
+        A reply's token count starts again from zero: the chart then shows the new reply only,
+        never the earlier ones drawn over it.
+        """
+        if self.points and tokens < self.points[-1][0]:
+            self.points.clear()
         self.points.append((tokens, tps))
         if not self._redraw.due(force=final):
             return

@@ -40,6 +40,8 @@ TEXT_EVERY = 0.25  # seconds: streamed text reaches the screen in pieces, at mos
 # the screen, at a cost for each widget in it: with 50 turns shown the UI took 18-20% of a core
 # while streaming, twice what a fresh chat takes (bench/ui_long_chat.py).
 SHOWN_TURNS = 12
+# The settings a reply ran with, recorded with its stats in the session export.
+REPLY_SETTINGS = ("temp", "top_k", "top_p", "min_p", "n_predict", "system", "moe_cache_mib", "moe_cache_cpu_share")
 REVEAL_TURNS = 10  # turns brought back at a time
 
 
@@ -169,6 +171,7 @@ class ChatScreen(Screen[None]):
         self._stream: MarkdownStream | None = None
         self._reply_text = ""
         self._reply_turn: Turn | None = None
+        self._reply_settings: dict[str, Any] = {}  # what the reply in progress runs with, for the export
         self.stats_updates = 0  # StatsUpdate messages handled (tests bound their rate)
         self.first_shown = 0  # index in conv.messages of the oldest turn in the log
 
@@ -240,6 +243,7 @@ class ChatScreen(Screen[None]):
         self.stop_event.clear()
         self.query_one("#status", Static).update("reading the prompt...")
         s = self.moechat.settings
+        self._reply_settings = {k: v for k, v in self.moechat.settings_dict().items() if k in REPLY_SETTINGS}
         params = SamplingParams(temperature=s.temp, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
         self.generate(self.conv.chat_messages(), params, s.n_predict, s.refresh_ms / 1000)
 
@@ -336,7 +340,9 @@ class ChatScreen(Screen[None]):
         stats = {"n_prompt": d.n_prompt, "n_generated": d.n_generated, "prompt_tps": d.prompt_tps,
                  "gen_tps": d.gen_tps, "ttft": msg.ttft}  # fmt: skip
         self.conv.messages[-1]["stats"] = stats
-        self.moechat.session.replies.append(self.conv.messages[-1]["stats"] | {"stop": d.stop_reason})
+        self.moechat.session.replies.append(
+            self.conv.messages[-1]["stats"] | {"stop": d.stop_reason, "settings": self._reply_settings}
+        )
         self.moechat.save_conversation(self.conv)
         self.moechat.save_session()
         n_ctx = self.moechat.engine.info.n_ctx

@@ -22,10 +22,12 @@ N_LAYERS, N_EXPERT, K = 4, 8, 2
 
 class FakeEngine:
     def __init__(self, words: Sequence[str] = ("Hello", " there", ",", " friend", "."), *, delay: float = 0.0,
-                 fail_after: int | None = None, sweep_delay: float = 0.0, n_ctx: int = 256) -> None:  # fmt: skip
+                 fail_after: int | None = None, sweep_delay: float = 0.0, n_ctx: int = 256,
+                 n_layers: int = N_LAYERS, n_expert: int = N_EXPERT) -> None:  # fmt: skip
         self.words = list(words)
+        self.n_layers, self.n_expert = n_layers, n_expert
         self.delay, self.fail_after, self.sweep_delay = delay, fail_after, sweep_delay
-        self.info = ModelInfo("fake.gguf", "/nonexistent/fake.gguf", "0" * 64, "fakemoe", N_LAYERS, N_EXPERT, K,
+        self.info = ModelInfo("fake.gguf", "/nonexistent/fake.gguf", "0" * 64, "fakemoe", n_layers, n_expert, K,
                               n_ctx, "cpu", "test machine", "gguf")  # fmt: skip
         self.mib, self.share = 1.0, 0.0
         self.tokens = 0
@@ -60,14 +62,14 @@ class FakeEngine:
     def snapshot(self) -> StatsSnapshot | None:
         t = self.tokens
         layers = []
-        for layer in range(N_LAYERS):
+        for layer in range(self.n_layers):
             hits = t * K * 3 // 4
             miss = t * K - hits
             c = CountersSnapshot(lookups=t * K, hits=hits, misses=miss, cpu=miss // 2, uploads=miss - miss // 2,
                                  uploaded_bytes=1000 * t, calls=t, tokens=t)  # fmt: skip
-            use = tuple((t * (e + 1)) // N_EXPERT for e in range(N_EXPERT))
+            use = tuple((t * (e + 1)) // self.n_expert for e in range(self.n_expert))
             layers.append(LayerSnapshot(layer, 0, c, CountersSnapshot(), 3, (0, 1, 2), use))
-        group = GroupInfo(0, tuple(range(N_LAYERS)), N_EXPERT, 1000, 12, 12000)
+        group = GroupInfo(0, tuple(range(self.n_layers)), self.n_expert, 1000, 12, 12000)
         return StatsSnapshot(time.time(), t, 0.0, (group,), tuple(layers), self.share)
 
     def cache(self) -> tuple[float, float]:
