@@ -37,7 +37,12 @@ def build_parser() -> argparse.ArgumentParser:
     add_run_arguments(p_run)
     from .tune_cmd import add_sim_arguments, add_tune_arguments
 
-    add_tune_arguments(sub.add_parser("tune", help="measure this machine and recommend cache size and CPU share"))
+    add_tune_arguments(sub.add_parser(
+        "tune", help="measure this machine and recommend cache size and CPU share",
+        description="Measures 6 runs of generation, 2 expert-cache sizes x 3 CPU shares (runs already measured with "
+        "the same settings are reused; --fresh measures again), fits a time model to them, predicts every other "
+        "size and share by replaying the routing they recorded, and prints the recommended flags.",
+    ))  # fmt: skip
     add_sim_arguments(sub.add_parser("sim", help="replay a routing trace at other cache sizes, shares and policies"))
     from .export_cmd import add_export_arguments
 

@@ -16,9 +16,9 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", nargs="?", help="path to a MoE .gguf model (default: the built-in demo)")
     p.add_argument("--max-mib", type=float, default=None, metavar="N", help="largest cache to consider, in MiB")
-    p.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens generated per arm (default 256)")
+    p.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens generated per run (default 256)")
     p.add_argument(
-        "--warmup", type=int, default=32, metavar="N", help="first tokens of an arm left untimed (default 32)"
+        "--warmup", type=int, default=32, metavar="N", help="first tokens of a run left untimed (default 32)"
     )
     p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (default 2048)")
     p.add_argument("--fresh", action="store_true", help="measure again instead of reusing earlier runs")
@@ -74,20 +74,20 @@ def run_tune(args: argparse.Namespace) -> int:
         try:
             for ev in calibrate(settings, cache_dir=cache_dir, stop=stop):
                 if isinstance(ev, ArmStarted):
-                    task = bar.add_task(f"arm {ev.index + 1}/{ev.n_arms}: {ev.mib:g} MiB, share {ev.share:g}",
+                    task = bar.add_task(f"run {ev.index + 1}/{ev.n_arms}: cache {ev.mib:g} MiB, share {ev.share:g}",
                                         total=settings.tokens)  # fmt: skip
                 elif isinstance(ev, ArmProgress) and task is not None:
                     bar.update(task, completed=ev.tokens_done)
                 elif isinstance(ev, ArmDone):
                     a = ev.arm
                     how = "reused" if ev.cached else f"{a.attempts} run(s)"
-                    bar.console.print(f"arm {ev.index + 1}/{ev.n_arms}: {a.mib:g} MiB, share {a.share:g}: "
+                    bar.console.print(f"run {ev.index + 1}/{ev.n_arms}: cache {a.mib:g} MiB, share {a.share:g}: "
                                       f"{a.tps:.1f} t/s, hits {100 * a.hit_rate:.0f}% ({how})")  # fmt: skip
                 elif isinstance(ev, SweepDone):
                     done = ev
         except (KeyboardInterrupt, Cancelled):
             stop.set()
-            print("moechat: tune cancelled; finished arms are kept, the unfinished one is not", file=sys.stderr)
+            print("moechat: tune cancelled; finished runs are kept, the unfinished one is not", file=sys.stderr)
             return 130
     assert done is not None  # calibrate ends with SweepDone or raises
     report = recommend(done, model.name, workers=min(2, os.cpu_count() or 1))

@@ -334,6 +334,24 @@ async def test_wizard_apply_and_save(tmp_path: Path) -> None:
         assert app.settings.moe_cache_mib == 1.5
 
 
+async def test_wizard_says_what_it_measures_and_how_long_is_left(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS, sweep_delay=0.1)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+t")
+        await until(pilot, lambda: isinstance(app.screen, TuneWizard) and bool(app.screen.query("#eta")))
+        wizard = app.screen
+        eta = wizard.query_one("#eta", Static)
+        await until(pilot, lambda: str(eta.content).startswith("time left: about"))
+        left = str(eta.content)
+        assert "tokens/s" in left and (" s " in left or left.split()[-4] == "s")
+        await until(pilot, lambda: wizard.report is not None)
+        assert str(eta.content) == "done"
+        labels = [str(w.content) for w in wizard.query(".arm")]
+        assert labels[0].startswith("run 1/6: cache 0.5 MiB, CPU share 0: 100.0 t/s")
+
+
 async def test_wizard_cancel_changes_nothing(tmp_path: Path) -> None:
     engine = FakeEngine(WORDS, sweep_delay=0.05)
     app = make_app(tmp_path, engine)

@@ -190,14 +190,19 @@ def test_sweep_runs_six_arms_caches_them_and_cancels_cleanly(tmp_path: Path) -> 
         assert (a.cpu_gib > 0) == (a.share > 0)
     # The recommendation comes out of the same runs, with a ready command line.
     report = recommend(done, path.name, workers=1)
-    assert report.rows and report.recommendation.mib > 0
-    assert all(len(r.tps) == len(report.shares) for r in report.rows)
-    # Everything fits on the CPU device: the largest size holds every expert and reads as a
-    # whole number of MiB, rounded up, so the command line cannot fall short of it.
     rec = report.recommendation
-    assert rec.all_fit and rec.mib == report.rows[-1].mib == math.ceil(done.expert_mib) >= done.expert_mib
-    assert rec.command().startswith(f"--moe-cache-mib {math.ceil(done.expert_mib)} ")
-    assert report.rows[-1].hit_rate[0] > report.rows[0].hit_rate[0]
+    assert rec.mib > 0 and rec.command().startswith("--moe-cache-mib ")
+    if not report.time_model.physical:
+        # A busy machine can make the runs' timings unphysical: then no table, the fastest measured run.
+        fastest = min(done.arms, key=lambda a: a.ms_per_token)
+        assert rec.measured and not report.rows and (rec.mib, rec.share) == (fastest.mib, fastest.share)
+    else:
+        assert report.rows and all(len(r.tps) == len(report.shares) for r in report.rows)
+        # Everything fits on the CPU device: the largest size holds every expert and reads as a
+        # whole number of MiB, rounded up, so the command line cannot fall short of it.
+        assert rec.all_fit and rec.mib == report.rows[-1].mib == math.ceil(done.expert_mib) >= done.expert_mib
+        assert rec.command().startswith(f"--moe-cache-mib {math.ceil(done.expert_mib)} ")
+        assert report.rows[-1].hit_rate[0] > report.rows[0].hit_rate[0]
 
     # The same arguments again: every arm is reused, nothing runs.
     again = list(calibrate(settings, cache_dir=cache_dir))

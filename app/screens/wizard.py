@@ -7,6 +7,7 @@ Cancel (Esc) stops the sweep between tokens and returns with the session's cache
 from __future__ import annotations
 
 import threading
+import time
 from typing import TYPE_CHECKING, ClassVar
 
 from moechat.tuner.recommend import TuneReport
@@ -48,6 +49,8 @@ class TuneWizard(Screen[bool]):
         self.stop = threading.Event()
         self.report: TuneReport | None = None
         self.running = False
+        self._timing: tuple[float, int] | None = None  # (start, tokens measured by then) of this sweep's runs
+        self._done_tokens = 0  # tokens of finished runs
 
     @property
     def moechat(self) -> MoechatApp:
@@ -55,10 +58,15 @@ class TuneWizard(Screen[bool]):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():
-            yield Label("Tuning: 2 cache sizes x 3 CPU shares, then a fitted time model predicts the rest")
+            yield Label(
+                f"Tuning measures {N_ARMS} runs, each generating {self.tokens} tokens with one expert-cache size and "
+                "one CPU share (2 sizes x 3 shares). A time model fitted to them, replayed over the routing they "
+                "recorded, predicts every other size and share."
+            )
+            yield Static("time left: measured once the first run is under way", id="eta", markup=False)
             with Vertical(id="arms"):
                 for i in range(N_ARMS):
-                    yield Static(f"arm {i + 1}/{N_ARMS}: waiting", id=f"arm-label-{i}", classes="arm")
+                    yield Static(f"run {i + 1}/{N_ARMS}: waiting", id=f"arm-label-{i}", classes="arm")
                     yield ProgressBar(total=self.tokens, show_eta=False, id=f"arm-{i}")
             yield Static("", id="machine", markup=False)
             yield DataTable(id="runs")
@@ -94,20 +102,39 @@ class TuneWizard(Screen[bool]):
         ev = msg.event
         if isinstance(ev, ArmStarted):
             self.query_one(f"#arm-label-{ev.index}", Static).update(
-                f"arm {ev.index + 1}/{ev.n_arms}: {ev.mib:g} MiB, share {ev.share:g}"
+                f"run {ev.index + 1}/{ev.n_arms}: cache {ev.mib:g} MiB, CPU share {ev.share:g}"
             )
         elif isinstance(ev, ArmProgress):
             self.query_one(f"#arm-{ev.index}", ProgressBar).update(total=ev.tokens_total, progress=ev.tokens_done)
+            self._estimate(ev)
         elif isinstance(ev, ArmDone):
             a = ev.arm
+            self._done_tokens += 0 if ev.cached else self.tokens
             self.query_one(f"#arm-{ev.index}", ProgressBar).update(total=1, progress=1)
             self.query_one(f"#arm-label-{ev.index}", Static).update(
-                f"arm {ev.index + 1}/{ev.n_arms}: {a.mib:g} MiB, share {a.share:g}: {a.tps:.1f} t/s, "
-                f"hits {100 * a.hit_rate:.0f}%" + (" (reused)" if ev.cached else "")
+                f"run {ev.index + 1}/{ev.n_arms}: cache {a.mib:g} MiB, CPU share {a.share:g}: {a.tps:.1f} t/s, "
+                f"hits {100 * a.hit_rate:.0f}%" + (" (reused from an earlier tuning)" if ev.cached else "")
             )
+
+    def _estimate(self, ev: ArmProgress) -> None:
+        """Time left from the pace so far: the tokens still to generate at this sweep's tokens per second."""
+        now = time.monotonic()
+        measured = self._done_tokens + ev.tokens_done
+        if self._timing is None:
+            self._timing = (now, measured)
+            return
+        start, first = self._timing
+        if measured - first < 8:
+            return
+        rate = (measured - first) / (now - start)
+        left = (ev.n_arms - ev.index) * ev.tokens_total - ev.tokens_done
+        secs = round(left / rate)
+        text = f"{secs // 60} min {secs % 60} s" if secs >= 60 else f"{secs} s"
+        self.query_one("#eta", Static).update(f"time left: about {text} at {rate:.1f} tokens/s")
 
     def on_tune_ready(self, msg: TuneReady) -> None:
         self.running = False
+        self.query_one("#eta", Static).update("done")
         self.report = r = msg.report
         m = r.time_model
         self.query_one("#machine", Static).update(
