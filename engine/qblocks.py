@@ -290,9 +290,17 @@ def _hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
     return b.extract_element(v, ir.Constant(I32, 0))
 
 
-def _block_loop(builder: ir.IRBuilder, n_blocks: ir.Value, body: Callable[[ir.Value], None]) -> None:
-    with cgutils.for_range(builder, n_blocks) as loop:
-        body(loop.index)
+def _each_chunk(
+    v: _B, layout: Layout, n_blocks: ir.Value, wp: ir.Value, fp: ir.Value, each: Callable[[ir.Value, ir.Value], None]
+) -> None:
+    """each(weights, place) for every chunk of the n_blocks blocks at wp, in row order; `place` is
+    the chunk's float32 pointer in the row of floats at fp (activations to multiply, or a buffer)."""
+    b = v.b
+    with cgutils.for_range(b, n_blocks) as loop:
+        block = v.at(wp, b.mul(loop.index, ir.Constant(I64, layout.size)))
+        row = v.at(fp, b.mul(loop.index, ir.Constant(I64, layout.weights)))
+        for c, wv in enumerate(layout.chunks(v, block)):
+            each(wv, v.at(row, c * LANES))
 
 
 def _dot_intrinsic(layout: Layout) -> Any:
@@ -307,14 +315,10 @@ def _dot_intrinsic(layout: Layout) -> Any:
             xp = builder.bitcast(_data(context, builder, sig.args[3], args[3], args[4]), F32.as_pointer())
             acc = cgutils.alloca_once_value(builder, ir.Constant(V_F32, None))
 
-            def body(i: ir.Value) -> None:
-                xb = v.at(xp, builder.mul(i, ir.Constant(I64, layout.weights)))
-                a = builder.load(acc)
-                for c, wv in enumerate(layout.chunks(v, v.at(wp, builder.mul(i, ir.Constant(I64, layout.size))))):
-                    a = v.fma(wv, v.load(xb, c * LANES, F32, align=4), a)
-                builder.store(a, acc)
+            def accumulate(wv: ir.Value, place: ir.Value) -> None:
+                builder.store(v.fma(wv, v.load(place, 0, F32, align=4), builder.load(acc)), acc)
 
-            _block_loop(builder, args[2], body)
+            _each_chunk(v, layout, args[2], wp, xp, accumulate)
             return _hsum(builder, builder.load(acc))
 
         return sig, codegen
@@ -333,12 +337,10 @@ def _decode_intrinsic(layout: Layout) -> Any:
             wp = _data(context, builder, sig.args[0], args[0], args[1])
             yp = builder.bitcast(_data(context, builder, sig.args[3], args[3], args[4]), F32.as_pointer())
 
-            def body(i: ir.Value) -> None:
-                yb = v.at(yp, builder.mul(i, ir.Constant(I64, layout.weights)))
-                for c, wv in enumerate(layout.chunks(v, v.at(wp, builder.mul(i, ir.Constant(I64, layout.size))))):
-                    builder.store(wv, builder.bitcast(v.at(yb, c * LANES), V_F32.as_pointer()), align=4)
+            def store(wv: ir.Value, place: ir.Value) -> None:
+                builder.store(wv, builder.bitcast(place, V_F32.as_pointer()), align=4)
 
-            _block_loop(builder, args[2], body)
+            _each_chunk(v, layout, args[2], wp, yp, store)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -378,11 +380,13 @@ _DOT = {t: _dot_intrinsic(lay) for t, lay in LAYOUTS.items()}
 _DECODE = {t: _decode_intrinsic(lay) for t, lay in LAYOUTS.items()}
 
 
-def _group_blocks(code: Any) -> tuple[Layout, Any, Any] | None:
+def _group_blocks(code: Any) -> tuple[int, int, Any, Any] | None:
+    """For a constant type code: (weights per block, bytes per GROUP weights, its dot, its decode)."""
     if not isinstance(code, types.IntegerLiteral):
         return None  # numba retries with the constant's literal type
     qtype = Q(code.literal_value)
-    return LAYOUTS[qtype], _DOT[qtype], _DECODE[qtype]
+    layout = LAYOUTS[qtype]
+    return layout.weights, GROUP // layout.weights * layout.size, _DOT[qtype], _DECODE[qtype]
 
 
 def dot_group(code: int, w: np.ndarray, w_off: int, g: int, k: int, x: np.ndarray, x_off: int) -> np.float32:
@@ -405,8 +409,7 @@ def _dot_group(code, w, w_off, g, k, x, x_off):
     found = _group_blocks(code)
     if found is None:
         return None
-    layout, dot, _ = found
-    weights, group_bytes = layout.weights, GROUP // layout.weights * layout.size
+    weights, group_bytes, dot, _ = found
 
     def impl(code, w, w_off, g, k, x, x_off):
         n = min(GROUP, k - g * GROUP)
@@ -420,8 +423,7 @@ def _decode_group(code, w, w_off, g, k, y, y_off):
     found = _group_blocks(code)
     if found is None:
         return None
-    layout, _, decode = found
-    weights, group_bytes = layout.weights, GROUP // layout.weights * layout.size
+    weights, group_bytes, _, decode = found
 
     def impl(code, w, w_off, g, k, y, y_off):
         n = min(GROUP, k - g * GROUP)
