@@ -71,6 +71,9 @@ class MoechatApp(App[int]):
         self.session_file = self.paths.data / "sessions" / f"{now_iso().replace(':', '')}.json"
         self.exit_code = 0
         self.failure: str | None = None  # why the model did not load; printed on stderr after exit too
+        # (MiB, CPU share) of the engine's cache, asked once at load and kept as the wizard changes it:
+        # the UI never waits on the engine for it (a streaming reply holds the engine's pipe).
+        self.cache_in_effect = (0.0, 0.0)
 
     def on_mount(self) -> None:
         if self.settings.theme in self.available_themes:
@@ -115,6 +118,7 @@ class MoechatApp(App[int]):
         from .screens.chat import ChatScreen
 
         self.engine = engine
+        self.cache_in_effect = engine.cache()
         self.session = SessionStats(asdict(engine.info), self.settings_dict())
         self.switch_screen(ChatScreen())
 
@@ -132,10 +136,12 @@ class MoechatApp(App[int]):
     def settings_dict(self) -> dict[str, Any]:
         d = {k: v for k, v in asdict(self.settings).items() if k != "sources"}
         if self.engine is not None:
-            d["moe_cache_mib"], d["moe_cache_cpu_share"] = self.engine.cache()
+            d["moe_cache_mib"], d["moe_cache_cpu_share"] = self.cache_in_effect
         return d
 
     def apply_cache_settings(self, mib: float, share: float) -> None:
+        """The engine's cache now runs at (mib, share): the settings and the session follow."""
+        self.cache_in_effect = (mib, share)
         self.settings = replace(self.settings, moe_cache_mib=mib, moe_cache_cpu_share=share)
 
     # -- persistence --------------------------------------------------------------------------

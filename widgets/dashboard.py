@@ -52,19 +52,19 @@ class Dashboard(VerticalScroll):
             [(f"cpu misses {t.cpu}  |  share {snap.cpu_share:g}", "")],
             [("slots " + ", ".join(f"{g.n_slots}" for g in snap.groups), "")],
         ])  # fmt: skip
-        if not self.display:
-            return  # hidden: the totals above stay current, the costlier parts wait
-        fold = self.layer_fold(len(snap.layers))
-        self.query_one(LayerStats).show(snap, fold)
-        self.query_one(ExpertHeatmap).show(snap, final=final, fold=fold)
+        self._show_layers(snap, final)
 
     def on_resize(self) -> None:
         # A new panel height can change how many layers share a row: fold again, without a new point.
-        snap = self._snap
-        if snap is not None and self.display:
-            fold = self.layer_fold(len(snap.layers))
-            self.query_one(LayerStats).show(snap, fold)
-            self.query_one(ExpertHeatmap).show(snap, final=True, fold=fold)
+        if self._snap is not None:
+            self._show_layers(self._snap, final=True)
+
+    def _show_layers(self, snap: StatsSnapshot, final: bool) -> None:
+        if not self.display:
+            return  # hidden: the totals stay current, the costlier parts wait
+        fold = self.layer_fold(len(snap.layers))
+        self.query_one(LayerStats).show(snap, fold)
+        self.query_one(ExpertHeatmap).show(snap, final=final, fold=fold)
 
     def layer_fold(self, n_layers: int) -> int:
         """Layers per row, so that the per-layer rows and the heat map fit the panel without scrolling.

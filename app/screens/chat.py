@@ -209,7 +209,7 @@ class ChatScreen(Screen[None]):
     def refresh_info(self) -> None:
         app = self.moechat
         s, info = app.settings, app.engine.info
-        mib, share = app.engine.cache()
+        mib, share = app.cache_in_effect
         system = (s.system[:40] + "...") if len(s.system) > 40 else (s.system or "none")
         self.query_one("#info", Static).update(
             f"{info.name} ({info.arch}, {info.device}) | template: {info.template} | cache {mib:g} MiB, "
