@@ -24,9 +24,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p_inspect = sub.add_parser("inspect", help="show what a GGUF model file holds")
-    p_inspect.add_argument(
-        "model", nargs="?", help="path to a .gguf file (first shard of a split model); default: the built-in demo"
-    )
+    from .settings import MODEL_HELP
+
+    p_inspect.add_argument("model", nargs="?", help=MODEL_HELP)
     p_chat = sub.add_parser("chat", help="chat in the terminal (the default command)")
     from .repl import add_chat_arguments
 

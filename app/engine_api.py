@@ -22,7 +22,7 @@ from moechat.engine.generate import Event, SamplingParams, TokenEvent, generate
 from moechat.engine.loader import LoadedModel
 from moechat.engine.stats import StatsSnapshot
 from moechat.tuner.recommend import TuneReport, recommend
-from moechat.tuner.sweep import SweepDone, SweepEvent, SweepSettings, calibrate
+from moechat.tuner.sweep import SweepDone, SweepEvent, SweepSettings, calibrate, forget_runs
 
 from .paths import app_paths
 
@@ -73,7 +73,10 @@ class ChatEngine(Protocol):
 
     def set_cache(self, mib: float, share: float) -> None: ...
 
-    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int) -> Iterator[SweepEvent]: ...
+    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
+              ) -> Iterator[SweepEvent]:  # fmt: skip
+        """The calibration sweep (runs kept from earlier sweeps are reused unless `fresh`)."""
+        ...
 
     def recommend(self, done: SweepDone) -> TuneReport: ...
 
@@ -185,7 +188,8 @@ class RealEngine:
         settings.validate()
         self.lm.set_cache(settings)
 
-    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int) -> Iterator[SweepEvent]:
+    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
+              ) -> Iterator[SweepEvent]:  # fmt: skip
         mib, share = self.cache()
         settings = SweepSettings(
             model=Path(self.info.path), device=self.base.device, n_ctx=min(self.lm.n_ctx, 4096),
@@ -193,6 +197,8 @@ class RealEngine:
             cpu_dequant_mib=self.lm.cpu_dequant_mib, cpu_kernels=self.lm.cpu_kernels, max_mib=max_mib,
             tokens=tokens, warmup=min(32, tokens // 4),
         )  # fmt: skip
+        if fresh:
+            forget_runs(settings, app_paths().cache)
         try:
             yield from calibrate(settings, cache_dir=app_paths().cache, stop=stop, loaded=self.lm)
         finally:

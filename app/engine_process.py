@@ -202,8 +202,9 @@ class ProcessEngine:
     def set_cache(self, mib: float, share: float) -> None:
         self._call("set_cache", mib, share)
 
-    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int) -> Iterator[SweepEvent]:
-        return self._stream("sweep", (max_mib, tokens), stop)
+    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
+              ) -> Iterator[SweepEvent]:  # fmt: skip
+        return self._stream("sweep", (max_mib, tokens, fresh), stop)
 
     def recommend(self, done: SweepDone) -> TuneReport:
         return self._call("recommend", done)

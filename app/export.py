@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moechat.engine.stats import StatsSnapshot
+from moechat.engine.stats import CountersSnapshot, StatsSnapshot
 
 from moechat import __version__
 
@@ -45,6 +45,26 @@ class SessionStats:
     snapshot: StatsSnapshot | None = None
     series: deque[Point] = field(default_factory=lambda: deque(maxlen=SERIES_MAX))
     replies: list[dict[str, Any]] = field(default_factory=list)  # per reply: tokens, t/s, ttft
+    # What caches that the engine has since rebuilt counted (the wizard's and a settings change
+    # start the counters again): per layer (small, large), and their tokens and settings.
+    earlier: dict[int, tuple[CountersSnapshot, CountersSnapshot]] = field(default_factory=dict)
+    earlier_tokens: int = 0
+    periods: list[dict[str, Any]] = field(default_factory=list)
+
+    def cache_rebuilt(self) -> None:
+        """The engine's cache starts its counters again: keep what the old one counted in the session."""
+        snap, self.snapshot = self.snapshot, None
+        if snap is None or not snap.tokens:
+            return
+        for ls in snap.layers:
+            small, large = self.earlier.get(ls.layer, (CountersSnapshot(), CountersSnapshot()))
+            self.earlier[ls.layer] = (small + ls.small, large + ls.large)
+        self.earlier_tokens += snap.tokens
+        t = snap.total
+        self.periods.append({
+            "settings": {k: self.settings.get(k) for k in ("moe_cache_mib", "moe_cache_cpu_share")},
+            "tokens": snap.tokens, "hits": t.hits, "lookups": t.lookups, "cpu": t.cpu, "uploads": t.uploads,
+        })  # fmt: skip
 
     def add(self, snap: StatsSnapshot | None, tokens: int, tps: float) -> None:
         if snap is not None:
@@ -54,16 +74,21 @@ class SessionStats:
                                  t.uploaded_bytes / 2**20 if t else 0.0, t.cpu if t else 0))  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
+        """The whole session: each layer's counters add up over every cache the session ran."""
+        current = {ls.layer: ls for ls in self.snapshot.layers} if self.snapshot is not None else {}
         layers = []
-        if self.snapshot is not None:
-            for ls in self.snapshot.layers:
-                t = ls.total
-                layers.append({
-                    "layer": ls.layer, "group": ls.group, "lookups": t.lookups, "hits": t.hits, "misses": t.misses,
-                    "cpu": t.cpu, "uploads": t.uploads, "uploaded_bytes": t.uploaded_bytes, "bypassed": t.bypassed,
-                    "hit_rate": t.hit_rate, "occupancy": ls.occupancy, "small": asdict(ls.small),
-                    "large": asdict(ls.large),
-                })  # fmt: skip
+        for layer in sorted(set(current) | set(self.earlier)):
+            small, large = self.earlier.get(layer, (CountersSnapshot(), CountersSnapshot()))
+            ls = current.get(layer)
+            if ls is not None:
+                small, large = small + ls.small, large + ls.large
+            t = small + large
+            layers.append({
+                "layer": layer, "group": ls.group if ls else -1, "lookups": t.lookups, "hits": t.hits,
+                "misses": t.misses, "cpu": t.cpu, "uploads": t.uploads, "uploaded_bytes": t.uploaded_bytes,
+                "bypassed": t.bypassed, "hit_rate": t.hit_rate, "occupancy": ls.occupancy if ls else 0,
+                "small": asdict(small), "large": asdict(large),
+            })  # fmt: skip
         return {
             "schema_version": SCHEMA_VERSION,
             "moechat_version": __version__,
@@ -71,10 +96,11 @@ class SessionStats:
             "started": self.started,
             "model": self.model,
             "settings": self.settings,
-            "tokens": self.snapshot.tokens if self.snapshot else 0,
+            "tokens": self.earlier_tokens + (self.snapshot.tokens if self.snapshot else 0),
             "cpu_share": self.snapshot.cpu_share if self.snapshot else 0.0,
             "groups": [asdict(g) for g in self.snapshot.groups] if self.snapshot else [],
             "layers": layers,
+            "cache_periods": self.periods,  # caches rebuilt during the session, before the current one
             "replies": self.replies,
             "series": [asdict(p) for p in self.series],
         }

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .run_cmd import cache_settings
-from .settings import SPEC, Settings, for_demo, resolve
+from .settings import MODEL_HELP, SPEC, Settings, for_demo, resolve
 
 if TYPE_CHECKING:  # the engine (torch) loads when a chat starts, not for --help
     from moechat.engine.generate import SamplingParams
@@ -25,13 +25,14 @@ PLAIN_STOPS = ("\nUser:", "\nuser:")
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
     """Chat flags default to None: a value left out comes from MOECHAT_* env, then config.toml, then defaults."""
-    p.add_argument("model", nargs="?", help="path to a .gguf model (default: the built-in demo)")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("-n", "--n-predict", type=int, default=None, help="most tokens per reply (default 512)")
     p.add_argument("-c", "--ctx-size", type=int, default=None, help="context size (default 4096)")
     p.add_argument("--temp", type=float, default=None, help="temperature (default 0.7)")
     p.add_argument("--top-k", type=int, default=None)
     p.add_argument("--top-p", type=float, default=None)
     p.add_argument("--min-p", type=float, default=None)
+    p.add_argument("--repeat-penalty", type=float, default=None, help="penalty on the last 64 tokens (default 1: off)")
     p.add_argument("--seed", type=int, default=None)
     p.add_argument("--system", default=None, help="system prompt")
     p.add_argument("--chat-template", default=None, metavar="FILE")
@@ -83,7 +84,7 @@ def run_chat(args: argparse.Namespace) -> int:
     for w in warnings:
         print(f"moechat: warning: {w}", file=sys.stderr)
     params = SamplingParams(temperature=settings.temp, top_k=settings.top_k, top_p=settings.top_p,
-                            min_p=settings.min_p, seed=args.seed)  # fmt: skip
+                            min_p=settings.min_p, repeat_penalty=settings.repeat_penalty, seed=args.seed)  # fmt: skip
     params.validate()
     cache = cache_settings(settings)
     set_threads(settings.threads)

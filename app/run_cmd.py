@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .settings import Settings, for_demo, resolve
+from .settings import MODEL_HELP, Settings, for_demo, resolve
 
 if TYPE_CHECKING:  # the engine (torch) loads when a command runs, not for --help
     from moechat.engine.expert_cache import CacheSettings
@@ -118,7 +118,7 @@ def layered_settings(args: argparse.Namespace) -> EngineOptions:
 
 
 def add_run_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("model", nargs="?", help="path to a .gguf model (default: the built-in demo)")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("-p", "--prompt", required=True, help="the prompt")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")

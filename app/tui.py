@@ -141,6 +141,7 @@ class MoechatApp(App[int]):
 
     def apply_cache_settings(self, mib: float, share: float) -> None:
         """The engine's cache now runs at (mib, share): the settings and the session follow."""
+        self.session.cache_rebuilt()
         self.cache_in_effect = (mib, share)
         self.settings = replace(self.settings, moe_cache_mib=mib, moe_cache_cpu_share=share)
 

@@ -13,8 +13,9 @@ from .paths import app_paths
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     from .run_cmd import add_cache_arguments
+    from .settings import MODEL_HELP
 
-    p.add_argument("model", nargs="?", help="path to a MoE .gguf model (default: the built-in demo)")
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--max-mib", type=float, default=None, metavar="N", help="largest cache to consider, in MiB")
     p.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens generated per run (default 256)")
     p.add_argument(

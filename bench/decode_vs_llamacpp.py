@@ -5,9 +5,9 @@
 
 Rows, each timed in alternating runs of both engines with the same thread count and the same
 token ids (bench/compare_llamacpp.compare; logits agreement is reported too):
-  - Gemma 3 270M Q4_K_M, the dense file the demo is built from;
-  - the demo itself (gemma3moe, which llama.cpp cannot run): its decode t/s against llama.cpp's on
-    the dense source, timed in the same run;
+  - for each built-in demo, its dense source (SmolLM2-135M-Instruct Q4_1, Gemma 3 270M Q4_K_M),
+    then the demo itself (with a shared expert, which llama.cpp cannot run): its t/s against
+    llama.cpp's on the dense source, timed in the same run;
   - with --big: a generated model with Qwen3-30B-A3B's geometry (hidden 2048, 32/4 heads of 128,
     128 experts, top 8, expert FFN 768, the Qwen vocabulary) and 12 layers in a Q4_K_M mix (Q4_K
     gate/up/attention/embedding, Q6_K down and output), about 5 GB: it fits in no CPU cache.
@@ -52,11 +52,9 @@ def main() -> None:
     ap.add_argument("--big", action="store_true", help="also the generated 5 GB Qwen3-30B-A3B-shaped model")
     args = ap.parse_args()
     from moechat.app.paths import app_paths
-    from moechat.engine.demo import ensure_demo
-    from moechat.engine.demo_source import source_gguf
+    from moechat.engine.demo import DEMOS, ensure_demo
 
     cache = app_paths().cache
-    gemma, demo = source_gguf(cache / "sources"), ensure_demo(cache)
     print("| model | top-1 | pp t/s ours | pp t/s llama.cpp | ratio | tg t/s ours | tg t/s llama.cpp | ratio |")
     print("|---|---|---|---|---|---|---|---|")
 
@@ -66,12 +64,14 @@ def main() -> None:
               f"{f['pp_ours'] / f['pp_peer']:.2f} | {f['tg_ours']:.2f} | {f['tg_peer']:.2f} | "
               f"{f['tg_ours'] / f['tg_peer']:.2f} |", flush=True)  # fmt: skip
 
-    dense = compare(gemma, args.positions, args.decode, args.threads, args.repeats)
-    row("Gemma 3 270M Q4_K_M (the demo's source, dense)", dense)
-    pp, tg = ours_only(demo, args.positions, args.decode, args.threads, args.repeats)
-    pp_peer, tg_peer = float(dense["pp_peer"]), float(dense["tg_peer"])
-    print(f"| the demo (gemma3moe) vs llama.cpp on its dense source | - | {pp:.1f} | {pp_peer:.1f} | "
-          f"{pp / pp_peer:.2f} | {tg:.2f} | {tg_peer:.2f} | {tg / tg_peer:.2f} |", flush=True)  # fmt: skip
+    for spec in DEMOS.values():
+        source, demo = spec.source(cache / "sources"), ensure_demo(cache, name=spec.name)
+        dense = compare(source, args.positions, args.decode, args.threads, args.repeats)
+        row(f"{source.name} (the {spec.name} demo's source, dense)", dense)
+        pp, tg = ours_only(demo, args.positions, args.decode, args.threads, args.repeats)
+        pp_peer, tg_peer = float(dense["pp_peer"]), float(dense["tg_peer"])
+        print(f"| the {spec.name} demo vs llama.cpp on its dense source | - | {pp:.1f} | {pp_peer:.1f} | "
+              f"{pp / pp_peer:.2f} | {tg:.2f} | {tg_peer:.2f} | {tg / tg_peer:.2f} |", flush=True)  # fmt: skip
     if args.big:
         with tempfile.TemporaryDirectory() as tmp:
             big = qwen3_shaped(Path(tmp) / "qwen3-30b-a3b-shaped-12l-q4km.gguf")

@@ -59,7 +59,7 @@ def main() -> None:
         t0, n_dec = time.perf_counter(), 0
         for i, prompt in enumerate(PROMPTS):
             params = SamplingParams(temperature=0.7, top_p=0.95, seed=i)
-            events = generate(lm.model, lm.tokenizer, lm.tokenizer.encode(prompt), lm.new_cache(),
+            events = generate(lm.model, lm.tokenizer, lm.chat_prompt(prompt), lm.new_cache(),
                               max_tokens=per_prompt, params=params, ignore_eos=True)  # fmt: skip
             n_dec += sum(1 for e in events if isinstance(e, TokenEvent) and e.token >= 0)
         tps = n_dec / (time.perf_counter() - t0)

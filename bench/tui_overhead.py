@@ -41,9 +41,8 @@ from moechat.engine.generate import GREEDY, DoneEvent
 from moechat.engine.loader import load_model, set_threads
 
 MIB = 64  # the expert cache of a generated or given model
-# The demo (a base model behind a plain User:/Assistant: format) writes 256 greedy tokens for this
-# one before any stop; a reply cut short would time a cold start, not the steady rate. (It echoes
-# some prompts and stops: "Describe, step by step, how bread is made" gets 9 tokens.)
+# A prompt that asks for a long reply: a reply cut short would time a cold start, not the steady
+# rate (the tokens written are printed with the rates).
 PROMPT = "Write a long essay about the history of the city of Rome, from its founding to the present day."
 
 

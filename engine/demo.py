@@ -1,12 +1,14 @@
-"""The built-in demo model: Gemma 3 270M turned into a Mixture of Experts by a small recipe.
+"""The built-in demos: small dense chat models turned into Mixtures of Experts by a recipe.
 
-The recipe (assets/demo_recipe.npz, fitted by scripts/moefy_demo.py) holds, per layer, which FFN
-neurons form the shared expert (always on), which form each routed expert, and a linear router.
-Routed experts may share neurons with each other but never with the shared expert: a token's FFN
-is the shared neurons plus its expert's, each counted once, as in the dense FFN. Building the
-demo copies every tensor of the dense file as it is, except the FFN: `gate` and `up` rows move
-whole, so their quantized blocks stay bit-identical; `down`'s columns are regrouped, which breaks
-its blocks, so it is requantized to Q8_0.
+Two demos: `smollm2` (the default; SmolLM2-135M-Instruct, a llama, so the built file is a llama
+with experts and a shared expert) and `gemma` (Gemma 3 270M, a base model that does not chat;
+built as `gemma3moe`). A recipe (assets/demo_recipe*.npz, fitted by scripts/moefy_demo.py)
+holds, per layer, which FFN neurons form the shared expert (always on), which form each routed
+expert, and a linear router. Routed experts may share neurons with each other but never with the
+shared expert: a token's FFN is the shared neurons plus its expert's, each counted once, as in
+the dense FFN. Building the demo copies every tensor of the dense file as it is, except the FFN:
+`gate` and `up` rows move whole, so their quantized blocks stay bit-identical; `down`'s columns
+are regrouped, which breaks its blocks, so it is requantized to Q8_0.
 """
 
 from __future__ import annotations
@@ -22,41 +24,70 @@ from pathlib import Path
 import numpy as np
 from gguf import GGMLQuantizationType, GGUFWriter, quants
 
-from .demo_source import source_gguf
+from .demo_source import gemma_gguf, smollm2_gguf
 from .gguf_file import GGUFFile, copy_metadata
 from .quants import dequantize
 
 logger = logging.getLogger(__name__)
 
-ARCH = "gemma3moe"
 Progress = Callable[[float, str], None]
+
+
+@dataclass(frozen=True)
+class DemoSpec:
+    name: str
+    title: str  # general.name of the built file
+    source: Callable[[Path], Path]  # cache folder -> the dense source GGUF
+    source_arch: str
+    arch: str  # of the built file
+    recipe: str  # file name in moechat.assets
+    act: str  # the FFN's gating activation ("silu" or "gelu_tanh"), for fitting recipes
+
+
+DEMOS = {
+    "smollm2": DemoSpec("smollm2", "moechat demo: SmolLM2-135M-Instruct as a mixture of experts", smollm2_gguf,
+                        "llama", "llama", "demo_recipe_smollm2.npz", "silu"),
+    "gemma": DemoSpec("gemma", "moechat demo: Gemma 3 270M as a mixture of experts", gemma_gguf,
+                      "gemma3", "gemma3moe", "demo_recipe.npz", "gelu_tanh"),
+}  # fmt: skip
+DEFAULT_DEMO = "smollm2"
 
 
 class DemoError(ValueError):
     """The demo model cannot be built (missing or bad recipe, unexpected source file)."""
 
 
-def recipe_path() -> Path:
-    return Path(str(importlib.resources.files("moechat.assets").joinpath("demo_recipe.npz")))
+def demo_spec(name: str) -> DemoSpec:
+    if name not in DEMOS:
+        raise DemoError(f"no demo named '{name}' (demos: {', '.join(DEMOS)})")
+    return DEMOS[name]
+
+
+def recipe_path(name: str = DEFAULT_DEMO) -> Path:
+    return Path(str(importlib.resources.files("moechat.assets").joinpath(demo_spec(name).recipe)))
 
 
 def _recipe_digest(path: Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()[:12]
 
 
-def demo_path(cache_dir: Path) -> Path:
-    """Where the demo GGUF for the current recipe lives (a new recipe gets a new file)."""
-    return cache_dir / f"moechat-demo-gemma3moe-{_recipe_digest(recipe_path())}.gguf"
+def demo_path(cache_dir: Path, name: str = DEFAULT_DEMO) -> Path:
+    """Where a demo's GGUF for its current recipe lives (a new recipe gets a new file)."""
+    return cache_dir / f"moechat-demo-{name}-{_recipe_digest(recipe_path(name))}.gguf"
 
 
-def ensure_demo(cache_dir: Path, progress: Progress | None = None) -> Path:
-    """The demo GGUF, built on first use into `cache_dir` and reused afterwards."""
-    target = demo_path(cache_dir)
+def ensure_demo(cache_dir: Path, progress: Progress | None = None, name: str = DEFAULT_DEMO) -> Path:
+    """A demo's GGUF, built on first use into `cache_dir` and reused afterwards."""
+    spec = demo_spec(name)
+    target = demo_path(cache_dir, name)
     if target.exists():
         return target
-    source = source_gguf(cache_dir / "sources")
-    built = build_demo(source, recipe_path(), target, progress)
-    for stale in cache_dir.glob("moechat-demo-gemma3moe-*.gguf"):  # built from an earlier recipe
+    if progress:
+        progress(0.0, "getting the source model")
+    source = spec.source(cache_dir / "sources")
+    built = build_demo(source, recipe_path(name), target, progress, spec=spec)
+    # Built from an earlier recipe, or under the name the Gemma demo had before there were two.
+    for stale in [*cache_dir.glob(f"moechat-demo-{name}-*.gguf"), *cache_dir.glob("moechat-demo-gemma3moe-*.gguf")]:
         if stale != built:
             stale.unlink(missing_ok=True)
             logger.info("removed the demo built from an earlier recipe: %s", stale.name)
@@ -120,17 +151,22 @@ def build_demo(
     target: Path,
     progress: Progress | None = None,
     *,
+    spec: DemoSpec | None = None,
     down_type: GGMLQuantizationType = GGMLQuantizationType.Q8_0,
     k: int | None = None,
 ) -> Path:
     """Write the MoE GGUF. `down_type` F32 keeps `down` exact (for the identity test); `k`
-    overrides the recipe's experts per token."""
+    overrides the recipe's experts per token; `spec` (default: the demo built from the source's
+    architecture) names the built file's architecture and title."""
     with GGUFFile(source) as src:
-        if src.architecture != "gemma3":
-            raise DemoError(f"{source}: the demo is built from a gemma3 file, not {src.architecture}")
-        n_layers = int(src.metadata["gemma3.block_count"])
-        n_ff = int(src.metadata["gemma3.feed_forward_length"])
-        n_embd = int(src.metadata["gemma3.embedding_length"])
+        spec = spec or next((d for d in DEMOS.values() if d.source_arch == src.architecture), None)
+        if spec is None or src.architecture != spec.source_arch:
+            sources = " or ".join(d.source_arch for d in DEMOS.values()) if spec is None else spec.source_arch
+            raise DemoError(f"{source}: a demo is built from a {sources} file, not {src.architecture}")
+        arch, src_arch = spec.arch, spec.source_arch
+        n_layers = int(src.metadata[f"{src_arch}.block_count"])
+        n_ff = int(src.metadata[f"{src_arch}.feed_forward_length"])
+        n_embd = int(src.metadata[f"{src_arch}.embedding_length"])
         rec = read_recipe(recipe, n_layers, n_ff, n_embd)
         n_expert, width, n_shared = rec.n_expert, rec.routed.shape[2], rec.shared.shape[1]
         k = rec.k if k is None else k
@@ -138,15 +174,15 @@ def build_demo(
             raise DemoError(f"{k} experts per token of {n_expert}")
         target.parent.mkdir(parents=True, exist_ok=True)
         tmp = target.with_name(target.name + ".partial")
-        w = GGUFWriter(str(tmp), ARCH)
-        copy_metadata(src, w, ARCH, skip=("general.name",))
-        w.add_uint32(f"{ARCH}.expert_count", n_expert)
-        w.add_uint32(f"{ARCH}.expert_used_count", k)
-        w.add_uint32(f"{ARCH}.expert_feed_forward_length", width)
+        w = GGUFWriter(str(tmp), arch)
+        copy_metadata(src, w, arch, skip=("general.name",))
+        w.add_uint32(f"{arch}.expert_count", n_expert)
+        w.add_uint32(f"{arch}.expert_used_count", k)
+        w.add_uint32(f"{arch}.expert_feed_forward_length", width)
         if n_shared:
-            w.add_uint32(f"{ARCH}.expert_shared_feed_forward_length", n_shared)
-            w.add_uint32(f"{ARCH}.expert_shared_count", 1)
-        w.add_string("general.name", "moechat demo: Gemma 3 270M as a mixture of experts")
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length", n_shared)
+            w.add_uint32(f"{arch}.expert_shared_count", 1)
+        w.add_string("general.name", spec.title)
         ffn = {f"blk.{i}.ffn_{kind}.weight" for i in range(n_layers) for kind in ("gate", "up", "down")}
         for name, t in src.tensors.items():
             if name not in ffn:

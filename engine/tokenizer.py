@@ -51,6 +51,7 @@ PRE_TOKENIZERS: dict[str, tuple[str, ...]] = {
     "qwen2": (_QWEN2,),
     "deepseek-r1-qwen": (_QWEN2,),
     "gpt-4o": (_O200K,),
+    "smollm": (r"\p{N}", _GPT2),  # digits one by one, then GPT-2's rule (llama.cpp groups it with starcoder)
 }
 # llama.cpp takes a whole pre-token as one token when the vocabulary has it (llama 3 only).
 _IGNORE_MERGES = {"llama-bpe", "llama3"}

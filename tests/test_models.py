@@ -117,3 +117,46 @@ def test_one_kv_head_with_per_head_qk_norms(tmp_path: Path) -> None:
         ours = lm.model(torch.tensor(ids), 0, lm.new_cache())
         ref = hf_reference(lm.gguf, lm.config)(torch.tensor([ids])).logits[0]
     assert float((ours - ref).abs().max() / ref.abs().max()) <= 1e-4
+
+
+@pytest.mark.parametrize(("arch", "qtype"), [("llama", Q.F32), ("llama", Q.Q4_K), ("qwen2", Q.Q8_0), ("qwen3", Q.F32)])
+def test_dense_models_match_transformers(tmp_path: Path, arch: str, qtype: Q) -> None:
+    # Dense models (no experts) run on the same decoder, with their family's biases and QK norms.
+    lm = load_model(tiny_moe(tmp_path / "dense.gguf", arch=arch, n_expert=0, dense_type=qtype), n_ctx=128)
+    assert not lm.config.is_moe and not lm.model.host_experts.layers and lm.cache is None
+    ids = lm.tokenizer.encode(PROMPT)[:32]
+    with torch.inference_mode():
+        ours = lm.model(torch.tensor(ids), 0, lm.new_cache())
+        ref = hf_reference(lm.gguf, lm.config)(torch.tensor([ids])).logits[0]
+    assert float((ours - ref).abs().max() / ref.abs().max()) <= 1e-4
+    assert lm.model.routing() == ()
+
+
+def test_dense_lead_layers_stay_out_of_the_expert_cache(tmp_path: Path) -> None:
+    # Layer 0 has a dense FFN, layers 1-2 route: the cache, its statistics and its trace see only
+    # the MoE layers, by their real index, and the cache still changes nothing the model computes.
+    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.trace import read_trace
+
+    path = tiny_moe(tmp_path / "lead.gguf", n_layers=3, dense_layers=1)
+    plain = load_model(path, n_ctx=128)
+    assert sorted(plain.model.host_experts.layers) == [1, 2]
+    lx = plain.model.host_experts.layers[1]
+    expert_mib = 2 * lx.bytes_per_expert * lx.gate.raw.shape[0] / 2**20
+    trace = tmp_path / "lead.trace"
+    cached = load_model(path, n_ctx=128, cache=CacheSettings(mib=expert_mib * 0.4, cpu_share=0.5, trace=trace))
+
+    def greedy(lm: LoadedModel) -> list[int]:
+        ev = generate(lm.model, lm.tokenizer, lm.tokenizer.encode(PROMPT)[:12], lm.new_cache(), max_tokens=24,
+                      params=GREEDY, ignore_eos=True)  # fmt: skip
+        return [e.token for e in ev if isinstance(e, TokenEvent) and e.token >= 0]
+
+    assert greedy(plain) == greedy(cached)
+    assert cached.cache is not None
+    snap = cached.cache.snapshot()
+    assert [layer.layer for layer in snap.layers] == [1, 2]
+    assert sum(layer.small.lookups for layer in snap.layers) > 0
+    assert len(cached.model.routing()) == 2
+    cached.close()
+    tr = read_trace(trace)
+    assert {rec.layer for rec in tr} == {1, 2} and tr.header["groups"][0]["layers"] == [1, 2]

@@ -93,32 +93,43 @@ def test_paths_prints_four_directories(tmp_path: Path) -> None:
     assert lines["log"].startswith(str(tmp_path / "st"))
 
 
-def test_inspect_without_a_model_builds_and_shows_the_demo(tmp_path: Path) -> None:
+def test_inspect_without_a_model_builds_and_shows_the_demo(tmp_path: Path, smollm2_gguf: Path) -> None:
     import os
+    import shutil
 
     cache = Path(os.environ["MOECHAT_HOME"]) / "cache"
-    cache.mkdir(parents=True)
-    stale = cache / "moechat-demo-gemma3moe-0123456789ab.gguf"  # an earlier recipe's build
+    (cache / "sources").mkdir(parents=True)
+    # The source as the first start leaves it (fetched once per test cache, not once per test).
+    try:
+        os.link(smollm2_gguf, cache / "sources" / smollm2_gguf.name)
+    except OSError:  # another file system
+        shutil.copyfile(smollm2_gguf, cache / "sources" / smollm2_gguf.name)
+    stale = cache / "moechat-demo-smollm2-0123456789ab.gguf"  # an earlier recipe's build
     stale.write_bytes(b"GGUF")
     r = _moechat("inspect", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
-    assert "gemma3moe" in r.stdout and "16 per layer" in r.stdout and "shared experts" in r.stdout
+    assert "llama" in r.stdout and "16 per layer" in r.stdout and "shared experts" in r.stdout
     assert not stale.exists()
-    assert (cache / "sources" / "gemma-3-270m-q4_k_m.gguf").stat().st_size == 253113024
-    (demo,) = cache.glob("moechat-demo-gemma3moe-*.gguf")
+    (demo,) = cache.glob("moechat-demo-smollm2-*.gguf")
     stamp = demo.stat().st_mtime_ns
     r = _moechat("inspect", cwd=tmp_path)  # the second time reuses the built file
     assert r.returncode == 0 and demo.stat().st_mtime_ns == stamp
+    # The second demo, by name: built from the Gemma package's chunks.
+    r = _moechat("inspect", "demo:gemma", cwd=tmp_path)
+    assert r.returncode == 0 and "gemma3moe" in r.stdout, r.stderr
+    assert (cache / "sources" / "gemma-3-270m-q4_k_m.gguf").stat().st_size == 253113024
+    r = _moechat("inspect", "demo:nope", cwd=tmp_path)
+    assert r.returncode == 2 and "no demo named 'nope' (demos: smollm2, gemma)" in r.stderr
 
 
 def test_inspect_without_the_demo_package_says_how_to_get_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from moechat.app.cli import main
-    from moechat.engine.demo_source import PACKAGE
+    from moechat.engine.demo_source import GEMMA_PACKAGE
 
-    monkeypatch.setitem(sys.modules, PACKAGE, None)  # import now fails, as if not installed
-    assert main(["inspect"]) == 2
+    monkeypatch.setitem(sys.modules, GEMMA_PACKAGE, None)  # import now fails, as if not installed
+    assert main(["inspect", "demo:gemma"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "pip install 'moechat[demo]'" in err[0] and "or pass a model path" in err[0]
 

@@ -103,10 +103,11 @@ def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
     import numpy as np
     from testkit.ggufgen import write_gguf
 
-    meta = {"qwen2.block_count": 1, "qwen2.embedding_length": 64, "qwen2.attention.head_count": 2}
-    dense = write_gguf(tmp_path / "d.gguf", "qwen2", meta, {"a.weight": (np.zeros((2, 32), np.float32), Q.F32)})
-    r = run(str(dense), "-p", "hi")
-    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "dense architecture 'qwen2' cannot be run" in r.stderr
+    for arch, msg in (("qwen2", "missing (the file has no tokenizer)"), ("mamba", "unsupported architecture 'mamba'")):
+        meta = {f"{arch}.block_count": 1, f"{arch}.embedding_length": 64, f"{arch}.attention.head_count": 2}
+        bad = write_gguf(tmp_path / "d.gguf", arch, meta, {"a.weight": (np.zeros((2, 32), np.float32), Q.F32)})
+        r = run(str(bad), "-p", "hi")
+        assert r.returncode == 2 and r.stderr.count("\n") == 1 and msg in r.stderr, r.stderr
     model = tiny_moe(tmp_path / "m.gguf", n_vocab=300)
     for args, msg in [
         (("--temp", "-1"), "temperature must be >= 0"),

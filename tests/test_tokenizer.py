@@ -177,3 +177,16 @@ def test_other_pre_tokenizers_match_tiktoken_with_the_same_regex(pre: str) -> No
     # (llama-bpe differs from qwen2 only in digit runs, which Qwen's vocabulary splits anyway).
     if pre != "llama-bpe":
         assert ids != Tokenizer.from_metadata(_qwen_meta(v)).encode(text)
+
+
+def test_smollm_pre_tokenizer_splits_digits(smollm2_gguf: Path) -> None:
+    # SmolLM2's `smollm` pre-tokenizer puts every digit in a piece of its own before GPT-2's rule
+    # (as llama.cpp does; checked against llama.cpp on prose, numbers and whitespace).
+    with GGUFFile(smollm2_gguf) as f:
+        tok = Tokenizer.from_metadata(f.metadata)
+    ids = tok.encode("I counted 12345 apples.", add_special=False)
+    assert [tok.decode([i]) for i in ids] == ["I", " counted", " ", "1", "2", "3", "4", "5", " apples", "."]
+    text = "<|im_start|>user\nHi 42 times<|im_end|>\n"
+    special = tok.encode(text, add_special=False, parse_special=True)
+    assert special[0] == tok.tokens.index("<|im_start|>") and tok.decode(special) == "user\nHi 42 times\n"
+    assert tok.is_eog(tok.tokens.index("<|im_end|>"))

@@ -35,7 +35,7 @@ from testkit.fake_engine import FakeEngine
 from testkit.ggufgen import tiny_moe
 from textual.binding import Binding
 from textual.pilot import Pilot
-from textual.widgets import Markdown, Static
+from textual.widgets import DataTable, Markdown, Static
 
 WORDS = ["The", " river", " rose", " in", " spring", "."]
 
@@ -352,6 +352,27 @@ async def test_wizard_says_what_it_measures_and_how_long_is_left(tmp_path: Path)
         assert labels[0].startswith("run 1/6: cache 0.5 MiB, CPU share 0: 100.0 t/s")
 
 
+async def test_wizard_estimates_before_it_starts_and_measures_again(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS, sweep_delay=0.02)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "hello")  # a reply: the session now has a decode speed
+        rate = app.session.replies[-1]["gen_tps"]
+        await pilot.press("ctrl+t")
+        await until(pilot, lambda: isinstance(app.screen, TuneWizard) and bool(app.screen.query("#estimate")))
+        wizard = app.screen
+        first = str(wizard.query_one("#estimate", Static).content)
+        assert first.startswith("estimate: ") and f"6 runs at {rate:.1f} tokens/s" in first, first
+        await until(pilot, lambda: wizard.report is not None)
+        before = wizard.report
+        await pilot.press("m")  # drop the kept runs and run the sweep again
+        await until(pilot, lambda: wizard.report is not None and wizard.report is not before)
+        assert engine.sweeps == [False, True]
+        assert "recommended:" in str(wizard.query_one("#advice", Static).content)
+        assert len(wizard.query_one("#runs", DataTable).rows) == 6  # one table, not the old one twice
+
+
 async def test_wizard_cancel_changes_nothing(tmp_path: Path) -> None:
     engine = FakeEngine(WORDS, sweep_delay=0.05)
     app = make_app(tmp_path, engine)
@@ -589,12 +610,14 @@ def test_the_demo_has_its_own_defaults_below_anything_the_user_set(tmp_path: Pat
     assert (s.moe_cache_mib, s.source("moe_cache_mib")) == (8.0, str(config))
     assert (s.moe_cache_cpu_share, s.source("moe_cache_cpu_share")) == (0.25, "env MOECHAT_MOE_CACHE_CPU_SHARE")
     s = for_demo(resolve({}, {}, config)[0], None)
-    assert s.moe_cache_cpu_share == DEMO_DEFAULTS["moe_cache_cpu_share"] > 0
+    assert s.moe_cache_cpu_share == DEMO_DEFAULTS["smollm2"]["moe_cache_cpu_share"] > 0
     assert s.source("moe_cache_cpu_share") == "the demo's default"
     # No setting at all: the demo runs with a cache, so the dashboard has something to show.
     d = for_demo(Settings(), None)
-    assert d.moe_cache_mib == DEMO_DEFAULTS["moe_cache_mib"] > 0 and d.cpu_kernels == "fast"
-    # The user's own model: the plain defaults.
+    assert d.moe_cache_mib == DEMO_DEFAULTS["smollm2"]["moe_cache_mib"] > 0 and d.cpu_kernels == "fast"
+    # The second demo has its own size; the user's own model gets the plain defaults.
+    assert for_demo(Settings(), "demo:gemma").moe_cache_mib == DEMO_DEFAULTS["gemma"]["moe_cache_mib"]
+    assert DEMO_DEFAULTS["gemma"]["moe_cache_mib"] != DEMO_DEFAULTS["smollm2"]["moe_cache_mib"]
     assert for_demo(Settings(), "m.gguf") == Settings() and Settings().moe_cache_mib == 0
 
 
@@ -781,3 +804,44 @@ async def test_text_from_users_files_and_errors_is_shown_as_written_never_as_mar
         # The notification ("the engine failed: ...") shows it as written too.
         await until(pilot, lambda: any(MARKUP in str(t.render()) for t in app.screen.query("Toast")))
         assert app.is_running
+
+
+def test_the_session_export_adds_up_every_cache_the_session_ran(tmp_path: Path) -> None:
+    # The wizard and a settings change rebuild the engine's cache, whose counters start again:
+    # the session's export still counts everything since the session began.
+    from moechat.app.export import SessionStats
+    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.generate import GREEDY, generate
+    from moechat.engine.loader import load_model
+    from moechat.engine.stats import StatsSnapshot
+
+    lm = load_model(tiny_moe(tmp_path / "m.gguf"), n_ctx=128, cache=CacheSettings(mib=1.0, cpu_share=0.5))
+    session = SessionStats({"name": "tiny"}, {"moe_cache_mib": 1.0, "moe_cache_cpu_share": 0.5})
+
+    def reply() -> StatsSnapshot:
+        prompt = lm.tokenizer.encode("The harbour town was quiet in winter")
+        for _ in generate(
+            lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=12, params=GREEDY, ignore_eos=True
+        ):
+            pass
+        assert lm.cache is not None
+        return lm.cache.snapshot()
+
+    first = reply()
+    session.add(first, 12, 10.0)
+    session.cache_rebuilt()
+    session.settings = {"moe_cache_mib": 2.0, "moe_cache_cpu_share": 0.0}
+    lm.set_cache(CacheSettings(mib=2.0))
+    second = reply()
+    session.add(second, 24, 10.0)
+    lm.close()
+    d = session.to_dict()
+    assert second.tokens < first.tokens + second.tokens == d["tokens"]
+    for row, a, b in zip(d["layers"], first.layers, second.layers, strict=True):
+        assert row["hits"] == a.total.hits + b.total.hits and row["lookups"] == a.total.lookups + b.total.lookups
+        assert row["small"]["uploads"] == a.small.uploads + b.small.uploads
+    assert d["cache_periods"] == [{
+        "settings": {"moe_cache_mib": 1.0, "moe_cache_cpu_share": 0.5}, "tokens": first.tokens,
+        "hits": first.total.hits, "lookups": first.total.lookups, "cpu": first.total.cpu,
+        "uploads": first.total.uploads,
+    }]  # fmt: skip

@@ -209,6 +209,9 @@ def test_sweep_runs_six_arms_caches_them_and_cancels_cleanly(tmp_path: Path) -> 
     assert not any(isinstance(e, ArmStarted) for e in again)
     assert all(e.cached for e in again if isinstance(e, ArmDone))
     assert [a.ms_per_token for a in again[-1].arms] == [a.ms_per_token for a in done.arms]
+    # Another context size (the wizard runs at the session's, `moechat tune` at its own) reuses them too.
+    other_ctx = list(calibrate(_sweep_settings(path, n_ctx=512), cache_dir=cache_dir))
+    assert all(e.cached for e in other_ctx if isinstance(e, ArmDone)) and len(other_ctx[-1].arms) == 6
 
     # A changed argument is a different run directory; cancelling in arm 1 keeps nothing of it.
     changed = _sweep_settings(path, tokens=48)

@@ -66,11 +66,15 @@ class SweepSettings:
     prompt: str = PROMPT
 
     def key(self) -> str:
-        """Identity of the runs: the model file and every argument that changes their speed."""
+        """Identity of the runs: the model file and every argument that changes their speed.
+
+        Not the context size: a run fills a few hundred positions whatever the cache holds, and
+        the wizard (the session's context) and `moechat tune` (its own) share their runs.
+        """
         st = self.model.stat()
         ident = {
             "model": str(self.model.resolve()), "size": st.st_size, "mtime_ns": st.st_mtime_ns,
-            "device": self.device, "n_ctx": self.n_ctx, "link": self.emulate_link_gbps, "load_mode": self.load_mode,
+            "device": self.device, "link": self.emulate_link_gbps, "load_mode": self.load_mode,
             "dequant_mib": self.cpu_dequant_mib, "kernels": self.cpu_kernels, "tokens": self.tokens,
             "warmup": self.warmup, "seed": self.seed, "prompt": self.prompt,
             "threads": torch.get_num_threads(), "version": __version__,

@@ -41,7 +41,9 @@ TEXT_EVERY = 0.25  # seconds: streamed text reaches the screen in pieces, at mos
 # while streaming, twice what a fresh chat takes (bench/ui_long_chat.py).
 SHOWN_TURNS = 12
 # The settings a reply ran with, recorded with its stats in the session export.
-REPLY_SETTINGS = ("temp", "top_k", "top_p", "min_p", "n_predict", "system", "moe_cache_mib", "moe_cache_cpu_share")
+REPLY_SETTINGS = (
+    "temp", "top_k", "top_p", "min_p", "repeat_penalty", "n_predict", "system", "moe_cache_mib", "moe_cache_cpu_share",
+)  # fmt: skip
 REVEAL_TURNS = 10  # turns brought back at a time
 
 
@@ -214,7 +216,9 @@ class ChatScreen(Screen[None]):
         self.query_one("#info", Static).update(
             f"{info.name} ({info.arch}, {info.device}) | template: {info.template} | cache {mib:g} MiB, "
             f"share {share:g}\nsystem: {system} | temp {s.temp:g}, top-k {s.top_k}, top-p {s.top_p:g}, "
-            f"min-p {s.min_p:g}, max {s.n_predict} tokens"
+            f"min-p {s.min_p:g}"
+            + (f", repeat penalty {s.repeat_penalty:g}" if s.repeat_penalty != 1 else "")
+            + f", max {s.n_predict} tokens"
         )
 
     # -- sending and streaming ------------------------------------------------------------
@@ -244,7 +248,8 @@ class ChatScreen(Screen[None]):
         self.query_one("#status", Static).update("reading the prompt...")
         s = self.moechat.settings
         self._reply_settings = {k: v for k, v in self.moechat.settings_dict().items() if k in REPLY_SETTINGS}
-        params = SamplingParams(temperature=s.temp, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p)
+        params = SamplingParams(temperature=s.temp, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
+                                repeat_penalty=s.repeat_penalty)  # fmt: skip
         self.generate(self.conv.chat_messages(), params, s.n_predict, s.refresh_ms / 1000)
 
     @work(thread=True, exclusive=True, group="engine")

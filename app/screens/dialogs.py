@@ -46,7 +46,7 @@ class OpenChat(ModalScreen[Conversation | None]):
         self.dismiss(next(c for c in self.conversations if c.id == event.option.id))
 
 
-EDITABLE = ("system", "temp", "top_k", "top_p", "min_p", "n_predict")
+EDITABLE = ("system", "temp", "top_k", "top_p", "min_p", "repeat_penalty", "n_predict")
 
 
 class SettingsDialog(ModalScreen[bool]):

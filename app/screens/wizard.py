@@ -1,7 +1,8 @@
 """The tuning wizard: the calibration sweep in a cancellable worker, then the advice.
 
 Cancel (Esc) stops the sweep between tokens and returns with the session's cache unchanged;
-`a` applies the recommendation to the running session, `s` saves it to config.toml.
+`a` applies the recommendation to the running session, `s` saves it to config.toml, `m` measures
+every run again (runs kept from earlier tunings, the wizard's or `moechat tune`'s, are dropped).
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ class TuneWizard(Screen[bool]):
         Binding("escape", "cancel", "Cancel / back", priority=True),
         Binding("a", "apply", "Apply"),
         Binding("s", "save", "Save to config"),
+        Binding("m", "measure_again", "Measure again"),
     ]
     DEFAULT_CSS = """
     TuneWizard VerticalScroll { padding: 0 2; }
@@ -46,6 +48,7 @@ class TuneWizard(Screen[bool]):
     def __init__(self, tokens: int = 256) -> None:
         super().__init__()
         self.tokens = tokens
+        self.fresh = False  # True after "measure again": the sweep drops the kept runs
         self.stop = threading.Event()
         self.report: TuneReport | None = None
         self.running = False
@@ -63,6 +66,7 @@ class TuneWizard(Screen[bool]):
                 "one CPU share (2 sizes x 3 shares). A time model fitted to them, replayed over the routing they "
                 "recorded, predicts every other size and share."
             )
+            yield Static(self._first_estimate(), id="estimate", markup=False)
             yield Static("time left: measured once the first run is under way", id="eta", markup=False)
             with Vertical(id="arms"):
                 for i in range(N_ARMS):
@@ -74,7 +78,19 @@ class TuneWizard(Screen[bool]):
             yield Static("", id="advice", markup=False)
         yield Footer()
 
+    def _first_estimate(self) -> str:
+        """Before any run: the sweep's length at the decode speed of this session's recent replies."""
+        rates = [r["gen_tps"] for r in self.moechat.session.replies[-3:] if r.get("gen_tps")]
+        if not rates:
+            return "estimate: after the first run's first tokens (no reply in this session to go by yet)"
+        rate = sum(rates) / len(rates)
+        return (f"estimate: {_duration(N_ARMS * self.tokens / rate)} for {N_ARMS} runs at {rate:.1f} tokens/s "
+                "(this session's replies; runs kept from an earlier tuning are reused)")  # fmt: skip
+
     def on_mount(self) -> None:
+        # The sweep runs the engine's cache at other sizes, then rebuilds the session's: what the
+        # session's cache counted so far stays in the session's totals.
+        self.moechat.session.cache_rebuilt()
         self.running = True
         self.sweep()
 
@@ -91,7 +107,7 @@ class TuneWizard(Screen[bool]):
     def _sweep(self) -> None:
         engine = self.moechat.engine
         done = None
-        for ev in engine.sweep(self.stop, None, self.tokens):
+        for ev in engine.sweep(self.stop, None, self.tokens, self.fresh):
             self.post_message(SweepUpdate(ev))
             if isinstance(ev, SweepDone):
                 done = ev
@@ -128,9 +144,7 @@ class TuneWizard(Screen[bool]):
             return
         rate = (measured - first) / (now - start)
         left = (ev.n_arms - ev.index) * ev.tokens_total - ev.tokens_done
-        secs = round(left / rate)
-        text = f"{secs // 60} min {secs % 60} s" if secs >= 60 else f"{secs} s"
-        self.query_one("#eta", Static).update(f"time left: about {text} at {rate:.1f} tokens/s")
+        self.query_one("#eta", Static).update(f"time left: about {_duration(left / rate)} at {rate:.1f} tokens/s")
 
     def on_tune_ready(self, msg: TuneReady) -> None:
         self.running = False
@@ -161,9 +175,10 @@ class TuneWizard(Screen[bool]):
             table.add_row(*cells)
         rec = r.recommendation
         how = "measured" if rec.measured else "predicted"
+        noisy = " (the runs look noisy: m measures them again)" if r.warnings else ""
         self.query_one("#advice", Static).update(
-            f"recommended: {rec.command()} ({rec.tps:.1f} t/s {how})  -  "
-            "a: apply now, s: save to config.toml, Esc: back"
+            f"recommended: {rec.command()} ({rec.tps:.1f} t/s {how}){noisy}  -  "
+            "a: apply now, s: save to config.toml, m: measure again, Esc: back"
         )
 
     def on_sweep_failed(self, msg: SweepFailed) -> None:
@@ -178,6 +193,24 @@ class TuneWizard(Screen[bool]):
             self.stop.set()  # the worker stops between tokens; the engine restores the session's cache
             self.notify("tuning cancelled; settings unchanged")
         self.dismiss(False)
+
+    def action_measure_again(self) -> None:
+        """Drop the kept runs and sweep again from the first run."""
+        if self.running:
+            self.notify("tuning is under way", severity="warning")
+            return
+        self.report, self.fresh, self._timing, self._done_tokens = None, True, None, 0
+        self.stop = threading.Event()
+        for i in range(N_ARMS):
+            self.query_one(f"#arm-label-{i}", Static).update(f"run {i + 1}/{N_ARMS}: waiting")
+            self.query_one(f"#arm-{i}", ProgressBar).update(total=self.tokens, progress=0)
+        for table in self.query(DataTable):
+            table.clear(columns=True)
+        for name in ("#machine", "#advice"):
+            self.query_one(name, Static).update("")
+        self.query_one("#eta", Static).update("time left: measured once the first run is under way")
+        self.running = True
+        self.sweep()
 
     def action_apply(self) -> None:
         if self.report is None:
@@ -214,3 +247,8 @@ class TuneWizard(Screen[bool]):
             self.notify(f"could not save: {e}", severity="error")
             return
         self.notify(f"saved to {path}")
+
+
+def _duration(seconds: float) -> str:
+    secs = round(seconds)
+    return f"{secs // 60} min {secs % 60} s" if secs >= 60 else f"{secs} s"

@@ -8,10 +8,12 @@ from . import gpt_oss, llama_moe, olmoe, qwen_moe
 from .decoder import Family, MoeDecoder
 from .gemma3 import Gemma3
 
-_MOE_FAMILIES = {
+_FAMILIES = {
     "qwen3moe": qwen_moe.FAMILY,
     "qwen2moe": qwen_moe.FAMILY,
-    "llama": llama_moe.FAMILY,  # with experts: Mixtral
+    "qwen3": qwen_moe.FAMILY,  # dense: the same decoder without routers
+    "qwen2": qwen_moe.FAMILY,
+    "llama": llama_moe.FAMILY,  # dense, or with experts (Mixtral)
     "olmoe": olmoe.FAMILY,
     "gpt-oss": gpt_oss.FAMILY,
 }
@@ -22,15 +24,14 @@ _GEMMA = ("gemma3", "gemma3moe")
 
 
 def family_for(gguf: GGUFFile, cfg: ModelConfig) -> Family | None:
-    """The MoE family that runs this model (None: Gemma's own decoder), or a one-line `GGUFError`."""
+    """The family that runs this model (None: Gemma's own decoder), or a one-line `GGUFError`."""
     if cfg.arch in _GEMMA:
         return None
-    family = _MOE_FAMILIES.get(cfg.arch) if cfg.is_moe else None
+    family = _FAMILIES.get(cfg.arch)
     if family is None:
-        kind = "dense " if not cfg.is_moe else ""
         raise GGUFError(
-            f"{gguf.path}: {kind}architecture '{cfg.arch}' cannot be run (moechat runs MoE models of: "
-            "qwen3moe, qwen2moe, llama with experts, olmoe, gpt-oss, gemma3moe; and dense gemma3)"
+            f"{gguf.path}: architecture '{cfg.arch}' cannot be run (moechat runs: "
+            f"{', '.join(sorted([*_FAMILIES, *_GEMMA]))})"
         )
     return family
 

@@ -157,13 +157,54 @@ class MoeFFN(Routed):
         return y
 
 
+class DenseFFN(nn.Module):
+    """A layer's FFN without experts: dense models, and the dense lead layers of some MoE models."""
+
+    def __init__(self, gguf: GGUFFile, i: int, act: Activation, quantized: bool = False) -> None:
+        super().__init__()
+        self.act = act
+        self.gate = load_linear(gguf, f"blk.{i}.ffn_gate.weight", quantized)  # [F, E]
+        self.up = load_linear(gguf, f"blk.{i}.ffn_up.weight", quantized)
+        self.down = load_linear(gguf, f"blk.{i}.ffn_down.weight", quantized)  # [E, F]
+
+    def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
+        return linear(gated(h, self.gate, self.up, self.act), self.down)
+
+
+def is_moe_layer(gguf: GGUFFile, i: int) -> bool:
+    """A layer routes to experts when the file holds its router."""
+    return f"blk.{i}.ffn_gate_inp.weight" in gguf.tensors
+
+
+def ffn_for(gguf: GGUFFile, cfg: ModelConfig, i: int, act: Activation, quantized: bool) -> MoeFFN | DenseFFN:
+    return MoeFFN(gguf, cfg, i, act, quantized) if is_moe_layer(gguf, i) else DenseFFN(gguf, i, act, quantized)
+
+
+class NoExperts:
+    """The executor of a model without MoE layers: nothing calls it."""
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        raise RuntimeError("a dense model has no experts")
+
+    def end_of_generation(self) -> None:
+        pass
+
+
+def host_experts(gguf: GGUFFile, cfg: ModelConfig, act: Activation, kernels: str,
+                 dequant_mib: float) -> tuple[HostExperts, ExpertExecutor]:  # fmt: skip
+    """The host copy of the MoE layers' experts, and the executor a model starts with."""
+    layers = {i: load_layer_experts(gguf, i) for i in range(cfg.n_layers) if is_moe_layer(gguf, i)}
+    host = HostExperts(layers, act, kernels=kernels, dequant_mib=dequant_mib)
+    return host, (host if layers else NoExperts())
+
+
 class Block(nn.Module):
     def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, family: Family, quantized: bool) -> None:
         super().__init__()
         self.attn_norm = load_weight(gguf, f"blk.{i}.attn_norm.weight")
         self.ffn_norm = load_weight(gguf, f"blk.{i}.{family.ffn_norm}.weight")
         self.attn = Attention(gguf, cfg, i, quantized)
-        self.ffn = MoeFFN(gguf, cfg, i, family.act, quantized)
+        self.ffn = ffn_for(gguf, cfg, i, family.act, quantized)
         self.eps = cfg.norm_eps
 
     def forward(
@@ -174,7 +215,7 @@ class Block(nn.Module):
 
 
 class MoeDecoder(DecoderBase):
-    """Token embedding -> blocks -> norm -> output projection, for the MoE families."""
+    """Token embedding -> blocks -> norm -> output projection, for the llama-like families (MoE or dense)."""
 
     def __init__(
         self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, family: Family, *, quantized: bool = False,
@@ -186,9 +227,7 @@ class MoeDecoder(DecoderBase):
         self.blocks = nn.ModuleList(Block(gguf, cfg, i, family, quantized) for i in range(cfg.n_layers))
         self.rope = Rope(cfg.rope_dim, cfg.rope_theta, n_ctx, neox=family.neox_rope, cfg=cfg,
                          truncate=family.yarn_truncate)  # fmt: skip
-        layers = {i: load_layer_experts(gguf, i) for i in range(cfg.n_layers)}
-        self.host_experts = HostExperts(layers, family.act, kernels=kernels, dequant_mib=dequant_mib)
-        self.experts: ExpertExecutor = self.host_experts
+        self.host_experts, self.experts = host_experts(gguf, cfg, family.act, kernels, dequant_mib)
 
     def to_device(self, device: torch.device) -> MoeDecoder:
         """Move everything but the experts (they stay in host memory) to `device`."""

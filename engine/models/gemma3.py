@@ -21,9 +21,8 @@ from ..cpu_kernels import ACT_GELU_TANH
 from ..fused_moe import register_activation
 from ..gguf_file import GGUFFile
 from ..layers import KVCache, LayerCache, Rope, load_weight, move_tensors, rms_norm
-from ..moe import ExpertExecutor, HostExperts, load_layer_experts
-from ..qlinear import gated, linear, load_linear
-from .decoder import Attention, DecoderBase, MoeFFN
+from ..moe import ExpertExecutor
+from .decoder import Attention, DecoderBase, ffn_for, host_experts
 
 
 def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -31,17 +30,6 @@ def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 register_activation(gelu_gate, ACT_GELU_TANH)
-
-
-class DenseFFN(nn.Module):
-    def __init__(self, gguf: GGUFFile, i: int, quantized: bool) -> None:
-        super().__init__()
-        self.gate = load_linear(gguf, f"blk.{i}.ffn_gate.weight", quantized)  # [F, E]
-        self.up = load_linear(gguf, f"blk.{i}.ffn_up.weight", quantized)
-        self.down = load_linear(gguf, f"blk.{i}.ffn_down.weight", quantized)  # [E, F]
-
-    def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
-        return linear(gated(h, self.gate, self.up, gelu_gate), self.down)
 
 
 class Block(nn.Module):
@@ -55,7 +43,7 @@ class Block(nn.Module):
         self.ffn_norm = load_weight(gguf, p + "ffn_norm.weight")
         self.post_ffn_norm = load_weight(gguf, p + "post_ffw_norm.weight")
         self.attn = Attention(gguf, cfg, i, quantized)
-        self.ffn: nn.Module = MoeFFN(gguf, cfg, i, gelu_gate, quantized) if cfg.is_moe else DenseFFN(gguf, i, quantized)
+        self.ffn = ffn_for(gguf, cfg, i, gelu_gate, quantized)
 
     def forward(
         self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: tuple[Rope, Rope], experts: ExpertExecutor
@@ -64,14 +52,6 @@ class Block(nn.Module):
         x = x + rms_norm(a, self.post_attn_norm, self.eps)
         f = self.ffn(rms_norm(x, self.ffn_norm, self.eps), experts)
         return x + rms_norm(f, self.post_ffn_norm, self.eps)
-
-
-class _NoExperts:
-    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        raise RuntimeError("a dense model has no experts")
-
-    def end_of_generation(self) -> None:
-        pass
 
 
 class Gemma3(DecoderBase):
@@ -87,11 +67,7 @@ class Gemma3(DecoderBase):
         rope_global = Rope(cfg.rope_dim, cfg.rope_theta, n_ctx, neox=True, cfg=cfg)
         rope_local = Rope(cfg.rope_dim, cfg.rope_theta_swa or cfg.rope_theta, n_ctx, neox=True)
         self.rope = (rope_global, rope_local)
-        self.host_experts = HostExperts(
-            {i: load_layer_experts(gguf, i) for i in range(cfg.n_layers)} if cfg.is_moe else {}, gelu_gate,
-            kernels=kernels, dequant_mib=dequant_mib,
-        )  # fmt: skip
-        self.experts: ExpertExecutor = self.host_experts if cfg.is_moe else _NoExperts()
+        self.host_experts, self.experts = host_experts(gguf, cfg, gelu_gate, kernels, dequant_mib)
 
     def to_device(self, device: torch.device) -> Gemma3:
         """Move everything but the experts (they stay in host memory) to `device`."""

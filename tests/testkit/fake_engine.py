@@ -27,6 +27,7 @@ class FakeEngine:
         self.words = list(words)
         self.n_layers, self.n_expert = n_layers, n_expert
         self.delay, self.fail_after, self.sweep_delay = delay, fail_after, sweep_delay
+        self.sweeps: list[bool] = []  # each sweep asked for: whether fresh
         self.info = ModelInfo("fake.gguf", "/nonexistent/fake.gguf", "0" * 64, "fakemoe", n_layers, n_expert, K,
                               n_ctx, "cpu", "test machine", "gguf")  # fmt: skip
         self.mib, self.share = 1.0, 0.0
@@ -79,7 +80,9 @@ class FakeEngine:
         self.set_cache_calls.append((mib, share))
         self.mib, self.share = mib, share
 
-    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int) -> Iterator[SweepEvent]:
+    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
+              ) -> Iterator[SweepEvent]:  # fmt: skip
+        self.sweeps.append(fresh)
         arms = []
         for i, (mib, share) in enumerate([(0.5, 0.0), (0.5, 0.5), (0.5, 0.95), (1.5, 0.0), (1.5, 0.5), (1.5, 0.95)]):
             yield ArmStarted(i, 6, mib, share)

@@ -143,8 +143,12 @@ def tiny_moe(
     dense_type: GGMLQuantizationType = Q.F32,
     down_type: GGMLQuantizationType | None = None,
     output_type: GGMLQuantizationType | None = None,
+    dense_layers: int = 0,
 ) -> Path:
     """A small MoE model of `arch` with random weights and a real (truncated) Qwen vocabulary.
+
+    The first `dense_layers` layers have a dense FFN (2 x `n_ff_exp` wide) instead of experts;
+    `n_expert=0` makes every layer dense (a dense model).
 
     `ends_type` is the type of the token embedding and output projection (`output_type`, if
     given, of the output alone); `tied` leaves the output out, so the embedding serves as both
@@ -190,10 +194,16 @@ def tiny_moe(
         f"{arch}.attention.value_length": hd,
         f"{arch}.attention.layer_norm_rms_epsilon": 1e-6,
         f"{arch}.rope.freq_base": 1_000_000.0 if arch != "gpt-oss" else 150_000.0,
-        f"{arch}.expert_count": n_expert,
-        f"{arch}.expert_used_count": n_expert_used,
-        f"{arch}.expert_feed_forward_length": n_ff_exp,
     }
+    if n_expert:
+        meta |= {
+            f"{arch}.expert_count": n_expert,
+            f"{arch}.expert_used_count": n_expert_used,
+            f"{arch}.expert_feed_forward_length": n_ff_exp,
+        }
+    else:
+        dense_layers = n_layers
+        meta[f"{arch}.feed_forward_length"] = 2 * n_ff_exp
     if arch == "qwen2moe":
         meta[f"{arch}.expert_shared_feed_forward_length"] = 2 * n_ff_exp
     if arch == "gpt-oss":
@@ -216,7 +226,7 @@ def tiny_moe(
         t["output.weight"] = (t["output.weight"][0] * logit_scale, f32)
     if tied:
         del t["output.weight"]
-    biased = arch in ("qwen2moe", "gpt-oss")
+    biased = arch in ("qwen2moe", "qwen2", "gpt-oss")
     for i in range(n_layers):
         b = f"blk.{i}."
         t[b + "attn_norm.weight"] = norm(n_embd)
@@ -228,7 +238,7 @@ def tiny_moe(
             t[b + "attn_q.bias"] = vector(n_head * hd)
             t[b + "attn_k.bias"] = vector(n_head_kv * hd)
             t[b + "attn_v.bias"] = vector(n_head_kv * hd)
-        if arch == "qwen3moe":
+        if arch in ("qwen3moe", "qwen3"):
             t[b + "attn_q_norm.weight"] = norm(hd)
             t[b + "attn_k_norm.weight"] = norm(hd)
         if arch == "olmoe":
@@ -243,6 +253,11 @@ def tiny_moe(
             t[b + "ffn_down_exps.bias"] = vector(n_expert, n_embd)
         # gpt-oss files name the pre-FFN norm after the attention it follows.
         t[b + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight")] = norm(n_embd)
+        if i < dense_layers:
+            t[b + "ffn_gate.weight"] = dense(2 * n_ff_exp, n_embd)
+            t[b + "ffn_up.weight"] = dense(2 * n_ff_exp, n_embd)
+            t[b + "ffn_down.weight"] = dense(n_embd, 2 * n_ff_exp)
+            continue
         t[b + "ffn_gate_inp.weight"] = vector(n_expert, n_embd)
         t[b + "ffn_gate_exps.weight"] = experts(i, n_expert, n_ff_exp, n_embd)
         t[b + "ffn_up_exps.weight"] = experts(i, n_expert, n_ff_exp, n_embd)

@@ -32,6 +32,9 @@ def _hf_config(cfg: ModelConfig) -> Any:
         return tf.Qwen2MoeConfig(**common, num_experts=cfg.n_expert, moe_intermediate_size=cfg.n_ff_exp,
                                  intermediate_size=cfg.n_ff_exp, shared_expert_intermediate_size=cfg.n_ff_shexp,
                                  norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+    if not cfg.is_moe:
+        dense = {"llama": tf.LlamaConfig, "qwen2": tf.Qwen2Config, "qwen3": tf.Qwen3Config}[cfg.arch]
+        return dense(**common, intermediate_size=cfg.n_ff)
     if cfg.arch == "llama":
         return tf.MixtralConfig(**common, num_local_experts=cfg.n_expert, intermediate_size=cfg.n_ff_exp)
     if cfg.arch == "olmoe":
@@ -59,7 +62,8 @@ def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
         "olmoe": "Olmoe",
         "gpt-oss": "GptOss",
     }
-    model = getattr(tf, classes[cfg.arch] + "ForCausalLM")(_hf_config(cfg)).eval()
+    name = classes[cfg.arch] if cfg.is_moe else {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[cfg.arch]
+    model = getattr(tf, name + "ForCausalLM")(_hf_config(cfg)).eval()
 
     def w(name: str) -> torch.Tensor:
         return load_weight(gguf, name)
@@ -86,6 +90,10 @@ def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
             norm = maybe_weight(gguf, f"{b}attn_{n}_norm.weight")
             if norm is not None:
                 sd[f"{hf}self_attn.{n}_norm.weight"] = norm
+        if f"{b}ffn_gate.weight" in gguf.tensors:  # a dense FFN
+            for proj in ("gate", "up", "down"):
+                sd[f"{hf}mlp.{proj}_proj.weight"] = w(f"{b}ffn_{proj}.weight")
+            continue
         gate, up, down = (w(f"{b}ffn_{k}_exps.weight") for k in ("gate", "up", "down"))  # [n_expert, rows, cols]
         if cfg.arch == "gpt-oss":
             sd[hf + "self_attn.sinks"] = w(b + "attn_sinks.weight")
