@@ -224,12 +224,16 @@ async def test_dashboard_draws_the_final_snapshot(tmp_path: Path) -> None:
             assert line.split()[-3:] == [f"{100 * ls.total.hit_rate:.0f}", str(ls.total.cpu), str(ls.occupancy)]
 
 
+@pytest.mark.parametrize("n_layers", [30, 18])  # the demos: SmolLM2's and Gemma's MoE layers
 @pytest.mark.parametrize("size", [(120, 40), (80, 24)])
-async def test_the_dashboard_fits_the_demos_layers_without_scrolling(tmp_path: Path, size: tuple[int, int]) -> None:
-    """18 MoE layers of 16 experts (the demo): runs of layers share a row so that the per-layer rows
-    and the heat map end inside the panel; every layer is still counted."""
-    engine = FakeEngine([f" w{i}" for i in range(30)], n_layers=18, n_expert=16)
+async def test_the_dashboard_fits_the_demos_layers_without_scrolling(
+    tmp_path: Path, size: tuple[int, int], n_layers: int
+) -> None:
+    """A demo's MoE layers of 16 experts: runs of layers share a row so that the per-layer rows and
+    the heat map end inside the panel; every layer is still counted."""
+    engine = FakeEngine([f" w{i}" for i in range(30)], n_layers=n_layers, n_expert=16)
     app = make_app(tmp_path, engine, Settings(n_predict=30))
+    last = str(n_layers - 1)
     async with app.run_test(size=size) as pilot:
         screen = await ready(pilot)
         dash = screen.query_one(Dashboard)
@@ -238,15 +242,15 @@ async def test_the_dashboard_fits_the_demos_layers_without_scrolling(tmp_path: P
         await say(pilot, screen, "go")
         heat, stats = screen.query_one(ExpertHeatmap), screen.query_one(LayerStats)
         await until(
-            pilot, lambda: heat.lines[-1].split()[:1] != [] and heat.lines[-1].split()[0].split("-")[-1] == "17"
+            pilot, lambda: heat.lines[-1].split()[:1] != [] and heat.lines[-1].split()[0].split("-")[-1] == last
         )
         assert dash.max_scroll_y == 0, (dash.max_scroll_y, dash.size)
         assert heat.region.bottom <= dash.region.bottom
         labels = [line.split()[0] for line in heat.lines]
-        assert labels[-1].endswith("17") and len(labels) < 18  # folded, the last layer included
+        assert labels[-1].endswith(last) and len(labels) < n_layers  # folded, the last layer included
         covered = [int(x) for label in labels for x in label.split("-")]
-        assert covered[0] == 0 and max(covered) == 17
-        assert sum(int(line.split()[-1]) for line in stats.lines[1:]) == 3 * 18  # slots: every layer's, summed
+        assert covered[0] == 0 and max(covered) == n_layers - 1
+        assert sum(int(line.split()[-1]) for line in stats.lines[1:]) == 3 * n_layers  # slots: every layer's, summed
 
 
 def test_heat_rows_mark_exactly_the_cached_experts() -> None:
