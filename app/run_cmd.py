@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .settings import MODEL_HELP, Settings, for_demo, resolve
+from .settings import DEMO_DEFAULTS, MODEL_HELP, Settings, demo_name, for_demo, resolve
 
 if TYPE_CHECKING:  # the engine (torch) loads when a command runs, not for --help
     from moechat.engine.expert_cache import CacheSettings
@@ -122,11 +122,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("-p", "--prompt", required=True, help="the prompt")
     p.add_argument("-n", "--n-predict", type=int, default=128, help="tokens to generate (default 128)")
     p.add_argument("-c", "--ctx-size", type=int, default=4096, help="context size in tokens (default 4096)")
-    p.add_argument("--temp", type=float, default=0.8, help="temperature; 0 = greedy (default 0.8)")
+    p.add_argument("--temp", type=float, default=None, help="temperature; 0 = greedy (default 0.8; a demo's own)")
     p.add_argument("--top-k", type=int, default=40)
     p.add_argument("--top-p", type=float, default=0.95)
     p.add_argument("--min-p", type=float, default=0.05)
-    p.add_argument("--repeat-penalty", type=float, default=1.0)
+    p.add_argument("--repeat-penalty", type=float, default=None, help="default 1 (off; a demo's own)")
     p.add_argument("--seed", type=int, default=None, help="same seed, same tokens")
     p.add_argument("--ignore-eos", action="store_true", help="keep generating past end-of-generation tokens")
     p.add_argument("--chat-template", default=None, metavar="FILE", help="Jinja chat template overriding the GGUF's")
@@ -140,9 +140,11 @@ def run(args: argparse.Namespace) -> int:
     from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
     from moechat.engine.loader import load_model, set_threads
 
+    demo = DEMO_DEFAULTS.get(demo_name(args.model) or "", {})  # a demo's sampling, unless the flags say
     params = SamplingParams(
-        temperature=args.temp, top_k=args.top_k, top_p=args.top_p, min_p=args.min_p,
-        repeat_penalty=args.repeat_penalty, seed=args.seed,
+        temperature=args.temp if args.temp is not None else demo.get("temp", 0.8), top_k=args.top_k,
+        top_p=args.top_p, min_p=args.min_p, seed=args.seed,
+        repeat_penalty=args.repeat_penalty if args.repeat_penalty is not None else demo.get("repeat_penalty", 1.0),
     )  # fmt: skip
     params.validate()
     if args.n_predict < 0:

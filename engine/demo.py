@@ -83,7 +83,7 @@ def ensure_demo(cache_dir: Path, progress: Progress | None = None, name: str = D
     if target.exists():
         return target
     if progress:
-        progress(0.0, "getting the source model")
+        progress(0.0, "getting the source model (first use only; it may be a download)")
     source = spec.source(cache_dir / "sources")
     built = build_demo(source, recipe_path(name), target, progress, spec=spec)
     # Built from an earlier recipe, or under the name the Gemma demo had before there were two.

@@ -63,3 +63,16 @@ def test_line_chat_names_where_an_unusable_device_came_from(tmp_path: Path) -> N
                        capture_output=True, text=True, timeout=120, env=env)  # fmt: skip
     assert r.returncode == 2 and "Traceback" not in r.stderr
     assert r.stderr.strip().splitlines()[-1].startswith("moechat: error: device from env MOECHAT_DEVICE:"), r.stderr
+
+
+def test_moechat_run_on_the_demo_samples_as_the_demo_does(demo_home: Path) -> None:
+    # Without sampling flags, `run` on the demo takes the demo's own temperature and repeat penalty.
+    def run(*flags: str) -> str:
+        cmd = [sys.executable, "-m", "moechat", "run", "-p", "Tell me about the sea.", "-n", "24", "--seed", "3"]
+        r = subprocess.run([*cmd, "--moe-cache-mib", "0", *flags], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0, r.stderr
+        return r.stdout
+
+    own = run()
+    assert own == run("--temp", "0.3", "--repeat-penalty", "1.1")
+    assert own != run("--temp", "1.5", "--repeat-penalty", "1")
