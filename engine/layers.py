@@ -70,21 +70,21 @@ class Rope:
             inv, self.mscale = _yarn(inv, dim, theta, cfg, truncate)
         pos = torch.arange(n_ctx, dtype=torch.float64)
         ang = torch.outer(pos, inv)  # [n_ctx, dim/2]
-        self.cos = (ang.cos() * self.mscale).float()
-        self.sin = (ang.sin() * self.mscale).float()
-        # Adjacent pairs are complex numbers as they lie: one complex product rotates them, with a
-        # third of the eager ops of the real form (each op costs more than its work at one token).
+        # cos + i sin, one table for both layouts: adjacent pairs are complex numbers as they lie, and
+        # one complex product rotates them, with a third of the eager ops of the real form (each op
+        # costs more than its work at one token); halves take its real and imaginary parts.
         self.cis = torch.polar(torch.full_like(ang, self.mscale), ang).to(torch.complex64)  # [n_ctx, dim/2]
 
     def to(self, device: torch.device) -> Rope:
-        self.cos, self.sin, self.cis = self.cos.to(device), self.sin.to(device), self.cis.to(device)
+        self.cis = self.cis.to(device)
         return self
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D]; pos: [T]
         rot, rest = x[..., : self.dim], x[..., self.dim :]
         if self.neox:
-            cos, sin = self.cos[pos].unsqueeze(1), self.sin[pos].unsqueeze(1)  # [T, 1, dim/2]
+            cis = self.cis[pos].unsqueeze(1)  # [T, 1, dim/2]
+            cos, sin = cis.real, cis.imag
             a, b = rot[..., : self.dim // 2], rot[..., self.dim // 2 :]
             out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
         else:
