@@ -1,12 +1,10 @@
 """CPU matmul kernels that read GGUF blocks where they lie (numba), one call per MoE layer per matrix kind.
 
-Every kernel reads a row of a quantized matrix once per call, `GROUP` weights at a time, whatever
-the number of tokens that need it: for one token it takes the dot product straight from the
-blocks (`qblocks.dot_group`, vector code); for more it decodes the group into a small float32
-buffer (`qblocks.decode_group`) and takes the tokens' dot products from there, four at a time.
-Both give the same result for a token, bit for bit. Activations and accumulation are float32:
-results match the exact path (dequantize, then matmul) to about 1e-6 relative; the tests bound
-it at 1e-5.
+A kernel first quantizes the activation rows it reads to int16 (`qblocks.quantize_rows`, one
+scale per 256), then reads each row of a quantized matrix once for all the tokens that need it,
+four at a time (`qblocks.dot_row`: integer products per 32 weights, float32 accumulation). A
+token's result never depends on how many tokens share the call. Results are within 1e-4 of the
+exact product (dequantize, then matmul), relative to the largest output; the tests hold that.
 
 The MoE kernels take a layer's stacked expert matrices `[S, rows, row_bytes]` (the file's
 experts, or a cache's slots holding the same bytes) and a selection in CSR form: for each
@@ -29,10 +27,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .jit import njit, prange
-from .qblocks import GROUP, TOKENS, decode_group, dot_buffer, dot_group
+from .qblocks import TOKENS, decode_row, dot_row, quantize_rows
 
 ROWS = 16  # rows per work item: enough items to balance the threads, few enough to amortize them
-DIRECT = 1  # up to this many tokens per row, dot products straight from the blocks; more: decode once, then dot
 
 ACT_SILU = 0  # silu(gate) * up
 ACT_GELU_TANH = 1  # gelu(gate, tanh approximation) * up (Gemma)
@@ -61,18 +58,18 @@ def _act(kind: int, g: np.float32, u: np.float32) -> np.float32:
 
 
 @njit(inline="always")
-def _offsets(x: np.ndarray, a_in: np.ndarray, c0: int, i: int, nc: int, off: int) -> tuple[int, int, int, int]:
-    """Byte offsets in x of assignments i..i+3 of a selected matrix (the last repeated past nc)."""
-    s = x.strides[0]
-    last = c0 + nc - 1
-    return (a_in[c0 + i] * s + off, a_in[min(c0 + i + 1, last)] * s + off,
-            a_in[min(c0 + i + 2, last)] * s + off, a_in[min(c0 + i + 3, last)] * s + off)  # fmt: skip
-
-
-@njit(inline="always")
-def _add(acc: np.ndarray, i: int, nc: int, sums: tuple[np.float32, np.float32, np.float32, np.float32]) -> None:
-    for j in range(min(TOKENS, nc - i)):
-        acc[i + j] += sums[j]
+def _dots(
+    code: int, w: np.ndarray, o: int, k: int, q: Any, a_in: np.ndarray, c0: int, nc: int, acc: np.ndarray
+) -> None:
+    """acc[i] = the row at byte o of w times activation row a_in[c0 + i], i < nc, four tokens a pass."""
+    xq, dx, bs = q
+    i = 0
+    while nc - i >= TOKENS:
+        r = (a_in[c0 + i], a_in[c0 + i + 1], a_in[c0 + i + 2], a_in[c0 + i + 3])
+        acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = dot_row(code, w, o, k, xq, dx, bs, r)
+        i += TOKENS
+    for j in range(i, nc):
+        acc[j] = dot_row(code, w, o, k, xq, dx, bs, a_in[c0 + j])
 
 
 @njit(inline="always")
@@ -88,35 +85,17 @@ def _gate_up_kernel(gate_type: Q, up_type: Q) -> Any:
     code_g, code_u = int(gate_type), int(up_type)
 
     @njit(parallel=True, fastmath=False)
-    def gate_up(gate, up, x, sel, eid, ptr, a_in, a_out, bias_g, bias_u, act, out):
+    def gate_up(gate, up, x, x_rows, sel, eid, ptr, a_in, a_out, bias_g, bias_u, act, out):
         n_rows, k = gate.shape[1], x.shape[1]
-        n_tiles, n_groups = (n_rows + ROWS - 1) // ROWS, (k + GROUP - 1) // GROUP
+        n_tiles = (n_rows + ROWS - 1) // ROWS
+        q = quantize_rows(x, x_rows)
         for job in prange(sel.shape[0] * n_tiles):
             u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
-            yg = np.empty(GROUP, np.float32)
-            yu = np.empty(GROUP, np.float32)
             ag = np.empty(nc, np.float32)
             au = np.empty(nc, np.float32)
             for r in range(r0, r1):
-                og, ou = _row(gate, m, r), _row(up, m, r)
-                if nc <= DIRECT:
-                    for i in range(nc):
-                        xo = a_in[c0 + i] * x.strides[0]
-                        gv = uv = np.float32(0)
-                        for g in range(n_groups):
-                            gv += dot_group(code_g, gate, og, g, k, x, xo)
-                            uv += dot_group(code_u, up, ou, g, k, x, xo)
-                        ag[i], au[i] = gv, uv
-                else:
-                    ag[:] = 0
-                    au[:] = 0
-                    for g in range(n_groups):
-                        n = decode_group(code_g, gate, og, g, k, yg, 0)
-                        decode_group(code_u, up, ou, g, k, yu, 0)
-                        for i in range(0, nc, TOKENS):
-                            xo = _offsets(x, a_in, c0, i, nc, 4 * g * GROUP)
-                            _add(ag, i, nc, dot_buffer(yg, n, x, xo))
-                            _add(au, i, nc, dot_buffer(yu, n, x, xo))
+                _dots(code_g, gate, _row(gate, m, r), k, q, a_in, c0, nc, ag)
+                _dots(code_u, up, _row(up, m, r), k, q, a_in, c0, nc, au)
                 for i in range(nc):
                     gv, uv = ag[i], au[i]
                     if bias_g.shape[0]:
@@ -132,28 +111,15 @@ def _matmul_kernel(qtype: Q) -> Any:
     code = int(qtype)
 
     @njit(parallel=True, fastmath=False)
-    def matmul(w, x, sel, eid, ptr, a_in, a_out, bias, scale, out):
+    def matmul(w, x, x_rows, sel, eid, ptr, a_in, a_out, bias, scale, out):
         n_rows, k = w.shape[1], x.shape[1]
-        n_tiles, n_groups = (n_rows + ROWS - 1) // ROWS, (k + GROUP - 1) // GROUP
+        n_tiles = (n_rows + ROWS - 1) // ROWS
+        q = quantize_rows(x, x_rows)
         for job in prange(sel.shape[0] * n_tiles):
             u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
-            y = np.empty(GROUP, np.float32)
             acc = np.empty(nc, np.float32)
             for r in range(r0, r1):
-                o = _row(w, m, r)
-                if nc <= DIRECT:
-                    for i in range(nc):
-                        xo = a_in[c0 + i] * x.strides[0]
-                        v = np.float32(0)
-                        for g in range(n_groups):
-                            v += dot_group(code, w, o, g, k, x, xo)
-                        acc[i] = v
-                else:
-                    acc[:] = 0
-                    for g in range(n_groups):
-                        n = decode_group(code, w, o, g, k, y, 0)
-                        for i in range(0, nc, TOKENS):
-                            _add(acc, i, nc, dot_buffer(y, n, x, _offsets(x, a_in, c0, i, nc, 4 * g * GROUP)))
+                _dots(code, w, _row(w, m, r), k, q, a_in, c0, nc, acc)
                 for i in range(nc):
                     v = acc[i]
                     if bias.shape[0]:
@@ -165,17 +131,38 @@ def _matmul_kernel(qtype: Q) -> Any:
 
 
 @functools.cache
+def _dense_many_kernel(qtype: Q) -> Any:
+    code = int(qtype)
+
+    @njit(parallel=True, fastmath=False)
+    def dense_many(ws, x, rows, first_tile, outs):
+        """outs[m] = x @ ws[m].T for every matrix m of the tuple ws: one parallel region, x quantized once."""
+        k = x.shape[1]
+        q = quantize_rows(x, rows)
+        nc = rows.shape[0]
+        for job in prange(first_tile[-1]):
+            m = np.searchsorted(first_tile, job, side="right") - 1
+            w, out = ws[m], outs[m]
+            r0 = (job - first_tile[m]) * ROWS
+            acc = np.empty(nc, np.float32)
+            for r in range(r0, min(w.shape[0], r0 + ROWS)):
+                _dots(code, w, r * w.strides[0], k, q, rows, 0, nc, acc)
+                for i in range(nc):
+                    out[i, r] = acc[i]
+
+    return dense_many
+
+
+@functools.cache
 def _dequantize_kernel(qtype: Q) -> Any:
     code = int(qtype)
 
     @njit(parallel=True)
     def dequantize(w, k, out):
         n_rows = w.shape[0]
-        n_groups = (k + GROUP - 1) // GROUP
         for tile in prange((n_rows + ROWS - 1) // ROWS):
             for r in range(tile * ROWS, min(n_rows, tile * ROWS + ROWS)):
-                for g in range(n_groups):
-                    decode_group(code, w, r * w.strides[0], g, k, out, r * out.strides[0] + 4 * g * GROUP)
+                decode_row(code, w, r * w.strides[0], k, out, r * out.strides[0])
 
     return dequantize
 
@@ -210,24 +197,27 @@ def _acts(x: np.ndarray) -> np.ndarray:
 
 def gate_up(
     gate: np.ndarray, gate_type: Q, up: np.ndarray, up_type: Q,
-    x: np.ndarray, sel: np.ndarray, eid: np.ndarray, ptr: np.ndarray, a_in: np.ndarray, a_out: np.ndarray,
-    out: np.ndarray, act: int, bias_g: np.ndarray | None = None, bias_u: np.ndarray | None = None,
+    x: np.ndarray, x_rows: np.ndarray, sel: np.ndarray, eid: np.ndarray, ptr: np.ndarray, a_in: np.ndarray,
+    a_out: np.ndarray, out: np.ndarray, act: int, bias_g: np.ndarray | None = None, bias_u: np.ndarray | None = None,
 ) -> None:  # fmt: skip
-    """out[a_out] = act(x[a_in] @ gate[sel].T + bg, x[a_in] @ up[sel].T + bu) for every selected expert."""
+    """out[a_out] = act(x[a_in] @ gate[sel].T + bg, x[a_in] @ up[sel].T + bu) for every selected expert.
+
+    x_rows: the rows of x that a_in names, each once (the kernel quantizes them before the products).
+    """
     bg = _NO_BIAS if bias_g is None else bias_g
     bu = _NO_BIAS if bias_u is None else bias_u
     kernel = _gate_up_kernel(gate_type, up_type)
-    kernel(_blocks(gate), _blocks(up), _acts(x), sel, eid, ptr, a_in, a_out, bg, bu, act, out)
+    kernel(_blocks(gate), _blocks(up), _acts(x), x_rows, sel, eid, ptr, a_in, a_out, bg, bu, act, out)
 
 
 def matmul(
-    w: np.ndarray, qtype: Q, x: np.ndarray, sel: np.ndarray, eid: np.ndarray, ptr: np.ndarray,
+    w: np.ndarray, qtype: Q, x: np.ndarray, x_rows: np.ndarray, sel: np.ndarray, eid: np.ndarray, ptr: np.ndarray,
     a_in: np.ndarray, a_out: np.ndarray, out: np.ndarray, scale: np.ndarray | None = None,
     bias: np.ndarray | None = None,
 ) -> None:  # fmt: skip
-    """out[a_out] = scale[a_out] * (x[a_in] @ w[sel].T + b) for every selected matrix."""
-    _matmul_kernel(qtype)(_blocks(w), _acts(x), sel, eid, ptr, a_in, a_out, _NO_BIAS if bias is None else bias,
-                          _NO_SCALE if scale is None else scale, out)  # fmt: skip
+    """out[a_out] = scale[a_out] * (x[a_in] @ w[sel].T + b) for every selected matrix (x_rows as for gate_up)."""
+    _matmul_kernel(qtype)(_blocks(w), _acts(x), x_rows, sel, eid, ptr, a_in, a_out,
+                          _NO_BIAS if bias is None else bias, _NO_SCALE if scale is None else scale, out)  # fmt: skip
 
 
 @functools.cache
@@ -241,8 +231,18 @@ def dense(w: np.ndarray, qtype: Q, x: np.ndarray) -> np.ndarray:
     t = x.shape[0]
     out = np.empty((t, w.shape[0]), np.float32)
     one, ptr, rows = one_matrix(t)
-    _matmul_kernel(qtype)(_blocks(w)[None], _acts(x), one, one, ptr, rows, rows, _NO_BIAS, _NO_SCALE, out)
+    _matmul_kernel(qtype)(_blocks(w)[None], _acts(x), rows, one, one, ptr, rows, rows, _NO_BIAS, _NO_SCALE, out)
     return out
+
+
+def dense_many(ws: tuple[np.ndarray, ...], qtype: Q, x: np.ndarray) -> tuple[np.ndarray, ...]:
+    """x [T, K] @ w.T for several matrices of one type and width (a layer's q, k and v) in one call."""
+    t = x.shape[0]
+    outs = tuple(np.empty((t, w.shape[0]), np.float32) for w in ws)
+    first_tile = np.zeros(len(ws) + 1, _I64)
+    np.cumsum([(w.shape[0] + ROWS - 1) // ROWS for w in ws], out=first_tile[1:])
+    _dense_many_kernel(qtype)(tuple(_blocks(w) for w in ws), _acts(x), one_matrix(t)[2], first_tile, outs)
+    return outs
 
 
 def dequantize_rows(w: np.ndarray, qtype: Q, k: int) -> np.ndarray:

@@ -76,9 +76,12 @@ def run_fused(
     sel = eids if slot_of is None else slot_of[eids]
     gate, up, down = mats
     h = np.empty((flat.shape[0], gate.shape[1]), np.float32)  # [T*k, F]; only the rows in `a` are set
-    cpu_kernels.gate_up(gate, lx.gate.qtype, up, lx.up.qtype, x, sel, eids, ptr, a // k, a, h, act,
+    tokens = a // k
+    x_rows = cpu_kernels.one_matrix(x.shape[0])[2] if experts is None else np.unique(tokens)
+    cpu_kernels.gate_up(gate, lx.gate.qtype, up, lx.up.qtype, x, x_rows, sel, eids, ptr, tokens, a, h, act,
                         _bias(lx.gate.bias), _bias(lx.up.bias))  # fmt: skip
-    cpu_kernels.matmul(down, lx.down.qtype, h, sel, eids, ptr, a, a, contrib, weights.reshape(-1), _bias(lx.down.bias))
+    cpu_kernels.matmul(down, lx.down.qtype, h, a, sel, eids, ptr, a, a, contrib, weights.reshape(-1),
+                       _bias(lx.down.bias))  # fmt: skip
 
 
 def combine(contrib: np.ndarray, ids: np.ndarray) -> torch.Tensor:

@@ -1,28 +1,29 @@
 """GGUF block layouts as vector code: one entry per quant type, compiled into the kernels.
 
-Each entry turns one block of the file's bytes (a pointer to where it lies) into its weights as
-LLVM vectors of 32 float32 lanes, in the order of the row. From that one description come the
-two operations the kernels in `cpu_kernels.py` use (numba intrinsics, inlined where they are
-called, so LLVM sees the whole loop and vectorizes it for the machine's CPU):
+Each entry turns one block of the file's bytes (a pointer to where it lies) into its weights, 32
+at a time, as small integers (LLVM vectors of 32 int16 lanes) and their scale: weight = q * scale,
+plus a per-32 bias for the types with mins. From that one description come the two operations
+the kernels in `cpu_kernels.py` use (numba intrinsics, inlined where they are called, so LLVM
+sees the whole loop and vectorizes it for the machine's CPU):
 
-- `dot_group`: the dot product of a group of `GROUP` weights of a row with the activations,
-  without storing the weights (one or two tokens per row);
-- `decode_group` into a float32 buffer, then `dot_buffer` per token (more tokens per row).
-
-Both accumulate lane-wise, `acc = fma(w, x, acc)` per 32-weight chunk in row order, then sum the
-32 lanes in one fixed tree, so they give bit-identical results: how many tokens share a row never
-changes a token's result. No fast-math flags on these operations, so LLVM keeps that order.
+- `dot_row`: a row's dot products with one or four rows of activations quantized to int16 (one
+  scale per 32 activations: `quantize_rows`), integer products summed in pairs (pmaddwd on x86),
+  then float32 per 32 weights: acc += float(sum q * xq) * scale * dx. The weights' integers
+  are unpacked once for the four tokens; each token's operations are the same whatever the
+  number of tokens, so how many tokens share a row never changes a token's result.
+- `decode_row`: a row's weights as float32 (the tiles a float GEMM multiplies in prefill).
 
 The weights follow the reference dequantizer (`engine/quants.py`, bit-exact with gguf-py) except
 that a scale and a min are applied in one fused multiply-add: a weight can differ by one unit in
-the last place, far inside the kernels' 1e-5 bound.
+the last place. The dot products' error is the activations' rounding to int16, at most 1.5e-5 of
+the largest activation of their 32; the tests bound it against the exact product.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import llvmlite.binding as llvm
 import numpy as np
@@ -31,9 +32,8 @@ from gguf import GGMLQuantizationType as Q
 from llvmlite import ir
 from numba.core import cgutils
 
-from .jit import intrinsic, overload, types
+from .jit import intrinsic, njit, overload, types
 
-GROUP = 256  # weights per kernel step: one super-block, or eight 32-weight blocks
 LANES = 32  # weights per vector chunk
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
@@ -43,12 +43,16 @@ def _vec(t: ir.Type, n: int = LANES) -> ir.VectorType:
     return ir.VectorType(t, n)
 
 
-V_I8, V_I32, V_F32 = _vec(I8), _vec(I32), _vec(F32)
+V_I8, V_I16, V_I32, V_F32, V8_F32 = _vec(I8), _vec(I16), _vec(I32), _vec(F32), _vec(F32, 8)
 
 _IQ4_NL = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
 _MXFP4 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]  # doubled; the scale is halved
 # x86's byte shuffle looks up 16 table entries for 16 lanes at once; elsewhere one lane at a time.
 _X86 = llvm.get_process_triple().startswith(("x86_64", "amd64"))
+# A float16 converts in one instruction with x86's F16C or on ARM; elsewhere with integer operations.
+_HALF = (_X86 and bool(llvm.get_host_cpu_features().get("f16c"))) or llvm.get_process_triple().startswith(
+    ("aarch64", "arm64")
+)
 
 
 class _B:
@@ -70,8 +74,11 @@ class _B:
         return self.b.zext(self.scalar(p, off, I8), I32)
 
     def f16(self, p: ir.Value, off: int) -> ir.Value:
-        """A float16 as float32 with integer operations (exact, on every CPU): the magnitude's bits
-        moved into float32's position are the value times 2^-112, for subnormals too."""
+        """A float16 as float32 (exact)."""
+        if _HALF:
+            return self.b.fpext(self.scalar(p, off, ir.HalfType()), F32)
+        # With integer operations: the magnitude's bits moved into float32's position are the value
+        # times 2^-112, for subnormals too.
         h = self.b.zext(self.scalar(p, off, I16), I32)
         mag = self.b.shl(self.b.and_(h, ir.Constant(I32, 0x7FFF)), ir.Constant(I32, 13))
         is_special = self.b.icmp_unsigned("==", self.b.and_(h, ir.Constant(I32, 0x7C00)), ir.Constant(I32, 0x7C00))
@@ -100,12 +107,6 @@ class _B:
         bit = self.b.and_(self.b.lshr(qh, self.const(I32, list(range(LANES)))), self.const(I32, 1))
         return self.b.shl(self.b.trunc(bit, V_I8), self.const(I8, 4))
 
-    def signed(self, q: ir.Value, offset: int) -> ir.Value:
-        return self.b.sitofp(self.b.sub(q, self.const(I8, offset)), V_F32)
-
-    def unsigned(self, q: ir.Value) -> ir.Value:
-        return self.b.uitofp(q, V_F32)
-
     def fma(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
         t = a.type
         name = f"llvm.fma.v{t.count}f32"
@@ -113,7 +114,7 @@ class _B:
         return self.b.call(fn, [a, b, c])
 
     def table(self, idx: ir.Value, values: list[int]) -> ir.Value:
-        """Lanes idx (0..15) looked up in a 16-entry int8 table, as float32."""
+        """Lanes idx (0..15) looked up in a 16-entry int8 table."""
         if _X86:
             fnty = ir.FunctionType(_vec(I8, 16), [_vec(I8, 16), _vec(I8, 16)])
             fn = cgutils.get_or_insert_function(self.b.module, fnty, "llvm.x86.ssse3.pshuf.b.128")
@@ -129,98 +130,139 @@ class _B:
             for lane in range(LANES):
                 i = self.b.extract_element(idx, ir.Constant(I32, lane))
                 out = self.b.insert_element(out, self.b.extract_element(tab, i), ir.Constant(I32, lane))
-        return self.b.sitofp(out, V_F32)
+        return out
 
 
-Chunks = Callable[[_B, ir.Value], Iterable[ir.Value]]  # emitted one at a time, each used before the next
+class Chunk(NamedTuple):
+    """32 weights of a block as integers and their scale: weight = q * scale (+ the block's bias)."""
+
+    q: ir.Value  # <32 x i16>
+    scale: ir.Value  # float32, or <16 x float32>: lanes 0..7 scale weights 0..15, lanes 8..15 weights 16..31
+
+
+class Block(NamedTuple):
+    chunks: list[Chunk]
+    bias: ir.Value | None  # per chunk: a float32 (one chunk) or <8 x float32> (eight), added to each weight
+
+
+# A block's integers and scales; with a pointer to the activations' scales of the block's chunks
+# (one per 32, float32), every scale already multiplied by its chunk's (dot products), else not
+# (the weights themselves).
+Chunks = Callable[[_B, ir.Value, ir.Value | None], Block]
+
+
+def _scaled(v: _B, s: ir.Value, dxp: ir.Value | None) -> ir.Value:
+    """Scales s (a float32 for one chunk, 8 floats for 8 chunks, 16 for 8 chunks' halves) times the chunks' dx."""
+    if dxp is None:
+        return s
+    if isinstance(s.type, ir.FloatType):
+        return v.b.fmul(s, v.b.load(dxp, align=4))
+    dx = v.load(dxp, 0, F32, 8, align=4)
+    if s.type.count == 16:
+        dx = v.b.shuffle_vector(dx, dx, ir.Constant(_vec(I32, 16), [i // 2 for i in range(16)]))
+    return v.b.fmul(s, dx)
+
+
+def _i16(v: _B, q: ir.Value, signed: bool) -> ir.Value:
+    return v.b.sext(q, V_I16) if signed else v.b.zext(q, V_I16)
 
 
 # -- 32-weight blocks: one chunk each ------------------------------------------------------------
 
 
-def _q4_0(v: _B, p: ir.Value) -> list[ir.Value]:
-    return [v.b.fmul(v.signed(v.nibbles(p, 2), 8), v.splat(v.f16(p, 0)))]
+def _q4_0(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    return Block([Chunk(_i16(v, v.b.sub(v.nibbles(p, 2), v.const(I8, 8)), True), _scaled(v, v.f16(p, 0), dxp))], None)
 
 
-def _q4_1(v: _B, p: ir.Value) -> list[ir.Value]:
-    return [v.fma(v.unsigned(v.nibbles(p, 4)), v.splat(v.f16(p, 0)), v.splat(v.f16(p, 2)))]
+def _q4_1(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    return Block([Chunk(_i16(v, v.nibbles(p, 4), False), _scaled(v, v.f16(p, 0), dxp))], v.f16(p, 2))
 
 
-def _q5_0(v: _B, p: ir.Value) -> list[ir.Value]:
-    q = v.b.or_(v.nibbles(p, 6), v.bits32(p, 2))
-    return [v.b.fmul(v.signed(q, 16), v.splat(v.f16(p, 0)))]
+def _q5_0(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    q = v.b.sub(v.b.or_(v.nibbles(p, 6), v.bits32(p, 2)), v.const(I8, 16))
+    return Block([Chunk(_i16(v, q, True), _scaled(v, v.f16(p, 0), dxp))], None)
 
 
-def _q5_1(v: _B, p: ir.Value) -> list[ir.Value]:
+def _q5_1(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
     q = v.b.or_(v.nibbles(p, 8), v.bits32(p, 4))
-    return [v.fma(v.unsigned(q), v.splat(v.f16(p, 0)), v.splat(v.f16(p, 2)))]
+    return Block([Chunk(_i16(v, q, False), _scaled(v, v.f16(p, 0), dxp))], v.f16(p, 2))
 
 
-def _q8_0(v: _B, p: ir.Value) -> list[ir.Value]:
-    return [v.b.fmul(v.b.sitofp(v.load(p, 2, I8), V_F32), v.splat(v.f16(p, 0)))]
+def _q8_0(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    return Block([Chunk(_i16(v, v.load(p, 2, I8), True), _scaled(v, v.f16(p, 0), dxp))], None)
 
 
-def _iq4_nl(v: _B, p: ir.Value) -> list[ir.Value]:
-    return [v.b.fmul(v.table(v.nibbles(p, 2), _IQ4_NL), v.splat(v.f16(p, 0)))]
+def _iq4_nl(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    return Block([Chunk(_i16(v, v.table(v.nibbles(p, 2), _IQ4_NL), True), _scaled(v, v.f16(p, 0), dxp))], None)
 
 
-def _mxfp4(v: _B, p: ir.Value) -> list[ir.Value]:
+def _mxfp4(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
     # E8M0 scale 2^(e - 127), halved for the doubled code book: the float32 with exponent bits e - 1.
     b = v.b
     e = b.zext(v.scalar(p, 0, I8), I32)
     normal = b.shl(b.sub(e, ir.Constant(I32, 1)), ir.Constant(I32, 23))
     subnormal = b.shl(ir.Constant(I32, 0x200000), e)  # e = 0, 1: 2^-128, 2^-127
     d = b.bitcast(b.select(b.icmp_unsigned(">=", e, ir.Constant(I32, 2)), normal, subnormal), F32)
-    return [v.b.fmul(v.table(v.nibbles(p, 1), _MXFP4), v.splat(d))]
+    return Block([Chunk(_i16(v, v.table(v.nibbles(p, 1), _MXFP4), True), _scaled(v, d, dxp))], None)
 
 
 # -- 256-weight super-blocks: eight chunks each --------------------------------------------------
 
 
-def _k_scales(v: _B, p: ir.Value) -> tuple[list[ir.Value], list[ir.Value]]:
-    """Q4_K/Q5_K: per 32-weight sub-block, scale * d and min * dmin from the 12 packed bytes at 4."""
-    d, dmin = v.f16(p, 0), v.f16(p, 2)
-    scales, mins = [], []
+def _k_scales(v: _B, p: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Q4_K/Q5_K: the eight 6-bit scales and mins packed in the 12 bytes at 4, as <8 x float32>."""
     b = v.b
+    s = v.load(p, 4, I8, 16)  # bytes 4..19: the 12 packed bytes and 4 of the quants, never used
+    zero = ir.Constant(_vec(I8, 16), None)
 
-    def c(n: int) -> ir.Constant:
-        return ir.Constant(I32, n)
+    def pick(lanes: list[int]) -> ir.Value:  # lane 16: a zero
+        return b.shuffle_vector(s, zero, ir.Constant(_vec(I32, 8), lanes))
 
-    for j in range(8):
-        if j < 4:
-            sc, mn = b.and_(v.u8(p, 4 + j), c(63)), b.and_(v.u8(p, 8 + j), c(63))
-        else:  # low 4 bits in bytes 8..11, high 2 bits in the top of bytes 0..3 (scales) and 4..7 (mins)
-            sc = b.or_(b.and_(v.u8(p, 8 + j), c(15)), b.shl(b.lshr(v.u8(p, j), c(6)), c(4)))
-            mn = b.or_(b.lshr(v.u8(p, 8 + j), c(4)), b.shl(b.lshr(v.u8(p, 4 + j), c(6)), c(4)))
-        scales.append(b.fmul(d, b.uitofp(sc, F32)))
-        mins.append(b.fneg(b.fmul(dmin, b.uitofp(mn, F32))))
-    return scales, mins
+    def c8(values: list[int]) -> ir.Constant:
+        return ir.Constant(_vec(I8, 8), values)
 
+    def top2(x: ir.Value) -> ir.Value:  # a byte's top two bits, as bits 4 and 5
+        return b.shl(b.lshr(x, c8([6] * 8)), c8([4] * 8))
 
-def _q4_k(v: _B, p: ir.Value) -> Iterator[ir.Value]:
-    scales, mins = _k_scales(v, p)
-    for c in range(4):
-        q = v.load(p, 16 + 32 * c, I8)
-        for half, nib in enumerate((v.b.and_(q, v.const(I8, 15)), v.b.lshr(q, v.const(I8, 4)))):
-            j = 2 * c + half
-            yield v.fma(v.unsigned(nib), v.splat(scales[j]), v.splat(mins[j]))
+    # Sub-blocks 0..3: the low 6 bits of bytes 0..3 (scales) and 4..7 (mins). Sub-blocks 4..7: the
+    # low (scales) and high (mins) nibbles of bytes 8..11, with the top 2 bits of bytes 0..7 above.
+    sc = b.or_(b.and_(pick([0, 1, 2, 3, 8, 9, 10, 11]), c8([63] * 4 + [15] * 4)), top2(pick([16] * 4 + [0, 1, 2, 3])))
+    mn = b.or_(b.and_(b.lshr(pick([4, 5, 6, 7, 8, 9, 10, 11]), c8([0] * 4 + [4] * 4)), c8([63] * 8)),
+               top2(pick([16] * 4 + [4, 5, 6, 7])))  # fmt: skip
+    return b.uitofp(b.zext(sc, _vec(I32, 8)), V8_F32), b.uitofp(b.zext(mn, _vec(I32, 8)), V8_F32)
 
 
-def _q5_k(v: _B, p: ir.Value) -> Iterator[ir.Value]:
-    scales, mins = _k_scales(v, p)
-    qh = v.load(p, 16, I8)
-    for c in range(4):
-        q = v.load(p, 48 + 32 * c, I8)
-        for half, nib in enumerate((v.b.and_(q, v.const(I8, 15)), v.b.lshr(q, v.const(I8, 4)))):
-            j = 2 * c + half
-            high = v.b.shl(v.b.and_(v.b.lshr(qh, v.const(I8, j)), v.const(I8, 1)), v.const(I8, 4))
-            yield v.fma(v.unsigned(v.b.or_(nib, high)), v.splat(scales[j]), v.splat(mins[j]))
+def _k_block(v: _B, p: ir.Value, dxp: ir.Value | None, q: Callable[[int], ir.Value]) -> Block:
+    """Q4_K/Q5_K: chunk j's integers q(j) (<32 x i8>, 0..31) scaled by d * scale_j, less dmin * min_j."""
+    sc, mn = _k_scales(v, p)
+    scales = _scaled(v, v.b.fmul(sc, v.splat(v.f16(p, 0), 8)), dxp)
+    chunks = [Chunk(_i16(v, q(j), False), v.b.extract_element(scales, ir.Constant(I32, j))) for j in range(8)]
+    return Block(chunks, v.b.fneg(v.b.fmul(mn, v.splat(v.f16(p, 2), 8))))
 
 
-def _q6_k(v: _B, p: ir.Value) -> Iterator[ir.Value]:
-    d = v.f16(p, 208)
+def _q4_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    def q(j: int) -> ir.Value:
+        packed = v.load(p, 16 + 32 * (j // 2), I8)  # chunks 2c and 2c + 1: low and high nibbles
+        return v.b.and_(packed, v.const(I8, 15)) if j % 2 == 0 else v.b.lshr(packed, v.const(I8, 4))
+
+    return _k_block(v, p, dxp, q)
+
+
+def _q5_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    def q(j: int) -> ir.Value:
+        packed = v.load(p, 48 + 32 * (j // 2), I8)
+        nib = v.b.and_(packed, v.const(I8, 15)) if j % 2 == 0 else v.b.lshr(packed, v.const(I8, 4))
+        high = v.b.shl(v.b.and_(v.b.lshr(v.load(p, 16, I8), v.const(I8, j)), v.const(I8, 1)), v.const(I8, 4))
+        return v.b.or_(nib, high)
+
+    return _k_block(v, p, dxp, q)
+
+
+def _q6_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
     b = v.b
-    sc = b.fmul(b.sitofp(v.load(p, 192, I8, 16), _vec(F32, 16)), v.splat(d, 16))  # 16 scales, each over 16 weights
+    # 16 scales, each over 16 weights
+    sc = _scaled(v, b.fmul(b.sitofp(v.load(p, 192, I8, 16), _vec(F32, 16)), v.splat(v.f16(p, 208), 16)), dxp)
+    chunks = []
     for half in range(2):
         lo, hi, qh = v.load(p, 64 * half, I8), v.load(p, 64 * half + 32, I8), v.load(p, 128 + 32 * half, I8)
         # Each (lo, hi, qh) byte triple holds one weight of each 32-weight quarter of this half.
@@ -228,26 +270,30 @@ def _q6_k(v: _B, p: ir.Value) -> Iterator[ir.Value]:
             low = b.and_(b.lshr(src, v.const(I8, shift)), v.const(I8, 15))
             high = b.shl(b.and_(b.lshr(qh, v.const(I8, 2 * quarter)), v.const(I8, 3)), v.const(I8, 4))
             s = 8 * half + 2 * quarter  # scales s and s + 1: the chunk's two runs of 16
-            scale = b.shuffle_vector(sc, sc, ir.Constant(V_I32, [s] * 16 + [s + 1] * 16))
-            yield b.fmul(v.signed(b.or_(low, high), 32), scale)
+            scale = b.shuffle_vector(sc, sc, ir.Constant(_vec(I32, 16), [s] * 8 + [s + 1] * 8))
+            chunks.append(Chunk(_i16(v, b.sub(b.or_(low, high), v.const(I8, 32)), True), scale))
+    return Block(chunks, None)
 
 
-def _iq4_xs(v: _B, p: ir.Value) -> Iterator[ir.Value]:
+def _iq4_xs(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
     d = v.f16(p, 0)
     b = v.b
     sh = b.zext(v.scalar(p, 2, I16), I32)
+    chunks = []
     for ib in range(8):
         low = b.and_(b.lshr(v.u8(p, 4 + ib // 2), ir.Constant(I32, 4 * (ib % 2))), ir.Constant(I32, 15))
         high = b.shl(b.and_(b.lshr(sh, ir.Constant(I32, 2 * ib)), ir.Constant(I32, 3)), ir.Constant(I32, 4))
         dl = b.fmul(d, b.sitofp(b.sub(b.or_(low, high), ir.Constant(I32, 32)), F32))
-        yield b.fmul(v.table(v.nibbles(p, 8 + 16 * ib), _IQ4_NL), v.splat(dl))
+        dl = dl if dxp is None else _scaled(v, dl, v.at(dxp, ib))
+        chunks.append(Chunk(_i16(v, v.table(v.nibbles(p, 8 + 16 * ib), _IQ4_NL), True), dl))
+    return Block(chunks, None)
 
 
 @dataclass(frozen=True)
 class Layout:
     weights: int  # per block
     size: int  # bytes per block
-    chunks: Chunks  # a block's weights, 32 lanes per chunk
+    chunks: Chunks  # a block's weights as integers and scales, 32 at a time
 
 
 def _layout(qtype: Q, chunks: Chunks) -> Layout:
@@ -270,6 +316,42 @@ def has_kernel(qtype: Q) -> bool:
     return qtype in LAYOUTS
 
 
+# -- activations as the dot products read them ---------------------------------------------------
+
+ACT_MAX = 32767  # int16: the rounding is at most 1.5e-5 of the largest activation of its 32
+
+
+@njit(inline="always")
+def quantize_row(x: np.ndarray, row: int, xq: np.ndarray, dx: np.ndarray, bs: np.ndarray) -> None:
+    """Row `row` of x [R, K] (float32, K a multiple of 32) as int16 xq with one scale per 32 in dx,
+    and per 32 activations dx times their sum in bs (what a block's bias multiplies)."""
+    for c in range(x.shape[1] // LANES):
+        m = np.float32(0)
+        for i in range(c * LANES, c * LANES + LANES):
+            m = max(m, abs(x[row, i]))
+        d = m / np.float32(ACT_MAX)
+        inv = np.float32(ACT_MAX) / m if m > 0 else np.float32(0)
+        s = 0
+        for i in range(c * LANES, c * LANES + LANES):
+            q = int(np.rint(x[row, i] * inv))
+            xq[row, i] = q
+            s += q
+        dx[row, c] = d
+        bs[row, c] = d * np.float32(s)
+
+
+@njit(inline="always")
+def quantize_rows(x: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of x a kernel reads, quantized for the dot products (other rows left unset)."""
+    n, k = x.shape
+    xq = np.empty((n, k), np.int16)
+    dx = np.empty((n, k // LANES), np.float32)
+    bs = np.empty((n, k // LANES), np.float32)
+    for i in range(rows.shape[0]):
+        quantize_row(x, rows[i], xq, dx, bs)
+    return xq, dx, bs
+
+
 # -- intrinsics ----------------------------------------------------------------------------------
 
 
@@ -290,57 +372,43 @@ def _hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
     return b.extract_element(v, ir.Constant(I32, 0))
 
 
-def _each_chunk(
-    v: _B, layout: Layout, n_blocks: ir.Value, wp: ir.Value, fp: ir.Value, each: Callable[[ir.Value, ir.Value], None]
-) -> None:
-    """each(weights, place) for every chunk of the n_blocks blocks at wp, in row order; `place` is
-    the chunk's float32 pointer in the row of floats at fp (activations to multiply, or a buffer)."""
+def _madd(v: _B, q: ir.Value, x: ir.Value) -> ir.Value:
+    """<32 x i16> times <32 x i16>, adjacent products summed: <16 x i32> (x86's pmaddwd, found by LLVM)."""
     b = v.b
-    with cgutils.for_range(b, n_blocks) as loop:
-        block = v.at(wp, b.mul(loop.index, ir.Constant(I64, layout.size)))
-        row = v.at(fp, b.mul(loop.index, ir.Constant(I64, layout.weights)))
-        for c, wv in enumerate(layout.chunks(v, block)):
-            each(wv, v.at(row, c * LANES))
-
-
-def _dot_intrinsic(layout: Layout) -> Any:
-    @intrinsic
-    def dot(typingctx, w, w_off, n_blocks, x, x_off):  # numba's signature: no annotations
-        """sum over n_blocks blocks at byte w_off of w of weights * x, x from byte x_off of x."""
-        sig = types.float32(w, types.int64, types.int64, x, types.int64)
-
-        def codegen(context, builder, sig, args):
-            v = _B(builder)
-            wp = _data(context, builder, sig.args[0], args[0], args[1])
-            xp = builder.bitcast(_data(context, builder, sig.args[3], args[3], args[4]), F32.as_pointer())
-            acc = cgutils.alloca_once_value(builder, ir.Constant(V_F32, None))
-
-            def accumulate(wv: ir.Value, place: ir.Value) -> None:
-                builder.store(v.fma(wv, v.load(place, 0, F32, align=4), builder.load(acc)), acc)
-
-            _each_chunk(v, layout, args[2], wp, xp, accumulate)
-            return _hsum(builder, builder.load(acc))
-
-        return sig, codegen
-
-    return dot
+    m = b.mul(b.sext(q, V_I32), b.sext(x, V_I32))
+    even = b.shuffle_vector(m, m, ir.Constant(_vec(I32, 16), list(range(0, LANES, 2))))
+    odd = b.shuffle_vector(m, m, ir.Constant(_vec(I32, 16), list(range(1, LANES, 2))))
+    return b.add(even, odd)
 
 
 def _decode_intrinsic(layout: Layout) -> Any:
     @intrinsic
-    def decode(typingctx, w, w_off, n_blocks, y, y_off):
-        """n_blocks blocks at byte w_off of w -> their weights at byte y_off of y."""
+    def decode(typingctx, w, w_off, n_blocks, y, y_off):  # numba's signature: no annotations
+        """n_blocks blocks at byte w_off of w -> their weights as float32 at byte y_off of y."""
         sig = types.void(w, types.int64, types.int64, y, types.int64)
 
         def codegen(context, builder, sig, args):
             v = _B(builder)
-            wp = _data(context, builder, sig.args[0], args[0], args[1])
-            yp = builder.bitcast(_data(context, builder, sig.args[3], args[3], args[4]), F32.as_pointer())
-
-            def store(wv: ir.Value, place: ir.Value) -> None:
-                builder.store(wv, builder.bitcast(place, V_F32.as_pointer()), align=4)
-
-            _each_chunk(v, layout, args[2], wp, yp, store)
+            b = builder
+            wp = _data(context, b, sig.args[0], args[0], args[1])
+            yp = b.bitcast(_data(context, b, sig.args[3], args[3], args[4]), F32.as_pointer())
+            with cgutils.for_range(b, args[2]) as loop:
+                block = layout.chunks(v, v.at(wp, b.mul(loop.index, ir.Constant(I64, layout.size))), None)
+                row = v.at(yp, b.mul(loop.index, ir.Constant(I64, layout.weights)))
+                for c, (q, scale) in enumerate(block.chunks):
+                    if isinstance(scale.type, ir.VectorType):
+                        scale = b.shuffle_vector(scale, scale, ir.Constant(V_I32, [0] * 16 + [8] * 16))
+                    else:
+                        scale = v.splat(scale)
+                    w = b.sitofp(q, V_F32)
+                    if block.bias is None:
+                        w = b.fmul(w, scale)
+                    else:
+                        bias = block.bias
+                        if isinstance(bias.type, ir.VectorType):
+                            bias = b.extract_element(bias, ir.Constant(I32, c))
+                        w = v.fma(w, scale, v.splat(bias))
+                    b.store(w, b.bitcast(v.at(row, c * LANES), V_F32.as_pointer()), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -348,86 +416,142 @@ def _decode_intrinsic(layout: Layout) -> Any:
     return decode
 
 
-TOKENS = 4  # tokens per pass over a decoded buffer: each chunk of weights is loaded once for all of them
+def _dot_intrinsic(layout: Layout, nt: int) -> Any:
+    """The dot products of one quantized row with nt rows of quantized activations, in integers per
+    32 weights (pmaddwd), then float32: acc += float(sum of q * xq) * scale * dx, lane-wise, and the
+    block biases times bs. Each token's operations are the same whatever nt is: the same result."""
+
+    @intrinsic
+    def dot(typingctx, w, w_off, n_blocks, xq, dx, bs, rows):
+        sig = types.UniTuple(types.float32, nt)(w, types.int64, types.int64, xq, dx, bs, rows)
+
+        def codegen(context, builder, sig, args):
+            v = _B(builder)
+            b = builder
+            wp = _data(context, b, sig.args[0], args[0], args[1])
+            rows = cgutils.unpack_tuple(b, args[6], nt) if nt > 1 else [args[6]]
+
+            def row_ptr(i: int, row: ir.Value, t: ir.Type) -> ir.Value:
+                arr = context.make_array(sig.args[i])(context, b, args[i])
+                stride = cgutils.unpack_tuple(b, arr.strides, 2)[0]
+                return b.bitcast(b.gep(b.bitcast(arr.data, I8.as_pointer()), [b.mul(row, stride)]), t.as_pointer())
+
+            xps = [row_ptr(3, r, I16) for r in rows]
+            dps = [row_ptr(4, r, F32) for r in rows]
+            bps = [row_ptr(5, r, F32) for r in rows]
+            # Two accumulators, for even and odd chunks: two chains of dependent FMAs, not one.
+            acc8 = [[cgutils.alloca_once_value(b, ir.Constant(V8_F32, None)) for _ in range(2)] for _ in range(nt)]
+            acc16 = [
+                [cgutils.alloca_once_value(b, ir.Constant(_vec(F32, 16), None)) for _ in range(2)] for _ in range(nt)
+            ]
+            accb = [cgutils.alloca_once_value(b, ir.Constant(V8_F32, None)) for _ in range(nt)]
+            accs = [cgutils.alloca_once_value(b, ir.Constant(F32, None)) for _ in range(nt)]
+            used = set()
+            halves = [ir.Constant(_vec(I32, 8), list(range(h, h + 8))) for h in (0, 8)]
+            with cgutils.for_range(b, args[2]) as loop:
+                first = b.mul(loop.index, ir.Constant(I64, layout.weights))  # the block's first weight
+                block_p = v.at(wp, b.mul(loop.index, ir.Constant(I64, layout.size)))
+                sums = b.udiv(first, ir.Constant(I64, LANES))  # the block's first chunk
+                for t in range(nt):
+                    block = layout.chunks(v, block_p, v.at(dps[t], sums))
+                    for c, (q, scale) in enumerate(block.chunks):
+                        m = _madd(v, q, v.load(xps[t], b.add(first, ir.Constant(I64, c * LANES)), I16, align=2))
+                        if isinstance(scale.type, ir.VectorType):
+                            acc = acc16[t][c % 2]
+                            b.store(v.fma(b.sitofp(m, _vec(F32, 16)), scale, b.load(acc)), acc)
+                            used.add("16")
+                        else:  # one scale: the two halves' integer sums first
+                            s = b.add(b.shuffle_vector(m, m, halves[0]), b.shuffle_vector(m, m, halves[1]))
+                            acc = acc8[t][c % 2]
+                            b.store(v.fma(b.sitofp(s, V8_F32), v.splat(scale, 8), b.load(acc)), acc)
+                            used.add("8")
+                    if block.bias is not None:
+                        if isinstance(block.bias.type, ir.VectorType):
+                            bsum = v.load(bps[t], sums, F32, 8, align=4)
+                            b.store(v.fma(block.bias, bsum, b.load(accb[t])), accb[t])
+                            used.add("b")
+                        else:
+                            bsum = b.load(v.at(bps[t], sums), align=4)
+                            b.store(_fma1(b, block.bias, bsum, b.load(accs[t])), accs[t])
+                            used.add("s")
+            outs = []
+            for t in range(nt):
+                parts = [_hsum(b, b.fadd(b.load(a[t][0]), b.load(a[t][1]))) for key, a in (("8", acc8), ("16", acc16))
+                         if key in used]  # fmt: skip
+                if "b" in used:
+                    parts.append(_hsum(b, b.load(accb[t])))
+                if "s" in used:
+                    parts.append(b.load(accs[t]))
+                total = parts[0]
+                for part in parts[1:]:
+                    total = b.fadd(total, part)
+                outs.append(total)
+            return context.make_tuple(b, sig.return_type, outs) if nt > 1 else outs[0]
+
+        if nt == 1:
+            sig = types.float32(w, types.int64, types.int64, xq, dx, bs, types.int64)
+        return sig, codegen
+
+    return dot
 
 
-def _dot_buffer(typingctx, y, n, x, x_offs):
-    """For each of TOKENS byte offsets o in x_offs: sum(y[:n] * x at o), n a multiple of 32, accumulated
-    lane-wise in chunk order as `dot_group` does (the same result for a token, bit for bit)."""
-    sig = types.UniTuple(types.float32, TOKENS)(y, types.int64, x, x_offs)
-
-    def codegen(context, builder, sig, args):
-        v = _B(builder)
-        yp = builder.bitcast(_data(context, builder, sig.args[0], args[0], ir.Constant(I64, 0)), F32.as_pointer())
-        offs = cgutils.unpack_tuple(builder, args[3], TOKENS)
-        xps = [builder.bitcast(_data(context, builder, sig.args[2], args[2], o), F32.as_pointer()) for o in offs]
-        accs = [cgutils.alloca_once_value(builder, ir.Constant(V_F32, None)) for _ in range(TOKENS)]
-        with cgutils.for_range(builder, builder.udiv(args[1], ir.Constant(I64, LANES))) as loop:
-            off = builder.mul(loop.index, ir.Constant(I64, LANES))
-            wv = v.load(yp, off, F32, align=4)
-            for xp, acc in zip(xps, accs, strict=True):
-                builder.store(v.fma(wv, v.load(xp, off, F32, align=4), builder.load(acc)), acc)
-        sums = [_hsum(builder, builder.load(acc)) for acc in accs]
-        return context.make_tuple(builder, sig.return_type, sums)
-
-    return sig, codegen
+def _fma1(b: ir.IRBuilder, x: ir.Value, y: ir.Value, z: ir.Value) -> ir.Value:
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(F32, [F32, F32, F32]), "llvm.fma.f32")
+    return b.call(fn, [x, y, z])
 
 
-dot_buffer: Any = intrinsic(_dot_buffer)
+TOKENS = 4  # tokens per pass over a row: each chunk of weights is unpacked once for all of them
 
-
-_DOT = {t: _dot_intrinsic(lay) for t, lay in LAYOUTS.items()}
 _DECODE = {t: _decode_intrinsic(lay) for t, lay in LAYOUTS.items()}
+_DOT1 = {t: _dot_intrinsic(lay, 1) for t, lay in LAYOUTS.items()}
+_DOT4 = {t: _dot_intrinsic(lay, TOKENS) for t, lay in LAYOUTS.items()}
 
 
-def _group_blocks(code: Any) -> tuple[int, int, Any, Any] | None:
-    """For a constant type code: (weights per block, bytes per GROUP weights, its dot, its decode)."""
-    if not isinstance(code, types.IntegerLiteral):
-        return None  # numba retries with the constant's literal type
-    qtype = Q(code.literal_value)
-    layout = LAYOUTS[qtype]
-    return layout.weights, GROUP // layout.weights * layout.size, _DOT[qtype], _DECODE[qtype]
+def _literal(code: Any) -> Q | None:
+    """The quant type of a constant type code (None: numba retries with the constant's literal type)."""
+    return Q(code.literal_value) if isinstance(code, types.IntegerLiteral) else None
 
 
-def dot_group(code: int, w: np.ndarray, w_off: int, g: int, k: int, x: np.ndarray, x_off: int) -> np.float32:
-    """Weights g*GROUP.. of the row of k weights at byte w_off of w, times x from byte x_off of x.
+def dot_row(code: int, w: np.ndarray, w_off: int, k: int, xq: np.ndarray, dx: np.ndarray, bs: np.ndarray,
+            rows: Any) -> Any:  # fmt: skip
+    """The row of k weights at byte w_off of w times activation rows `rows` (one int, or TOKENS of
+    them in a tuple) of quantize_rows' (xq, dx, bs): a float32, or a tuple of them.
 
     Compiled code only (see the overloads below). `code`, the type's gguf enum value, must be a
     compile-time constant: a kernel closes over it, and only that type's layout is compiled in.
     """
-    raise NotImplementedError("dot_group runs in compiled code")
+    raise NotImplementedError("dot_row runs in compiled code")
 
 
-def decode_group(code: int, w: np.ndarray, w_off: int, g: int, k: int, y: np.ndarray, y_off: int) -> int:
-    """Weights g*GROUP.. of the row of k weights at byte w_off of w, into y at byte y_off; returns how many."""
-    raise NotImplementedError("decode_group runs in compiled code")
+def decode_row(code: int, w: np.ndarray, w_off: int, k: int, y: np.ndarray, y_off: int) -> None:
+    """The row of k weights at byte w_off of w, as float32 into y at byte y_off."""
+    raise NotImplementedError("decode_row runs in compiled code")
 
 
 # numba compares an overload's signature with its implementation's: neither has annotations.
-@overload(dot_group, inline="always")
-def _dot_group(code, w, w_off, g, k, x, x_off):
-    found = _group_blocks(code)
-    if found is None:
+@overload(dot_row, inline="always")
+def _dot_row(code, w, w_off, k, xq, dx, bs, rows):
+    qtype = _literal(code)
+    if qtype is None:
         return None
-    weights, group_bytes, dot, _ = found
+    per_block = LAYOUTS[qtype].weights
+    dot = _DOT4[qtype] if isinstance(rows, types.BaseTuple) else _DOT1[qtype]
 
-    def impl(code, w, w_off, g, k, x, x_off):
-        n = min(GROUP, k - g * GROUP)
-        return dot(w, w_off + g * group_bytes, n // weights, x, x_off + 4 * g * GROUP)
+    def impl(code, w, w_off, k, xq, dx, bs, rows):
+        return dot(w, w_off, k // per_block, xq, dx, bs, rows)
 
     return impl
 
 
-@overload(decode_group, inline="always")
-def _decode_group(code, w, w_off, g, k, y, y_off):
-    found = _group_blocks(code)
-    if found is None:
+@overload(decode_row, inline="always")
+def _decode_row(code, w, w_off, k, y, y_off):
+    qtype = _literal(code)
+    if qtype is None:
         return None
-    weights, group_bytes, _, decode = found
+    per_block = LAYOUTS[qtype].weights
+    decode = _DECODE[qtype]
 
-    def impl(code, w, w_off, g, k, y, y_off):
-        n = min(GROUP, k - g * GROUP)
-        decode(w, w_off + g * group_bytes, n // weights, y, y_off)
-        return n
+    def impl(code, w, w_off, k, y, y_off):
+        decode(w, w_off, k // per_block, y, y_off)
 
     return impl

@@ -65,6 +65,16 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.T
     return y if b is None else y + b
 
 
+def linears(x: torch.Tensor, ws: tuple[Weight, ...], bs: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
+    """x @ w.T + b for each of several matrices of one input (a layer's q, k and v): in one kernel
+    call when they are all quantized with one type and few tokens run, else one at a time."""
+    qs = [w for w in ws if isinstance(w, QLinear)]
+    if x.shape[0] < GEMM_TOKENS and len(qs) == len(ws) and all(w.qtype == qs[0].qtype for w in qs):
+        outs = cpu_kernels.dense_many(tuple(w.raw for w in qs), qs[0].qtype, x.float().contiguous().numpy())
+        return [torch.from_numpy(y) if b is None else torch.from_numpy(y) + b for y, b in zip(outs, bs, strict=True)]
+    return [linear(x, w, b) for w, b in zip(ws, bs, strict=True)]
+
+
 Act = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
@@ -76,8 +86,8 @@ def gated(x: torch.Tensor, gate: Weight, up: Weight, act: Act) -> torch.Tensor:
         xs = x.float().contiguous().numpy()
         out = np.empty((xs.shape[0], gate.shape[0]), np.float32)
         one, ptr, rows = cpu_kernels.one_matrix(xs.shape[0])
-        cpu_kernels.gate_up(gate.raw[None], gate.qtype, up.raw[None], up.qtype, xs, one, one, ptr, rows, rows, out,
-                            code)  # fmt: skip
+        cpu_kernels.gate_up(gate.raw[None], gate.qtype, up.raw[None], up.qtype, xs, rows, one, one, ptr, rows, rows,
+                            out, code)  # fmt: skip
         return torch.from_numpy(out)
     return act(linear(x, gate), linear(x, up))
 

@@ -26,7 +26,7 @@ from ..layers import (
     rms_norm,
 )
 from ..moe import Activation, ExpertExecutor, HostExperts, load_layer_experts, route, swiglu
-from ..qlinear import Weight, gated, linear, load_linear, maybe_linear
+from ..qlinear import Weight, gated, linear, linears, load_linear, maybe_linear
 
 
 @dataclass(frozen=True)
@@ -57,9 +57,8 @@ class Attention(nn.Module):
     def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
         cfg, t = self.cfg, h.shape[0]
         n_kv = cfg.n_head_kv[self.i]
-        q = linear(h, self.wq, self.bq)  # [T, H*D]
-        k = linear(h, self.wk, self.bk)  # [T, Hkv*D]
-        v = linear(h, self.wv, self.bv).view(t, n_kv, cfg.head_dim_v)
+        q, k, v = linears(h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))  # [T, H*D], [T, Hkv*D] x2
+        v = v.view(t, n_kv, cfg.head_dim_v)
         if not self.qk_norm_per_head:
             if self.q_norm is not None:
                 q = rms_norm(q, self.q_norm, cfg.norm_eps)
