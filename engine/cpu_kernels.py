@@ -46,7 +46,7 @@ def _job(job: int, n_tiles: int, n_rows: int, sel: np.ndarray, ptr: np.ndarray) 
 
 
 @njit(inline="always")
-def _act(kind: int, g: np.float32, u: np.float32) -> np.float32:
+def act(kind: int, g: np.float32, u: np.float32) -> np.float32:
     if kind == ACT_SILU:
         return g / (np.float32(1) + np.exp(-g)) * u
     if kind == ACT_GELU_TANH:
@@ -58,9 +58,7 @@ def _act(kind: int, g: np.float32, u: np.float32) -> np.float32:
 
 
 @njit(inline="always")
-def _dots(
-    code: int, w: np.ndarray, o: int, k: int, q: Any, a_in: np.ndarray, c0: int, nc: int, acc: np.ndarray
-) -> None:
+def dots(code: int, w: np.ndarray, o: int, k: int, q: Any, a_in: np.ndarray, c0: int, nc: int, acc: np.ndarray) -> None:
     """acc[i] = the row at byte o of w times activation row a_in[c0 + i], i < nc, four tokens a pass."""
     xq, dx, bs = q
     i = 0
@@ -85,7 +83,7 @@ def _gate_up_kernel(gate_type: Q, up_type: Q) -> Any:
     code_g, code_u = int(gate_type), int(up_type)
 
     @njit(parallel=True, fastmath=False)
-    def gate_up(gate, up, x, x_rows, sel, eid, ptr, a_in, a_out, bias_g, bias_u, act, out):
+    def gate_up(gate, up, x, x_rows, sel, eid, ptr, a_in, a_out, bias_g, bias_u, act_code, out):
         n_rows, k = gate.shape[1], x.shape[1]
         n_tiles = (n_rows + ROWS - 1) // ROWS
         q = quantize_rows(x, x_rows)
@@ -94,14 +92,14 @@ def _gate_up_kernel(gate_type: Q, up_type: Q) -> Any:
             ag = np.empty(nc, np.float32)
             au = np.empty(nc, np.float32)
             for r in range(r0, r1):
-                _dots(code_g, gate, _row(gate, m, r), k, q, a_in, c0, nc, ag)
-                _dots(code_u, up, _row(up, m, r), k, q, a_in, c0, nc, au)
+                dots(code_g, gate, _row(gate, m, r), k, q, a_in, c0, nc, ag)
+                dots(code_u, up, _row(up, m, r), k, q, a_in, c0, nc, au)
                 for i in range(nc):
                     gv, uv = ag[i], au[i]
                     if bias_g.shape[0]:
                         gv += bias_g[eid[u], r]
                         uv += bias_u[eid[u], r]
-                    out[a_out[c0 + i], r] = _act(act, gv, uv)
+                    out[a_out[c0 + i], r] = act(act_code, gv, uv)
 
     return gate_up
 
@@ -119,7 +117,7 @@ def _matmul_kernel(qtype: Q) -> Any:
             u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
             acc = np.empty(nc, np.float32)
             for r in range(r0, r1):
-                _dots(code, w, _row(w, m, r), k, q, a_in, c0, nc, acc)
+                dots(code, w, _row(w, m, r), k, q, a_in, c0, nc, acc)
                 for i in range(nc):
                     v = acc[i]
                     if bias.shape[0]:
@@ -146,7 +144,7 @@ def _dense_many_kernel(qtype: Q) -> Any:
             r0 = (job - first_tile[m]) * ROWS
             acc = np.empty(nc, np.float32)
             for r in range(r0, min(w.shape[0], r0 + ROWS)):
-                _dots(code, w, r * w.strides[0], k, q, rows, 0, nc, acc)
+                dots(code, w, r * w.strides[0], k, q, rows, 0, nc, acc)
                 for i in range(nc):
                     out[i, r] = acc[i]
 
@@ -165,6 +163,42 @@ def _dequantize_kernel(qtype: Q) -> Any:
                 decode_row(code, w, r * w.strides[0], k, out, r * out.strides[0])
 
     return dequantize
+
+
+@njit
+def _selection(ids, chosen):
+    """The selection in CSR form (see the module's doc) of the pairs of ids [T, k] whose expert is in
+    `chosen` (empty: all): assignments a grouped by ascending expert (stable), the experts, ptr,
+    each assignment's token, and the tokens named, ascending."""
+    t_n, k = ids.shape
+    flat = ids.reshape(-1)
+    n_expert = flat.max() + 1 if flat.size else 0
+    wanted = np.ones(n_expert, np.bool_)
+    if chosen.size:
+        wanted[:] = False
+        for e in chosen:
+            if e < n_expert:
+                wanted[e] = True
+    counts = np.zeros(n_expert + 1, np.int64)
+    for e in flat:
+        if wanted[e]:
+            counts[e + 1] += 1
+    eids = np.flatnonzero(counts[1:])
+    starts = np.cumsum(counts)  # [n_expert + 1]: where each expert's assignments begin
+    a = np.empty(starts[-1], np.int64)
+    fill = starts[:-1].copy()
+    token_named = np.zeros(t_n, np.bool_)
+    for i in range(flat.size):
+        e = flat[i]
+        if wanted[e]:
+            a[fill[e]] = i
+            fill[e] += 1
+            token_named[i // k] = True
+    ptr = np.empty(eids.size + 1, np.int64)
+    for u in range(eids.size):
+        ptr[u] = starts[eids[u]]
+    ptr[eids.size] = a.size
+    return a, eids, ptr, a // k, np.flatnonzero(token_named)
 
 
 @njit
@@ -250,6 +284,12 @@ def dequantize_rows(w: np.ndarray, qtype: Q, k: int) -> np.ndarray:
     out = np.empty((w.shape[0], k), np.float32)
     _dequantize_kernel(qtype)(_blocks(w), k, out)
     return out
+
+
+def selection(ids: np.ndarray, chosen: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(a, eids, ptr, a_in, x_rows) for gate_up: the pairs of ids [T, k] (int64) whose expert is in
+    `chosen` (empty: all)."""
+    return _selection(ids, chosen)
 
 
 def combine(contrib: np.ndarray, ids: np.ndarray) -> np.ndarray:

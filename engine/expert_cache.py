@@ -272,13 +272,14 @@ class ExpertCache:
         xh, ih, wh = host_arrays(x, ids, weights)
         contrib = np.empty((ih.size, xh.shape[1]), np.float32)  # [T*k, E]
         future: Future[None] | None = None
+        on_device = sorted([*plan.hits, *(e for e, _ in plan.uploads)])
         if plan.cpu:
-            if self._worker is not None and concurrent_calls_safe():
+            # The worker only when the device has work of its own meanwhile: handing over costs.
+            if on_device and self._worker is not None and concurrent_calls_safe():
                 future = self._worker.submit(self.host.run_host_part, layer, xh, ih, wh, list(plan.cpu), contrib)
             else:
                 self.host.run_host_part(layer, xh, ih, wh, list(plan.cpu), contrib)
         self._upload(group, lx, plan.uploads)
-        on_device = sorted([*plan.hits, *(e for e, _ in plan.uploads)])
         if on_device:
             banks = tuple(b.numpy() for b in group.banks)
             slots = np.asarray(policy.slot_map[layer], dtype=np.int64)

@@ -62,26 +62,20 @@ def run_fused(
     mats: (gate, up, down) stacked [S, rows, row_bytes]: the layer's experts (slot_of None) or a
     cache's slots (slot_of[e]: expert e's slot). x [T, E] float32; ids int64 and weights float32 [T, k].
     """
-    k = ids.shape[1]
-    flat = ids.reshape(-1)  # [T*k]
-    if experts is None:
-        a = np.argsort(flat, kind="stable")  # assignments grouped by expert
-    else:
-        a = np.flatnonzero(np.isin(flat, np.asarray(experts, dtype=np.int64)))
-        a = a[np.argsort(flat[a], kind="stable")]
+    chosen = _ALL if experts is None else np.asarray(experts, dtype=np.int64)
+    a, eids, ptr, tokens, x_rows = cpu_kernels.selection(ids, chosen)
     if a.shape[0] == 0:
         return
-    eids, starts = np.unique(flat[a], return_index=True)
-    ptr = np.append(starts, a.shape[0]).astype(np.int64)
     sel = eids if slot_of is None else slot_of[eids]
     gate, up, down = mats
-    h = np.empty((flat.shape[0], gate.shape[1]), np.float32)  # [T*k, F]; only the rows in `a` are set
-    tokens = a // k
-    x_rows = cpu_kernels.one_matrix(x.shape[0])[2] if experts is None else np.unique(tokens)
+    h = np.empty((ids.size, gate.shape[1]), np.float32)  # [T*k, F]; only the rows in `a` are set
     cpu_kernels.gate_up(gate, lx.gate.qtype, up, lx.up.qtype, x, x_rows, sel, eids, ptr, tokens, a, h, act,
                         _bias(lx.gate.bias), _bias(lx.up.bias))  # fmt: skip
     cpu_kernels.matmul(down, lx.down.qtype, h, a, sel, eids, ptr, a, a, contrib, weights.reshape(-1),
                        _bias(lx.down.bias))  # fmt: skip
+
+
+_ALL = np.zeros(0, np.int64)
 
 
 def combine(contrib: np.ndarray, ids: np.ndarray) -> torch.Tensor:

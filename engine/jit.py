@@ -20,7 +20,7 @@ from typing import Any
 
 import platformdirs
 
-KERNEL_SOURCES = ("jit.py", "qblocks.py", "cpu_kernels.py")
+KERNEL_SOURCES = ("jit.py", "qblocks.py", "cpu_kernels.py", "cpu_blocks.py")
 
 
 def _default_cache_dir() -> Path:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -78,6 +79,10 @@ class Rope:
     def to(self, device: torch.device) -> Rope:
         self.cis = self.cis.to(device)
         return self
+
+    def parts(self) -> np.ndarray:
+        """The table as float32 [n_ctx, dim/2, 2] (cos, sin), a view for the compiled decode attention (CPU)."""
+        return torch.view_as_real(self.cis).numpy()
 
     def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
         # x: [T, H, D]; pos: [T]

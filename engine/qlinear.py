@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from . import cpu_kernels
+from .cpu_blocks import ffn_block
 from .fused_moe import activation_code
 from .gguf_file import GGUFFile
 from .qblocks import has_kernel
@@ -90,6 +91,22 @@ def gated(x: torch.Tensor, gate: Weight, up: Weight, act: Act) -> torch.Tensor:
                             out, code)  # fmt: skip
         return torch.from_numpy(out)
     return act(linear(x, gate), linear(x, up))
+
+
+def ffn_one_token(
+    x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: Act, *, norm: torch.Tensor | None = None,
+    eps: float = 0.0, post_norm: torch.Tensor | None = None, residual: bool = False,
+) -> torch.Tensor | None:  # fmt: skip
+    """x (+ if residual) post_norm(down @ act(gate @ h, up @ h)), h = rms_norm(x) (x without a norm), for one
+    token in one compiled call (`cpu_blocks.ffn_block`); None where it cannot (other shapes, float weights)."""
+    code = activation_code(act)
+    if x.shape[0] != 1 or code is None or not (isinstance(gate, QLinear) and isinstance(up, QLinear)
+                                               and isinstance(down, QLinear) and gate.shape == up.shape):  # fmt: skip
+        return None
+    ws = ((gate.raw, gate.qtype), (up.raw, up.qtype), (down.raw, down.qtype))
+    out = ffn_block(np.ascontiguousarray(x.detach().numpy(), dtype=np.float32), None if norm is None else norm.numpy(),
+                    eps, ws, code, None if post_norm is None else post_norm.numpy(), residual)  # fmt: skip
+    return torch.from_numpy(out)
 
 
 def load_linear(gguf: GGUFFile, name: str, quantized: bool) -> Weight:

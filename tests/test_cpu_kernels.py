@@ -168,3 +168,18 @@ def test_combine_sums_in_expert_order() -> None:
     b = cpu_kernels.combine(contrib[perm], swapped)
     assert np.array_equal(a, b)
     assert np.allclose(a, contrib.reshape(2, 3, 16).sum(1), rtol=1e-6, atol=1e-6)
+
+
+def test_selection_groups_the_chosen_pairs_by_expert() -> None:
+    rng = np.random.default_rng(11)
+    ids = np.stack([rng.permutation(9)[:3] for _ in range(7)]).astype(np.int64)  # [T=7, k=3]
+    for chosen in (np.zeros(0, np.int64), np.array([8, 2, 5], np.int64), np.array([40], np.int64)):
+        a, eids, ptr, a_in, x_rows = cpu_kernels.selection(ids, chosen)
+        flat = ids.reshape(-1)
+        keep = np.flatnonzero(np.isin(flat, chosen)) if chosen.size else np.arange(flat.size)
+        ref = keep[np.argsort(flat[keep], kind="stable")]
+        np.testing.assert_array_equal(a, ref)
+        np.testing.assert_array_equal(eids, np.unique(flat[keep]))
+        np.testing.assert_array_equal(flat[a], np.repeat(eids, np.diff(ptr)))
+        np.testing.assert_array_equal(a_in, ref // 3)
+        np.testing.assert_array_equal(x_rows, np.unique(ref // 3))

@@ -8,11 +8,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ..config import ModelConfig
+from ..cpu_blocks import attention_block, decode_attention
 from ..gguf_file import GGUFFile
 from ..layers import (
     KVCache,
@@ -26,7 +28,7 @@ from ..layers import (
     rms_norm,
 )
 from ..moe import Activation, ExpertExecutor, HostExperts, load_layer_experts, route, swiglu
-from ..qlinear import Weight, gated, linear, linears, load_linear, maybe_linear
+from ..qlinear import QLinear, Weight, ffn_one_token, gated, linear, linears, load_linear, maybe_linear
 
 
 @dataclass(frozen=True)
@@ -54,6 +56,36 @@ class Attention(nn.Module):
         self.sinks = maybe_weight(gguf, p + "attn_sinks.weight")  # [H]
         self.window = cfg.sliding_window if cfg.swa_layers and cfg.swa_layers[i] else 0
 
+    def _compiled(self, cache: LayerCache) -> bool:
+        """Whether one token's attention can run as one compiled call (`cpu_blocks`)."""
+        ws = (self.wq, self.wk, self.wv, self.wo)
+        norms_fit = self.qk_norm_per_head or (self.q_norm is None and self.k_norm is None)
+        biases_fit = (self.bq is None) == (self.bk is None) == (self.bv is None)
+        cpu_f32 = cache.k.device.type == "cpu" and cache.k.dtype == torch.float32
+        return (
+            all(isinstance(w, QLinear) for w in ws)
+            and norms_fit
+            and biases_fit
+            and self.sinks is None
+            and (not self.cfg.attn_softcap and cpu_f32)
+        )
+
+    def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
+                     cache: LayerCache, rope: Rope) -> torch.Tensor | None:  # fmt: skip
+        """x + post_norm(attention(rms_norm(x))) for one token in one compiled call; None where it cannot."""
+        if x.shape[0] != 1 or not self._compiled(cache):
+            return None
+        cfg = self.cfg
+        ws = tuple((w.raw, w.qtype) for w in (self.wq, self.wk, self.wv, self.wo) if isinstance(w, QLinear))
+        biases = tuple(None if b is None else b.numpy() for b in (self.bq, self.bk, self.bv, self.bo))
+        out = attention_block(
+            _rows(x), norm.numpy(), eps, ws, biases,
+            None if self.q_norm is None else self.q_norm.numpy(), None if self.k_norm is None else self.k_norm.numpy(),
+            None if post_norm is None else post_norm.numpy(), (cfg.n_head, cfg.n_head_kv[self.i], cfg.head_dim),
+            rope.parts(), rope.neox, cache.k.numpy(), cache.v.numpy(), pos0, self.window, cfg.head_dim**-0.5,
+        )  # fmt: skip
+        return torch.from_numpy(out)
+
     def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
         cfg, t = self.cfg, h.shape[0]
         n_kv = cfg.n_head_kv[self.i]
@@ -69,6 +101,13 @@ class Attention(nn.Module):
             q = rms_norm(q, self.q_norm, cfg.norm_eps)  # per head: [T, H, D]
             if self.k_norm is not None:
                 k = rms_norm(k, self.k_norm, cfg.norm_eps)
+        if t == 1 and self.sinks is None and not cfg.attn_softcap and cache.k.device.type == "cpu" and (
+                cache.k.dtype == torch.float32):  # fmt: skip
+            # One token on the CPU: rotary, cache write and attention in one compiled call.
+            a = torch.from_numpy(decode_attention(
+                _rows(q[0]), _rows(k[0]), _rows(v[0]), rope.parts(), rope.neox, cache.k.numpy(), cache.v.numpy(), pos0,
+                self.window, cfg.head_dim**-0.5))  # fmt: skip
+            return linear(a.reshape(1, -1), self.wo, self.bo)
         pos = torch.arange(pos0, pos0 + t, device=h.device)
         q, k = rope(q, pos), rope(k, pos)
         a = attention(
@@ -76,6 +115,11 @@ class Attention(nn.Module):
             softcap=cfg.attn_softcap,
         )  # fmt: skip
         return linear(a.reshape(t, -1), self.wo, self.bo)
+
+
+def _rows(x: torch.Tensor) -> np.ndarray:
+    """A [heads, dim] float32 array the compiled attention may rotate in place."""
+    return np.ascontiguousarray(x.detach().numpy(), dtype=np.float32)
 
 
 class Routed(nn.Module):
@@ -149,7 +193,9 @@ class MoeFFN(Routed):
         self.last_ids = ids  # read by routing(): the experts of the latest step
         y = experts(self.i, h, ids, weights)
         if self.sh_gate is not None and self.sh_up is not None and self.sh_down is not None:
-            shared = linear(gated(h, self.sh_gate, self.sh_up, self.act), self.sh_down)
+            shared = ffn_one_token(h, self.sh_gate, self.sh_up, self.sh_down, self.act)
+            if shared is None:
+                shared = linear(gated(h, self.sh_gate, self.sh_up, self.act), self.sh_down)
             if self.sh_gate_inp is not None:
                 shared = shared * torch.sigmoid(h @ self.sh_gate_inp.reshape(-1, 1))
             y = y + shared
@@ -168,6 +214,12 @@ class DenseFFN(nn.Module):
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
         return linear(gated(h, self.gate, self.up, self.act), self.down)
+
+    def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float,
+                     post_norm: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
+        """x + post_norm(ffn(rms_norm(x))) for one token in one compiled call; None where it cannot."""
+        return ffn_one_token(x, self.gate, self.up, self.down, self.act, norm=norm, eps=eps, post_norm=post_norm,
+                             residual=True)  # fmt: skip
 
 
 def is_moe_layer(gguf: GGUFFile, i: int) -> bool:
@@ -209,8 +261,10 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope, experts: ExpertExecutor
     ) -> torch.Tensor:
-        x = x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos0, cache, rope)
-        return x + self.ffn(rms_norm(x, self.ffn_norm, self.eps), experts)
+        fast = self.attn.decode_block(x, self.attn_norm, self.eps, None, pos0, cache, rope)
+        x = fast if fast is not None else x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos0, cache, rope)
+        fast = self.ffn.decode_block(x, self.ffn_norm, self.eps) if isinstance(self.ffn, DenseFFN) else None
+        return fast if fast is not None else x + self.ffn(rms_norm(x, self.ffn_norm, self.eps), experts)
 
 
 class MoeDecoder(DecoderBase):

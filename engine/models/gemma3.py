@@ -22,7 +22,7 @@ from ..fused_moe import register_activation
 from ..gguf_file import GGUFFile
 from ..layers import KVCache, LayerCache, Rope, load_weight, move_tensors, rms_norm
 from ..moe import ExpertExecutor
-from .decoder import Attention, DecoderBase, ffn_for, host_experts
+from .decoder import Attention, DecoderBase, DenseFFN, ffn_for, host_experts
 
 
 def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -48,8 +48,17 @@ class Block(nn.Module):
     def forward(
         self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: tuple[Rope, Rope], experts: ExpertExecutor
     ) -> torch.Tensor:
-        a = self.attn(rms_norm(x, self.attn_norm, self.eps), pos0, cache, rope[1] if self.swa else rope[0])
-        x = x + rms_norm(a, self.post_attn_norm, self.eps)
+        r = rope[1] if self.swa else rope[0]
+        fast = self.attn.decode_block(x, self.attn_norm, self.eps, self.post_attn_norm, pos0, cache, r)
+        if fast is not None:
+            x = fast
+        else:
+            x = x + rms_norm(self.attn(rms_norm(x, self.attn_norm, self.eps), pos0, cache, r), self.post_attn_norm,
+                             self.eps)  # fmt: skip
+        if isinstance(self.ffn, DenseFFN):
+            fast = self.ffn.decode_block(x, self.ffn_norm, self.eps, self.post_ffn_norm)
+            if fast is not None:
+                return fast
         f = self.ffn(rms_norm(x, self.ffn_norm, self.eps), experts)
         return x + rms_norm(f, self.post_ffn_norm, self.eps)
 

@@ -1,0 +1,239 @@
+"""A layer's halves for one new token on the CPU, each in one compiled call.
+
+At one token a layer is dozens of tiny eager torch ops, each costing more than its work. Here
+each half is one numba call. `attention_block` takes the residual stream x and returns x plus
+the attention's output: RMS norm, the q, k and v projections (from the file's blocks, one
+parallel region), biases and per-head q/k norms where the model has them, rotary embedding, the
+KV cache write, attention over the cached positions (grouped-query, optionally a sliding window),
+the output projection (a second parallel region), a post-attention norm where the model has one
+(Gemma), and the residual add. `decode_attention` is the part between the projections.
+`ffn_block` does the same for a dense gated FFN (RMS norm, gate and up with the activation, down,
+post-norm, residual add); `gated_ffn` is a gated FFN alone (a MoE layer's shared expert).
+
+Prefill, attention sinks and logit soft-capping keep the torch path (`layers.attention`), which
+is also the reference the tests hold this one to.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from .cpu_kernels import ROWS, act, dots
+from .jit import njit, prange
+from .qblocks import quantize_rows
+
+
+@njit(inline="always")
+def _rotate(x: np.ndarray, cis: np.ndarray, pos: int, neox: bool) -> None:
+    """Rotary embedding of the first 2 * cis.shape[1] values of each row of x [H, D], in place."""
+    half = cis.shape[1]
+    for h in range(x.shape[0]):
+        for i in range(half):
+            c, s = cis[pos, i, 0], cis[pos, i, 1]
+            j, k = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            a, b = x[h, j], x[h, k]
+            x[h, j] = a * c - b * s
+            x[h, k] = a * s + b * c
+
+
+@njit(inline="always")
+def _rms(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
+    """out = x / rms(x) * w over the last axis of x [R, D] (w [D])."""
+    for r in range(x.shape[0]):
+        ss = np.float32(0)
+        for d in range(x.shape[1]):
+            ss += x[r, d] * x[r, d]
+        inv = np.float32(1) / np.sqrt(ss / np.float32(x.shape[1]) + np.float32(eps))
+        for d in range(x.shape[1]):
+            out[r, d] = x[r, d] * inv * w[d]
+
+
+@njit
+def _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, scale, out):
+    """q [H, D], k [Hkv, D], v [Hkv, Dv] of the token at `pos` -> out [H, Dv]; writes the cache at pos."""
+    _rotate(q, cis, pos, neox)
+    _rotate(k, cis, pos, neox)
+    k_cache[pos] = k
+    v_cache[pos] = v
+    n_head, group = q.shape[0], q.shape[0] // k.shape[0]
+    n = pos + 1 - start
+    p = np.empty(n, np.float32)
+    for h in range(n_head):
+        kv = h // group
+        top = np.float32(-np.inf)
+        for s in range(n):
+            dot = np.float32(0)
+            for d in range(q.shape[1]):
+                dot += q[h, d] * k_cache[start + s, kv, d]
+            p[s] = dot * scale
+            top = max(top, p[s])
+        total = np.float32(0)
+        for s in range(n):
+            p[s] = np.exp(p[s] - top)
+            total += p[s]
+        for d in range(out.shape[1]):
+            out[h, d] = 0
+        for s in range(n):
+            w = p[s] / total
+            for d in range(out.shape[1]):
+                out[h, d] += w * v_cache[start + s, kv, d]
+
+
+def decode_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, cis: np.ndarray, neox: bool, k_cache: np.ndarray,
+    v_cache: np.ndarray, pos: int, window: int, scale: float,
+) -> np.ndarray:  # fmt: skip
+    """One token's attention: q [H, D], k [Hkv, D], v [Hkv, Dv] (rotated here, in place) -> [H, Dv].
+
+    cis [n_ctx, rope_dim / 2, 2]: cos and sin per position; k_cache/v_cache [n_ctx, Hkv, D]: the
+    layer's cache, written at `pos`; window: 0, or the sliding window's length.
+    """
+    start = max(0, pos - window + 1) if window else 0
+    out = np.empty((q.shape[0], v.shape[1]), np.float32)
+    _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, np.float32(scale), out)
+    return out
+
+
+@functools.cache
+def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q) -> Any:
+    cq, ck, cv, co = int(tq), int(tk), int(tv), int(to)
+
+    @njit(parallel=True, fastmath=False)
+    def block(x, norm, eps, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, post_norm, n_head, n_kv, head_dim,
+              cis, neox, k_cache, v_cache, pos, start, scale, out):  # fmt: skip
+        e = x.shape[1]
+        one = np.zeros(1, np.int64)
+        h = np.empty((1, e), np.float32)
+        _rms(x, norm, eps, h)
+        qa = quantize_rows(h, one)
+        nq, nk, nv = wq.shape[0], wk.shape[0], wv.shape[0]
+        tiles_q, tiles_k = (nq + ROWS - 1) // ROWS, (nk + ROWS - 1) // ROWS
+        yq, yk, yv = np.empty(nq, np.float32), np.empty(nk, np.float32), np.empty(nv, np.float32)
+        for job in prange(tiles_q + tiles_k + (nv + ROWS - 1) // ROWS):
+            acc = np.empty(1, np.float32)
+            if job < tiles_q:
+                for r in range(job * ROWS, min(nq, job * ROWS + ROWS)):
+                    dots(cq, wq, r * wq.strides[0], e, qa, one, 0, 1, acc)
+                    yq[r] = acc[0]
+            elif job < tiles_q + tiles_k:
+                r0 = (job - tiles_q) * ROWS
+                for r in range(r0, min(nk, r0 + ROWS)):
+                    dots(ck, wk, r * wk.strides[0], e, qa, one, 0, 1, acc)
+                    yk[r] = acc[0]
+            else:
+                r0 = (job - tiles_q - tiles_k) * ROWS
+                for r in range(r0, min(nv, r0 + ROWS)):
+                    dots(cv, wv, r * wv.strides[0], e, qa, one, 0, 1, acc)
+                    yv[r] = acc[0]
+        if bq.size:
+            yq += bq
+            yk += bk
+            yv += bv
+        q = yq.reshape(n_head, head_dim)
+        k = yk.reshape(n_kv, head_dim)
+        if q_norm.size:
+            _rms(q.copy(), q_norm, eps, q)
+        if k_norm.size:
+            _rms(k.copy(), k_norm, eps, k)
+        a = np.empty((n_head, v_cache.shape[2]), np.float32)
+        _decode_attention(q, k, yv.reshape(n_kv, v_cache.shape[2]), cis, neox, k_cache, v_cache, pos, start, scale, a)
+        a2 = a.reshape(1, -1)
+        qo = quantize_rows(a2, one)
+        y = np.empty((1, e), np.float32)
+        for job in prange((e + ROWS - 1) // ROWS):
+            acc = np.empty(1, np.float32)
+            for r in range(job * ROWS, min(e, job * ROWS + ROWS)):
+                dots(co, wo, r * wo.strides[0], a2.shape[1], qo, one, 0, 1, acc)
+                y[0, r] = acc[0] + (bo[r] if bo.size else np.float32(0))
+        if post_norm.size:
+            _rms(y.copy(), post_norm, eps, y)
+        for r in range(e):
+            out[0, r] = x[0, r] + y[0, r]
+
+    return block
+
+
+_NONE = np.zeros(0, np.float32)
+
+
+def attention_block(
+    x: np.ndarray, norm: np.ndarray, eps: float, ws: tuple[tuple[np.ndarray, Q], ...],
+    biases: tuple[np.ndarray | None, ...], q_norm: np.ndarray | None, k_norm: np.ndarray | None,
+    post_norm: np.ndarray | None, shape: tuple[int, int, int], cis: np.ndarray, neox: bool, k_cache: np.ndarray,
+    v_cache: np.ndarray, pos: int, window: int, scale: float,
+) -> np.ndarray:  # fmt: skip
+    """x [1, E] + the attention of its normed self at `pos` (see the module's doc) -> [1, E].
+
+    ws: (raw bytes, type) of q, k, v and output; biases: of q, k, v, output (None: none; q, k
+    and v have them all or none); q_norm/k_norm: per-head weights [head_dim]; post_norm: the
+    norm after the output projection; shape: (heads, KV heads, head_dim).
+    """
+    (wq, tq), (wk, tk), (wv, tv), (wo, to) = ws
+    bq, bk, bv, bo = (_NONE if b is None else b for b in biases)
+    start = max(0, pos - window + 1) if window else 0
+    out = np.empty_like(x)
+    _block_kernel(tq, tk, tv, to)(
+        x, norm, np.float32(eps), wq, wk, wv, wo, bq, bk, bv, bo, _NONE if q_norm is None else q_norm,
+        _NONE if k_norm is None else k_norm, _NONE if post_norm is None else post_norm, *shape, cis, neox, k_cache,
+        v_cache, pos, start, np.float32(scale), out,
+    )  # fmt: skip
+    return out
+
+
+@njit(inline="always")
+def _ffn(cg, cu, cd, h, gate, up, down, code, y):
+    """y [1, E] = down @ act(gate @ h, up @ h) for one token h [1, E]: two parallel regions."""
+    e, f = h.shape[1], gate.shape[0]
+    one = np.zeros(1, np.int64)
+    qh = quantize_rows(h, one)
+    g = np.empty((1, f), np.float32)
+    for job in prange((f + ROWS - 1) // ROWS):
+        ag, au = np.empty(1, np.float32), np.empty(1, np.float32)
+        for r in range(job * ROWS, min(f, job * ROWS + ROWS)):
+            dots(cg, gate, r * gate.strides[0], e, qh, one, 0, 1, ag)
+            dots(cu, up, r * up.strides[0], e, qh, one, 0, 1, au)
+            g[0, r] = act(code, ag[0], au[0])
+    qg = quantize_rows(g, one)
+    for job in prange((e + ROWS - 1) // ROWS):
+        acc = np.empty(1, np.float32)
+        for r in range(job * ROWS, min(e, job * ROWS + ROWS)):
+            dots(cd, down, r * down.strides[0], f, qg, one, 0, 1, acc)
+            y[0, r] = acc[0]
+
+
+@functools.cache
+def _ffn_kernel(tg: Q, tu: Q, td: Q) -> Any:
+    cg, cu, cd = int(tg), int(tu), int(td)
+
+    @njit(parallel=True, fastmath=False)
+    def block(x, norm, eps, gate, up, down, code, post_norm, residual, out):
+        h = np.empty_like(x)
+        if norm.size:
+            _rms(x, norm, eps, h)
+        else:
+            h[:] = x
+        y = np.empty_like(x)
+        _ffn(cg, cu, cd, h, gate, up, down, code, y)
+        if post_norm.size:
+            _rms(y.copy(), post_norm, eps, y)
+        for r in range(x.shape[1]):
+            out[0, r] = y[0, r] + (x[0, r] if residual else np.float32(0))
+
+    return block
+
+
+def ffn_block(
+    x: np.ndarray, norm: np.ndarray | None, eps: float, ws: tuple[tuple[np.ndarray, Q], ...], code: int,
+    post_norm: np.ndarray | None = None, residual: bool = True,
+) -> np.ndarray:  # fmt: skip
+    """x [1, E] (+ if residual) post_norm(down @ act(gate @ h, up @ h)), h = rms_norm(x) (x itself if
+    norm is None) -> [1, E]. ws: (raw bytes, type) of gate, up and down; code: `cpu_kernels.ACT_*`."""
+    (gate, tg), (up, tu), (down, td) = ws
+    out = np.empty_like(x)
+    _ffn_kernel(tg, tu, td)(x, _NONE if norm is None else norm, np.float32(eps), gate, up, down, code,
+                            _NONE if post_norm is None else post_norm, residual, out)  # fmt: skip
+    return out

@@ -1,0 +1,55 @@
+"""A layer's halves for one token in one compiled call each, against the torch path they replace at decode."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf.quants import dequantize as gguf_dequantize
+from moechat.engine.cpu_blocks import decode_attention, ffn_block
+from moechat.engine.cpu_kernels import ACT_GELU_TANH, ACT_SILU
+from moechat.engine.layers import LayerCache, Rope, attention
+from testkit.ggufgen import Q, quantized
+
+
+@pytest.mark.parametrize(
+    ("n_head", "n_kv", "dim", "rope_dim", "neox", "window"),
+    [(4, 4, 16, 16, True, 0), (8, 2, 32, 32, False, 0), (6, 3, 32, 16, True, 5), (9, 3, 64, 64, False, 0)],
+)
+def test_decode_attention_matches_the_torch_path(n_head: int, n_kv: int, dim: int, rope_dim: int, neox: bool,
+                                                 window: int) -> None:  # fmt: skip
+    torch.manual_seed(0)
+    n_ctx, scale = 32, dim**-0.5
+    rope = Rope(rope_dim, 10000.0, n_ctx, neox=neox)
+    ref_cache = LayerCache(torch.zeros(n_ctx, n_kv, dim), torch.zeros(n_ctx, n_kv, dim))
+    cache = LayerCache(torch.zeros(n_ctx, n_kv, dim), torch.zeros(n_ctx, n_kv, dim))
+    for pos in range(12):  # each position attends to all earlier ones (or the window's)
+        q, k, v = torch.randn(1, n_head, dim), torch.randn(1, n_kv, dim), torch.randn(1, n_kv, dim)
+        p = torch.tensor([pos])
+        ref = attention(rope(q, p), ref_cache, rope(k, p), v, pos, scale=scale, window=window)  # [1, H, D]
+        got = decode_attention(q[0].numpy().copy(), k[0].numpy().copy(), v[0].numpy().copy(), rope.parts(), neox,
+                               cache.k.numpy(), cache.v.numpy(), pos, window, scale)  # fmt: skip
+        torch.testing.assert_close(torch.from_numpy(got), ref[0], rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(cache.k[: pos + 1], ref_cache.k[: pos + 1], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(cache.v[: pos + 1], ref_cache.v[: pos + 1])
+
+
+@pytest.mark.parametrize(("act_code", "residual"), [(ACT_SILU, True), (ACT_GELU_TANH, False)])
+def test_ffn_block_matches_dequantized_weights(act_code: int, residual: bool) -> None:
+    """Norm, gate and up with the activation, down, post-norm and residual in one call, against float32."""
+    rng = np.random.default_rng(2)
+    e, f = 256, 512
+    raws = [quantized((f, e), Q.Q4_K, rng), quantized((f, e), Q.Q8_0, rng), quantized((e, f), Q.Q6_K, rng)]
+    types = (Q.Q4_K, Q.Q8_0, Q.Q6_K)
+    gate, up, down = (torch.from_numpy(gguf_dequantize(r, t).reshape(r.shape[0], -1)).double()
+                      for r, t in zip(raws, types, strict=True))  # fmt: skip
+    x = torch.from_numpy(rng.standard_normal((1, e)).astype(np.float32))
+    norm, post = torch.rand(e) + 0.5, torch.rand(e) + 0.5
+    got = ffn_block(x.numpy(), norm.numpy(), 1e-6, tuple(zip(raws, types, strict=True)), act_code, post.numpy(),
+                    residual)  # fmt: skip
+    h = F.rms_norm(x.double(), (e,), norm.double(), 1e-6)
+    g, u = h @ gate.T, h @ up.T
+    a = F.silu(g) * u if act_code == ACT_SILU else F.gelu(g, approximate="tanh") * u
+    ref = F.rms_norm(a @ down.T, (e,), post.double(), 1e-6) + (x.double() if residual else 0)
+    assert float((torch.from_numpy(got).double() - ref).abs().max() / ref.abs().max()) <= 2e-4  # two products
