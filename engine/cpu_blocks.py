@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
+from .config import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_SELECTED
 from .cpu_kernels import ROWS, act, dots
 from .jit import njit, prange
 from .qblocks import quantize_rows
@@ -50,6 +51,18 @@ def _rms(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
         inv = np.float32(1) / np.sqrt(ss / np.float32(x.shape[1]) + np.float32(eps))
         for d in range(x.shape[1]):
             out[r, d] = x[r, d] * inv * w[d]
+
+
+@njit
+def _rms_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    out = np.empty_like(x)
+    _rms(x, w, eps, out)
+    return out
+
+
+def rms_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMS norm of each row of x [R, D] (float32) times w [D]: one compiled call, for a few rows."""
+    return _rms_rows(x, w, np.float32(eps))
 
 
 @njit
@@ -237,3 +250,50 @@ def ffn_block(
     _ffn_kernel(tg, tu, td)(x, _NONE if norm is None else norm, np.float32(eps), gate, up, down, code,
                             _NONE if post_norm is None else post_norm, residual, out)  # fmt: skip
     return out
+
+
+@njit
+def _route(h, router, router_bias, gating, k, weights_norm, scale):
+    t_n, n = h.shape[0], router.shape[0]
+    ids = np.empty((t_n, k), np.int64)
+    weights = np.empty((t_n, k), np.float32)
+    for t in range(t_n):
+        logits = np.empty(n, np.float32)
+        for e in range(n):
+            acc = np.float32(0)
+            for d in range(h.shape[1]):
+                acc += h[t, d] * router[e, d]
+            logits[e] = acc + (router_bias[e] if router_bias.size else np.float32(0))
+        probs = logits.copy()
+        if gating == GATING_SOFTMAX:
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+        elif gating == GATING_SIGMOID:
+            probs = np.float32(1) / (np.float32(1) + np.exp(-logits))
+        taken = np.zeros(n, np.bool_)
+        for j in range(k):  # the k largest, descending; a tie goes to the lower id
+            best = -1
+            for e in range(n):
+                if not taken[e] and (best < 0 or probs[e] > probs[best]):
+                    best = e
+            taken[best] = True
+            ids[t, j] = best
+            weights[t, j] = probs[best]
+        if gating == GATING_SELECT:  # selection only: every weight 1, unscaled
+            weights[t, :] = 1
+            continue
+        if gating == GATING_SOFTMAX_SELECTED:
+            w = np.exp(weights[t] - weights[t].max())
+            weights[t, :] = w / w.sum()
+        elif weights_norm:
+            weights[t, :] = weights[t] / weights[t].sum()
+        weights[t, :] *= scale
+    return ids, weights
+
+
+def route_rows(h: np.ndarray, router: np.ndarray, router_bias: np.ndarray | None, gating: int, k: int,
+               weights_norm: bool, scale: float) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """A few tokens' routing in one compiled call, as `moe.route(h @ router.T + bias, cfg)` computes
+    it: ids int64 [T, k] by descending score, weights float32 [T, k]."""
+    bias = _NONE if router_bias is None else router_bias
+    return _route(h, router, bias, gating, k, weights_norm, np.float32(scale))

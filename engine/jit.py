@@ -6,7 +6,8 @@ runs load them in well under a second. The cache lives in moechat's cache folder
 
 numba checks a cached kernel against its own source file only, while a kernel also inlines the
 block decoders of another file: the cache folder is therefore named after a hash of every file
-that kernels are compiled from, and folders of other hashes are removed.
+that kernels are compiled from (and of the config constants they read), and folders of other
+hashes are removed.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from typing import Any
 
 import platformdirs
 
-KERNEL_SOURCES = ("jit.py", "qblocks.py", "cpu_kernels.py", "cpu_blocks.py")
+KERNEL_SOURCES = ("jit.py", "qblocks.py", "cpu_kernels.py", "cpu_blocks.py", "config.py")
 
 
 def _default_cache_dir() -> Path:

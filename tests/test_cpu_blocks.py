@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
-from moechat.engine.cpu_blocks import decode_attention, ffn_block
+from moechat.engine.config import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_SELECTED
+from moechat.engine.cpu_blocks import decode_attention, ffn_block, route_rows
 from moechat.engine.cpu_kernels import ACT_GELU_TANH, ACT_SILU
 from moechat.engine.layers import LayerCache, Rope, attention
+from moechat.engine.moe import route
 from testkit.ggufgen import Q, quantized
 
 
@@ -53,3 +57,19 @@ def test_ffn_block_matches_dequantized_weights(act_code: int, residual: bool) ->
     a = F.silu(g) * u if act_code == ACT_SILU else F.gelu(g, approximate="tanh") * u
     ref = F.rms_norm(a @ down.T, (e,), post.double(), 1e-6) + (x.double() if residual else 0)
     assert float((torch.from_numpy(got).double() - ref).abs().max() / ref.abs().max()) <= 2e-4  # two products
+
+
+@pytest.mark.parametrize("gating", [GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_SELECTED, GATING_SELECT])
+@pytest.mark.parametrize("norm", [False, True])
+def test_compiled_routing_matches_route(gating: int, norm: bool) -> None:
+    gen = torch.Generator().manual_seed(gating + 7 * norm)
+    h, router, bias = (
+        torch.randn(3, 64, generator=gen),
+        torch.randn(24, 64, generator=gen),
+        torch.randn(24, generator=gen),
+    )
+    cfg = SimpleNamespace(n_expert_used=4, expert_gating=gating, expert_weights_norm=norm, expert_weights_scale=2.5)
+    ids, weights = route(F.linear(h, router, bias), cfg)
+    got_ids, got_w = route_rows(h.numpy(), router.numpy(), bias.numpy(), gating, 4, norm, 2.5)
+    np.testing.assert_array_equal(got_ids, ids.numpy())
+    np.testing.assert_allclose(got_w, weights.numpy(), rtol=1e-5, atol=1e-6)

@@ -14,7 +14,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import ModelConfig
-from ..cpu_blocks import attention_block, decode_attention
+from ..cpu_blocks import attention_block, decode_attention, route_rows
 from ..gguf_file import GGUFFile
 from ..layers import (
     KVCache,
@@ -188,8 +188,14 @@ class MoeFFN(Routed):
         self.sh_gate_inp = maybe_weight(gguf, p + "ffn_gate_inp_shexp.weight")  # [E]
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
-        logits = F.linear(h, self.router, self.router_bias)  # [T, n_expert]
-        ids, weights = route(logits, self.cfg)  # [T, k] each
+        cfg = self.cfg
+        if h.shape[0] <= 8 and h.device.type == "cpu" and h.dtype == torch.float32:  # decode: one compiled call
+            i, w = route_rows(_rows(h), self.router.numpy(), None if self.router_bias is None else
+                              self.router_bias.numpy(), cfg.expert_gating, cfg.n_expert_used, cfg.expert_weights_norm,
+                              cfg.expert_weights_scale)  # fmt: skip
+            ids, weights = torch.from_numpy(i), torch.from_numpy(w)
+        else:
+            ids, weights = route(F.linear(h, self.router, self.router_bias), cfg)  # [T, k] each
         self.last_ids = ids  # read by routing(): the experts of the latest step
         y = experts(self.i, h, ids, weights)
         if self.sh_gate is not None and self.sh_up is not None and self.sh_down is not None:
