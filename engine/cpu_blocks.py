@@ -65,6 +65,12 @@ def rms_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return _rms_rows(x, w, np.float32(eps))
 
 
+def _check_position(pos: int, k_cache: np.ndarray) -> None:
+    # Compiled code does not check bounds: a position past the cache would write outside it.
+    if not 0 <= pos < k_cache.shape[0]:
+        raise IndexError(f"position {pos} is outside the KV cache of {k_cache.shape[0]} positions")
+
+
 @njit
 def _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, scale, out):
     """q [H, D], k [Hkv, D], v [Hkv, Dv] of the token at `pos` -> out [H, Dv]; writes the cache at pos."""
@@ -105,6 +111,7 @@ def decode_attention(
     cis [n_ctx, rope_dim / 2, 2]: cos and sin per position; k_cache/v_cache [n_ctx, Hkv, D]: the
     layer's cache, written at `pos`; window: 0, or the sliding window's length.
     """
+    _check_position(pos, k_cache)
     start = max(0, pos - window + 1) if window else 0
     out = np.empty((q.shape[0], v.shape[1]), np.float32)
     _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, np.float32(scale), out)
@@ -185,6 +192,7 @@ def attention_block(
     and v have them all or none); q_norm/k_norm: per-head weights [head_dim]; post_norm: the
     norm after the output projection; shape: (heads, KV heads, head_dim).
     """
+    _check_position(pos, k_cache)
     (wq, tq), (wk, tk), (wv, tv), (wo, to) = ws
     bq, bk, bv, bo = (_NONE if b is None else b for b in biases)
     start = max(0, pos - window + 1) if window else 0

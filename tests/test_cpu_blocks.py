@@ -73,3 +73,11 @@ def test_compiled_routing_matches_route(gating: int, norm: bool) -> None:
     got_ids, got_w = route_rows(h.numpy(), router.numpy(), bias.numpy(), gating, 4, norm, 2.5)
     np.testing.assert_array_equal(got_ids, ids.numpy())
     np.testing.assert_allclose(got_w, weights.numpy(), rtol=1e-5, atol=1e-6)
+
+
+def test_decode_attention_refuses_a_position_past_the_cache() -> None:
+    rope = Rope(16, 10000.0, 8, neox=True)
+    cache = LayerCache(torch.zeros(8, 2, 16), torch.zeros(8, 2, 16))
+    q, kv = np.zeros((2, 16), np.float32), np.zeros((2, 16), np.float32)
+    with pytest.raises(IndexError, match="outside the KV cache"):
+        decode_attention(q, kv, kv.copy(), rope.parts(), True, cache.k.numpy(), cache.v.numpy(), 8, 0, 0.25)
