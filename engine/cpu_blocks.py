@@ -8,7 +8,8 @@ KV cache write, attention over the cached positions (grouped-query, optionally a
 the output projection (a second parallel region), a post-attention norm where the model has one
 (Gemma), and the residual add. `decode_attention` is the part between the projections.
 `ffn_block` does the same for a dense gated FFN (RMS norm, gate and up with the activation, down,
-post-norm, residual add); `gated_ffn` is a gated FFN alone (a MoE layer's shared expert).
+post-norm, residual add), or without norm and residual for a MoE layer's shared expert.
+`rms_rows` and `route_rows` are a few rows' RMS norm and a MoE layer's routing.
 
 Prefill, attention sinks and logit soft-capping keep the torch path (`layers.attention`), which
 is also the reference the tests hold this one to.
@@ -27,6 +28,8 @@ from .cpu_kernels import ROWS, act, dots
 from .jit import njit, prange
 from .qblocks import quantize_rows
 
+FEW_ROWS = 8  # up to this many rows (decode), RMS norm and routing run as compiled calls
+
 
 @njit(inline="always")
 def _rotate(x: np.ndarray, cis: np.ndarray, pos: int, neox: bool) -> None:
@@ -39,6 +42,15 @@ def _rotate(x: np.ndarray, cis: np.ndarray, pos: int, neox: bool) -> None:
             a, b = x[h, j], x[h, k]
             x[h, j] = a * c - b * s
             x[h, k] = a * s + b * c
+
+
+@njit(inline="always")
+def _project(code: int, w: np.ndarray, q: Any, one: np.ndarray, r0: int, y: np.ndarray) -> None:
+    """y[r] = row r of w times the one quantized activation row q, for the ROWS rows from r0 (a work item)."""
+    acc = np.empty(1, np.float32)
+    for r in range(r0, min(w.shape[0], r0 + ROWS)):
+        dots(code, w, r * w.strides[0], q[0].shape[1], q, one, 0, 1, acc)
+        y[r] = acc[0]
 
 
 @njit(inline="always")
@@ -134,21 +146,12 @@ def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q) -> Any:
         tiles_q, tiles_k = (nq + ROWS - 1) // ROWS, (nk + ROWS - 1) // ROWS
         yq, yk, yv = np.empty(nq, np.float32), np.empty(nk, np.float32), np.empty(nv, np.float32)
         for job in prange(tiles_q + tiles_k + (nv + ROWS - 1) // ROWS):
-            acc = np.empty(1, np.float32)
             if job < tiles_q:
-                for r in range(job * ROWS, min(nq, job * ROWS + ROWS)):
-                    dots(cq, wq, r * wq.strides[0], e, qa, one, 0, 1, acc)
-                    yq[r] = acc[0]
+                _project(cq, wq, qa, one, job * ROWS, yq)
             elif job < tiles_q + tiles_k:
-                r0 = (job - tiles_q) * ROWS
-                for r in range(r0, min(nk, r0 + ROWS)):
-                    dots(ck, wk, r * wk.strides[0], e, qa, one, 0, 1, acc)
-                    yk[r] = acc[0]
+                _project(ck, wk, qa, one, (job - tiles_q) * ROWS, yk)
             else:
-                r0 = (job - tiles_q - tiles_k) * ROWS
-                for r in range(r0, min(nv, r0 + ROWS)):
-                    dots(cv, wv, r * wv.strides[0], e, qa, one, 0, 1, acc)
-                    yv[r] = acc[0]
+                _project(cv, wv, qa, one, (job - tiles_q - tiles_k) * ROWS, yv)
         if bq.size:
             yq += bq
             yk += bk
@@ -165,10 +168,9 @@ def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q) -> Any:
         qo = quantize_rows(a2, one)
         y = np.empty((1, e), np.float32)
         for job in prange((e + ROWS - 1) // ROWS):
-            acc = np.empty(1, np.float32)
-            for r in range(job * ROWS, min(e, job * ROWS + ROWS)):
-                dots(co, wo, r * wo.strides[0], a2.shape[1], qo, one, 0, 1, acc)
-                y[0, r] = acc[0] + (bo[r] if bo.size else np.float32(0))
+            _project(co, wo, qo, one, job * ROWS, y[0])
+        if bo.size:
+            y[0] += bo
         if post_norm.size:
             _rms(y.copy(), post_norm, eps, y)
         for r in range(e):
@@ -220,10 +222,7 @@ def _ffn(cg, cu, cd, h, gate, up, down, code, y):
             g[0, r] = act(code, ag[0], au[0])
     qg = quantize_rows(g, one)
     for job in prange((e + ROWS - 1) // ROWS):
-        acc = np.empty(1, np.float32)
-        for r in range(job * ROWS, min(e, job * ROWS + ROWS)):
-            dots(cd, down, r * down.strides[0], f, qg, one, 0, 1, acc)
-            y[0, r] = acc[0]
+        _project(cd, down, qg, one, job * ROWS, y[0])
 
 
 @functools.cache

@@ -1,7 +1,7 @@
 """CPU matmul kernels that read GGUF blocks where they lie (numba), one call per MoE layer per matrix kind.
 
 A kernel first quantizes the activation rows it reads to int16 (`qblocks.quantize_rows`, one
-scale per 256), then reads each row of a quantized matrix once for all the tokens that need it,
+scale per 32), then reads each row of a quantized matrix once for all the tokens that need it,
 four at a time (`qblocks.dot_row`: integer products per 32 weights, float32 accumulation). A
 token's result never depends on how many tokens share the call. Results are within 1e-4 of the
 exact product (dequantize, then matmul), relative to the largest output; the tests hold that.

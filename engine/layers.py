@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from .config import ModelConfig
-from .cpu_blocks import rms_rows
+from .cpu_blocks import FEW_ROWS, rms_rows
 from .gguf_file import GGUFError, GGUFFile
 from .quants import dequantize
 
@@ -52,12 +52,17 @@ def move_tensors(module: torch.nn.Module, device: torch.device) -> None:
                 setattr(sub, name, value.to(device))
 
 
+def host_rows(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a contiguous float32 array for a compiled call (a view when it already is one)."""
+    return np.ascontiguousarray(x.detach().numpy(), dtype=np.float32)
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
     # At decode a model calls this a hundred times per token: a few rows on the CPU take one
     # compiled call (about 10 us here, torch's fused op 15 to 50), the rest one torch op.
-    if (weight is not None and x.dim() == 2 and x.shape[0] <= 8 and x.device.type == "cpu"
+    if (weight is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.device.type == "cpu"
             and x.dtype == torch.float32 and weight.dtype == torch.float32):  # fmt: skip
-        return torch.from_numpy(rms_rows(np.ascontiguousarray(x.detach().numpy()), weight.numpy(), eps))
+        return torch.from_numpy(rms_rows(host_rows(x), weight.numpy(), eps))
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
 

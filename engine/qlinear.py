@@ -20,6 +20,7 @@ from . import cpu_kernels
 from .cpu_blocks import ffn_block
 from .fused_moe import activation_code
 from .gguf_file import GGUFFile
+from .layers import host_rows
 from .qblocks import has_kernel
 from .quants import dequantize
 
@@ -104,8 +105,8 @@ def ffn_one_token(
                                                and isinstance(down, QLinear) and gate.shape == up.shape):  # fmt: skip
         return None
     ws = ((gate.raw, gate.qtype), (up.raw, up.qtype), (down.raw, down.qtype))
-    out = ffn_block(np.ascontiguousarray(x.detach().numpy(), dtype=np.float32), None if norm is None else norm.numpy(),
-                    eps, ws, code, None if post_norm is None else post_norm.numpy(), residual)  # fmt: skip
+    out = ffn_block(host_rows(x), None if norm is None else norm.numpy(), eps, ws, code,
+                    None if post_norm is None else post_norm.numpy(), residual)  # fmt: skip
     return torch.from_numpy(out)
 
 

@@ -8,13 +8,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ..config import ModelConfig
-from ..cpu_blocks import attention_block, decode_attention, route_rows
+from ..cpu_blocks import FEW_ROWS, attention_block, decode_attention, route_rows
 from ..gguf_file import GGUFFile
 from ..layers import (
     KVCache,
@@ -22,6 +21,7 @@ from ..layers import (
     QuantRows,
     Rope,
     attention,
+    host_rows,
     load_weight,
     maybe_weight,
     move_tensors,
@@ -56,19 +56,17 @@ class Attention(nn.Module):
         self.sinks = maybe_weight(gguf, p + "attn_sinks.weight")  # [H]
         self.window = cfg.sliding_window if cfg.swa_layers and cfg.swa_layers[i] else 0
 
+    def _cpu_decode(self, cache: LayerCache) -> bool:
+        """Whether one token's rotary, cache write and attention can run compiled (`cpu_blocks`)."""
+        cpu_f32 = cache.k.device.type == "cpu" and cache.k.dtype == torch.float32
+        return cpu_f32 and self.sinks is None and not self.cfg.attn_softcap
+
     def _compiled(self, cache: LayerCache) -> bool:
-        """Whether one token's attention can run as one compiled call (`cpu_blocks`)."""
+        """Whether one token's whole attention, projections included, can run as one compiled call."""
         ws = (self.wq, self.wk, self.wv, self.wo)
         norms_fit = self.qk_norm_per_head or (self.q_norm is None and self.k_norm is None)
         biases_fit = (self.bq is None) == (self.bk is None) == (self.bv is None)
-        cpu_f32 = cache.k.device.type == "cpu" and cache.k.dtype == torch.float32
-        return (
-            all(isinstance(w, QLinear) for w in ws)
-            and norms_fit
-            and biases_fit
-            and self.sinks is None
-            and (not self.cfg.attn_softcap and cpu_f32)
-        )
+        return all(isinstance(w, QLinear) for w in ws) and norms_fit and biases_fit and self._cpu_decode(cache)
 
     def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
                      cache: LayerCache, rope: Rope) -> torch.Tensor | None:  # fmt: skip
@@ -79,7 +77,7 @@ class Attention(nn.Module):
         ws = tuple((w.raw, w.qtype) for w in (self.wq, self.wk, self.wv, self.wo) if isinstance(w, QLinear))
         biases = tuple(None if b is None else b.numpy() for b in (self.bq, self.bk, self.bv, self.bo))
         out = attention_block(
-            _rows(x), norm.numpy(), eps, ws, biases,
+            host_rows(x), norm.numpy(), eps, ws, biases,
             None if self.q_norm is None else self.q_norm.numpy(), None if self.k_norm is None else self.k_norm.numpy(),
             None if post_norm is None else post_norm.numpy(), (cfg.n_head, cfg.n_head_kv[self.i], cfg.head_dim),
             rope.parts(), rope.neox, cache.k.numpy(), cache.v.numpy(), pos0, self.window, cfg.head_dim**-0.5,
@@ -101,12 +99,11 @@ class Attention(nn.Module):
             q = rms_norm(q, self.q_norm, cfg.norm_eps)  # per head: [T, H, D]
             if self.k_norm is not None:
                 k = rms_norm(k, self.k_norm, cfg.norm_eps)
-        if t == 1 and self.sinks is None and not cfg.attn_softcap and cache.k.device.type == "cpu" and (
-                cache.k.dtype == torch.float32):  # fmt: skip
+        if t == 1 and self._cpu_decode(cache):
             # One token on the CPU: rotary, cache write and attention in one compiled call.
             a = torch.from_numpy(decode_attention(
-                _rows(q[0]), _rows(k[0]), _rows(v[0]), rope.parts(), rope.neox, cache.k.numpy(), cache.v.numpy(), pos0,
-                self.window, cfg.head_dim**-0.5))  # fmt: skip
+                host_rows(q[0]), host_rows(k[0]), host_rows(v[0]), rope.parts(), rope.neox, cache.k.numpy(),
+                cache.v.numpy(), pos0, self.window, cfg.head_dim**-0.5))  # fmt: skip
             return linear(a.reshape(1, -1), self.wo, self.bo)
         pos = torch.arange(pos0, pos0 + t, device=h.device)
         q, k = rope(q, pos), rope(k, pos)
@@ -115,11 +112,6 @@ class Attention(nn.Module):
             softcap=cfg.attn_softcap,
         )  # fmt: skip
         return linear(a.reshape(t, -1), self.wo, self.bo)
-
-
-def _rows(x: torch.Tensor) -> np.ndarray:
-    """A [heads, dim] float32 array the compiled attention may rotate in place."""
-    return np.ascontiguousarray(x.detach().numpy(), dtype=np.float32)
 
 
 class Routed(nn.Module):
@@ -189,8 +181,8 @@ class MoeFFN(Routed):
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
         cfg = self.cfg
-        if h.shape[0] <= 8 and h.device.type == "cpu" and h.dtype == torch.float32:  # decode: one compiled call
-            i, w = route_rows(_rows(h), self.router.numpy(), None if self.router_bias is None else
+        if h.shape[0] <= FEW_ROWS and h.device.type == "cpu" and h.dtype == torch.float32:  # decode: one compiled call
+            i, w = route_rows(host_rows(h), self.router.numpy(), None if self.router_bias is None else
                               self.router_bias.numpy(), cfg.expert_gating, cfg.n_expert_used, cfg.expert_weights_norm,
                               cfg.expert_weights_scale)  # fmt: skip
             ids, weights = torch.from_numpy(i), torch.from_numpy(w)
