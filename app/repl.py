@@ -12,6 +12,9 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moechat.engine.kernel_modes import KERNEL_MODES
+from moechat.engine.kernel_modes import describe as describe_kernel_modes
+
 from .run_cmd import cache_settings
 from .settings import MODEL_HELP, SPEC, Settings, for_demo, resolve
 
@@ -44,9 +47,8 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
                    help="CPU device: uploads also cost bytes / X GB/s")  # fmt: skip
     p.add_argument("--cpu-dequant-mib", type=float, default=None, metavar="N",
                    help="with --cpu-kernels exact: keep up to N MiB of dequantized experts (0 = off)")  # fmt: skip
-    p.add_argument("--cpu-kernels", choices=("fast", "exact"), default=None,
-                   help="CPU matmuls: fast (default; kernels that read the file's quantized blocks in place) or "
-                   "exact (dequantize with torch, then multiply: the slow reference path)")  # fmt: skip
+    p.add_argument("--cpu-kernels", choices=tuple(KERNEL_MODES), default=None,
+                   help="CPU matmuls. " + describe_kernel_modes())  # fmt: skip
     p.add_argument("-t", "--threads", type=int, default=None, metavar="N",
                    help="CPU threads for the engine (default 0: one per core)")  # fmt: skip
     p.add_argument("--refresh-ms", type=int, default=None, help="dashboard refresh interval (default 250)")

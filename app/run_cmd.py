@@ -10,6 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from moechat.engine.kernel_modes import KERNEL_MODES
+from moechat.engine.kernel_modes import describe as describe_kernel_modes
+
 from .settings import DEMO_DEFAULTS, MODEL_HELP, Settings, demo_name, for_demo, resolve
 
 if TYPE_CHECKING:  # the engine (torch) loads when a command runs, not for --help
@@ -57,10 +60,9 @@ def add_cache_arguments(p: argparse.ArgumentParser, sweep: bool = False) -> None
     )
     p.add_argument(
         "--cpu-kernels",
-        choices=("fast", "exact"),
+        choices=tuple(KERNEL_MODES),
         default=None,
-        help="CPU matmuls: fast (default; kernels that read the file's quantized blocks in place) or "
-        "exact (dequantize with torch, then multiply: the slow reference path)",
+        help="CPU matmuls. " + describe_kernel_modes(),
     )
     p.add_argument(
         "--emulate-link-gbps",

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import tomllib
+from moechat.engine.kernel_modes import KERNEL_MODES
 
 from .atomic import write_atomic
 
@@ -42,7 +43,7 @@ SPEC: dict[str, tuple[type, Callable[[Any], bool], str]] = {
     "moe_cache_cpu_share": (float, _unit, "in [0, 1]"),
     "emulate_link_gbps": (float, _nonneg, ">= 0"),
     "cpu_dequant_mib": (float, _nonneg, ">= 0"),
-    "cpu_kernels": (str, lambda v: v in ("fast", "exact"), "fast or exact"),
+    "cpu_kernels": (str, lambda v: v in KERNEL_MODES, " or ".join(KERNEL_MODES)),
     "threads": (int, lambda v: 0 <= v <= 1024, "in 0..1024 (0: one per core)"),
     "ctx_size": (int, lambda v: 16 <= v <= 1 << 20, "in 16..1048576"),
     "n_predict": (int, lambda v: v > 0, "> 0"),

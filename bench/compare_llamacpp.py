@@ -82,7 +82,8 @@ def _ids(path: Path, n_pos: int) -> list[int]:
 
 
 def speed(engine: str, path: Path, n_pos: int, n_decode: int, threads: int) -> tuple[float, float]:
-    """Prefill and decode seconds of one engine, after a warm-up pass (run in a process of its own)."""
+    """Prefill and decode seconds of one engine, after a warm-up pass (run in a process of its own):
+    "peer" (llama.cpp), "ours" (moechat's defaults) or "int8" (moechat with --cpu-kernels int8)."""
     ids = _ids(path, n_pos)
     if engine == "peer":
         import llama_cpp
@@ -104,7 +105,7 @@ def speed(engine: str, path: Path, n_pos: int, n_decode: int, threads: int) -> t
         peer.close()
         return out[0], out[1]
     set_threads(threads)
-    ours = load_model(path, n_ctx=n_pos + n_decode + 8)
+    ours = load_model(path, n_ctx=n_pos + n_decode + 8, cpu_kernels="int8" if engine == "int8" else "fast")
     for _ in range(2):
         cache = ours.new_cache()
         t = time.perf_counter()
@@ -141,9 +142,10 @@ def compare(path: Path, n_pos: int, n_decode: int, threads: int, repeats: int) -
     """Logits agreement over every position, then speed: each engine in its own process,
     alternating, the median of `repeats` runs each."""
     top1, kl = _in_process(f"agreement(Path({str(path)!r}), {n_pos}, {threads})")
-    times: dict[str, list[float]] = {"ours_pp": [], "peer_pp": [], "ours_tg": [], "peer_tg": []}
+    engines = ("peer", "ours", "int8")
+    times: dict[str, list[float]] = {f"{e}_{kind}": [] for e in engines for kind in ("pp", "tg")}
     for _ in range(repeats):
-        for engine in ("peer", "ours"):
+        for engine in engines:
             pp, tg = _speed_in_process(engine, path, n_pos, n_decode, threads)
             times[f"{engine}_pp"].append(pp)
             times[f"{engine}_tg"].append(tg)
@@ -156,6 +158,8 @@ def compare(path: Path, n_pos: int, n_decode: int, threads: int, repeats: int) -
         "pp_peer": n_pos / med["peer_pp"],
         "tg_ours": n_decode / med["ours_tg"],
         "tg_peer": n_decode / med["peer_tg"],
+        "pp_int8": n_pos / med["int8_pp"],
+        "tg_int8": n_decode / med["int8_tg"],
     }
 
 

@@ -4,7 +4,9 @@
     python bench/decode_vs_llamacpp.py [--threads 2] [--big]
 
 Rows, each timed in alternating runs of both engines with the same thread count and the same
-token ids (bench/compare_llamacpp.compare; logits agreement is reported too):
+token ids (bench/compare_llamacpp.compare; logits agreement with moechat's defaults is reported
+too). moechat runs twice: with its defaults (int16 activations) and with --cpu-kernels int8
+(llama.cpp's approximation of the activations):
   - for each built-in demo, its dense source (SmolLM2-135M-Instruct Q4_1, Gemma 3 270M Q4_K_M),
     then the demo itself (with a shared expert, which llama.cpp cannot run): its t/s against
     llama.cpp's on the dense source, timed in the same run;
@@ -29,9 +31,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 from compare_llamacpp import _speed_in_process, compare
 
 
-def ours_only(path: Path, n_pos: int, n_decode: int, threads: int, repeats: int) -> tuple[float, float]:
+def ours_only(path: Path, n_pos: int, n_decode: int, threads: int, repeats: int, engine: str) -> tuple[float, float]:
     """moechat's prefill and decode t/s on a file llama.cpp cannot run (medians of `repeats` processes)."""
-    runs = [_speed_in_process("ours", path, n_pos, n_decode, threads) for _ in range(repeats)]
+    runs = [_speed_in_process(engine, path, n_pos, n_decode, threads) for _ in range(repeats)]
     return n_pos / statistics.median(r[0] for r in runs), n_decode / statistics.median(r[1] for r in runs)
 
 
@@ -55,28 +57,36 @@ def main() -> None:
     from moechat.engine.demo import DEMOS, ensure_demo
 
     cache = app_paths().cache
-    print("| model | top-1 | pp t/s ours | pp t/s llama.cpp | ratio | tg t/s ours | tg t/s llama.cpp | ratio |")
-    print("|---|---|---|---|---|---|---|---|")
+    print("| model | top-1 | pp t/s ours | int8 | llama.cpp | ratio | int8 | tg t/s ours | int8 | llama.cpp | ratio "
+          "| int8 |\n|---|---|---|---|---|---|---|---|---|---|---|---|")  # fmt: skip
 
-    def row(label: str, r: dict[str, float | str]) -> None:
-        f = {k: float(v) for k, v in r.items() if k != "model"}
-        print(f"| {label} | {100 * f['top1']:.1f}% | {f['pp_ours']:.1f} | {f['pp_peer']:.1f} | "
-              f"{f['pp_ours'] / f['pp_peer']:.2f} | {f['tg_ours']:.2f} | {f['tg_peer']:.2f} | "
-              f"{f['tg_ours'] / f['tg_peer']:.2f} |", flush=True)  # fmt: skip
+    def row(label: str, top1: str, f: dict[str, float]) -> None:
+        cells = []
+        for kind, digits in (("pp", 1), ("tg", 2)):
+            ours, int8, peer = f[f"{kind}_ours"], f[f"{kind}_int8"], f[f"{kind}_peer"]
+            cells += [f"{ours:.{digits}f}", f"{int8:.{digits}f}", f"{peer:.{digits}f}", f"{ours / peer:.2f}",
+                      f"{int8 / peer:.2f}"]  # fmt: skip
+        print(f"| {label} | {top1} | " + " | ".join(cells) + " |", flush=True)
+
+    def measured(r: dict[str, float | str]) -> dict[str, float]:
+        return {k: float(v) for k, v in r.items() if k != "model"}
 
     for spec in DEMOS.values():
         source, demo = spec.source(cache / "sources"), ensure_demo(cache, name=spec.name)
-        dense = compare(source, args.positions, args.decode, args.threads, args.repeats)
-        row(f"{source.name} (the {spec.name} demo's source, dense)", dense)
-        pp, tg = ours_only(demo, args.positions, args.decode, args.threads, args.repeats)
-        pp_peer, tg_peer = float(dense["pp_peer"]), float(dense["tg_peer"])
-        print(f"| the {spec.name} demo vs llama.cpp on its dense source | - | {pp:.1f} | {pp_peer:.1f} | "
-              f"{pp / pp_peer:.2f} | {tg:.2f} | {tg_peer:.2f} | {tg / tg_peer:.2f} |", flush=True)  # fmt: skip
+        dense = measured(compare(source, args.positions, args.decode, args.threads, args.repeats))
+        row(f"{source.name} (the {spec.name} demo's source, dense)", f"{100 * dense['top1']:.1f}%", dense)
+        ours = {}
+        for engine, key in (("ours", "ours"), ("int8", "int8")):
+            ours[f"pp_{key}"], ours[f"tg_{key}"] = ours_only(demo, args.positions, args.decode, args.threads,
+                                                             args.repeats, engine)  # fmt: skip
+        row(f"the {spec.name} demo vs llama.cpp on its dense source", "-",
+            ours | {"pp_peer": dense["pp_peer"], "tg_peer": dense["tg_peer"]})  # fmt: skip
     if args.big:
         with tempfile.TemporaryDirectory() as tmp:
             big = qwen3_shaped(Path(tmp) / "qwen3-30b-a3b-shaped-12l-q4km.gguf")
             label = f"Qwen3-30B-A3B geometry, 12 layers, Q4_K_M ({big.stat().st_size / 1e9:.1f} GB)"
-            row(label, compare(big, args.positions, args.decode, args.threads, args.repeats))
+            r = measured(compare(big, args.positions, args.decode, args.threads, args.repeats))
+            row(label, f"{100 * r['top1']:.1f}%", r)
     load = os.getloadavg()
     print(f"\n{args.threads} threads; load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}")
 

@@ -6,9 +6,11 @@
    pinned memory, non_blocking on a side stream.
 2. Overlap: the CPU part of a lookup (a worker thread) against the device part, and uploads on the
    copy stream against device compute.
-3. Correctness: greedy tokens with the cache on the GPU (two sizes, shares 0 and 0.5) equal the
-   tokens of the CPU reference.
-4. Decode t/s at two cache sizes, shares 0 and 0.5, mmap vs pinned.
+3. The tests marked `cuda` (the compiled Triton kernels against gguf-py), run by pytest.
+4. Correctness: greedy tokens with the cache on the GPU (two sizes, shares 0 and 0.5, Triton and
+   eager device kernels) equal the tokens of the CPU reference.
+5. Decode t/s for each of those, CUDA kernels launched per token (profiler), and t/s against the
+   bound: uploaded bytes per token / link speed + bytes read on the device per token / HBM speed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -120,6 +123,54 @@ def decode_tps(lm: LoadedModel, prompt: list[int], n: int) -> float:
     return n / (time.perf_counter() - t)
 
 
+def hbm_gbps() -> float:
+    """Device memory bandwidth: a 1 GiB device-to-device copy reads and writes each byte once."""
+    a = torch.empty(2**30, dtype=torch.uint8, device="cuda")
+    b = torch.empty_like(a)
+    s = timed(lambda: b.copy_(a))
+    return 2 * a.numel() / s / 1e9
+
+
+def pinned_gbps(lm: LoadedModel) -> float:
+    src = lm.model.host_experts.layers[0].gate.raw
+    pinned = torch.empty(src.shape, dtype=torch.uint8, pin_memory=True)
+    dst = torch.empty(src.shape, dtype=torch.uint8, device="cuda")
+    return src.numel() / timed(lambda: dst.copy_(pinned, non_blocking=True)) / 1e9
+
+
+def kernels_per_token(lm: LoadedModel, prompt: list[int], n: int = 8) -> float:
+    """CUDA kernels and copies per decode token, as the profiler sees them."""
+    from torch.profiler import ProfilerActivity, profile
+
+    cache = lm.new_cache()
+    tok = int(prefill(lm.model, prompt, cache).argmax())
+    for _ in range(4):
+        tok = int(decode_one(lm.model, tok, cache).argmax())
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(n):
+            tok = int(decode_one(lm.model, tok, cache).argmax())
+        torch.cuda.synchronize()
+    return sum(1 for e in prof.events() if e.device_type.name == "CUDA") / n
+
+
+def bound_tps(lm: LoadedModel, link: float, hbm: float, dense_bytes: int) -> float:
+    """The t/s the bytes allow: per token, what crossed the link at its speed plus what the device read."""
+    assert lm.cache is not None
+    total = lm.cache.snapshot().total
+    per_expert = next(iter(lm.model.host_experts.layers.values())).bytes_per_expert
+    upload = total.uploaded_bytes / max(total.tokens, 1)
+    on_device = (total.lookups - total.cpu) * per_expert / max(total.tokens, 1) + dense_bytes
+    return 1.0 / (upload / (link * 1e9) + on_device / (hbm * 1e9))
+
+
+def cuda_tests() -> list[str]:
+    root = Path(__file__).resolve().parent.parent
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "tests"], cwd=root,
+                         capture_output=True, text=True, timeout=300)  # fmt: skip
+    last = (run.stdout.strip().splitlines() or ["(no output)"])[-1]
+    return ["## Tests marked cuda\n", f"`pytest -m cuda`: {last} (exit {run.returncode})", ""]
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=2)
@@ -144,17 +195,30 @@ def main() -> None:
         lines += upload_speed(lm) + overlap(lm)
         lm.close()
 
-        lines += ["## Greedy tokens on the GPU vs the CPU reference, and decode speed\n",
-                  "| cache | share | load mode | same 32 tokens | decode t/s |", "|---|---:|---|---|---:|"]  # fmt: skip
-        for frac in (0.1, 0.5):
-            for share in (0.0, 0.5):
-                for mode in ("mmap", "pinned"):
-                    settings = CacheSettings(mib=frac * expert_mib, cpu_share=share, device="cuda", load_mode=mode)
-                    lm = load_model(path, n_ctx=512, cache=settings)
-                    same = greedy(lm, prompt, 32) == reference
-                    tps = decode_tps(lm, prompt, args.tokens)
-                    lines.append(f"| {frac:.0%} | {share:g} | {mode} | {'yes' if same else 'NO'} | {tps:.1f} |")
-                    lm.close()
+        link, hbm = pinned_gbps(lm_probe := load_model(path, n_ctx=512)), hbm_gbps()
+        dense_bytes = sum(t.n_bytes for name, t in lm_probe.gguf.tensors.items()
+                          if (name.startswith("blk.") and "_exps" not in name) or name == "output.weight")  # fmt: skip
+        lm_probe.close()
+        lines += [f"Pinned upload {link:.1f} GB/s, device copy {hbm:.0f} GB/s.\n",
+                  "## Greedy tokens on the GPU vs the CPU reference, decode speed and launches\n",
+                  "| kernels | cache | share | load mode | same 32 tokens | decode t/s | bound t/s | of bound "
+                  "| CUDA kernels per token |",
+                  "|---|---:|---:|---|---|---:|---:|---:|---:|"]  # fmt: skip
+        for kernels in ("triton", "torch"):
+            for frac in (0.1, 0.5):
+                for share in (0.0, 0.5):
+                    for mode in ("mmap", "pinned") if kernels == "triton" else ("pinned",):
+                        settings = CacheSettings(mib=frac * expert_mib, cpu_share=share, device="cuda",
+                                                 load_mode=mode, device_kernels=kernels)  # fmt: skip
+                        lm = load_model(path, n_ctx=512, cache=settings)
+                        same = greedy(lm, prompt, 32) == reference
+                        tps = decode_tps(lm, prompt, args.tokens)
+                        bound = bound_tps(lm, link, hbm, dense_bytes)
+                        launches = kernels_per_token(lm, prompt)
+                        lines.append(f"| {kernels} | {frac:.0%} | {share:g} | {mode} | {'yes' if same else 'NO'} "
+                                     f"| {tps:.1f} | {bound:.0f} | {tps / bound:.0%} | {launches:.0f} |")  # fmt: skip
+                        lm.close()
+        lines += cuda_tests()
     text = "\n".join(lines)
     print(text)
     out = os.environ.get("OUT")

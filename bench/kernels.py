@@ -5,8 +5,9 @@
 Cold cache: each measurement cycles through enough distinct matrices (--mib of quantized bytes)
 that none is in the CPU caches when it is read. Rows:
   fast     engine/cpu_kernels.dense: the blocks read in place, int16 activations (the default)
+  int8     the same with int8 activations (--cpu-kernels int8)
   moe      engine/fused_moe.run_fused: a layer of 128 experts, 8 selected (Qwen3-30B-A3B shapes),
-           gate+up+down in three calls; GB/s of the selected experts' bytes
+           gate+up+down in three calls; GB/s of the selected experts' bytes (moe int8: int8 activations)
   exact    the reference path: dequantize with torch, then x @ W.T (--cpu-kernels exact)
 The RAM figure is numpy summing a 1 GiB array on as many threads as the kernels use.
 """
@@ -14,6 +15,7 @@ The RAM figure is numpy summing a 1 GiB array on as many threads as the kernels 
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import sys
 import time
@@ -66,6 +68,10 @@ def timed(fn: Callable[[int], object], n: int, bytes_each: int, seconds: float =
     return best
 
 
+def _dense(raws: list[np.ndarray], qtype: Q, x: np.ndarray, bits: int, i: int) -> np.ndarray:
+    return cpu_kernels.dense(raws[i], qtype, x, bits)
+
+
 def measure(
     qtype: Q, n_rows: int, k: int, mib: int, tokens: int, rng: np.random.Generator, exact: bool
 ) -> list[tuple[str, float]]:
@@ -76,14 +82,15 @@ def measure(
     n = max(2, mib * 2**20 // mat_bytes)
     raws = [quantized((n_rows, k), qtype, rng) for _ in range(n)]
     x = rng.standard_normal((tokens, k)).astype(np.float32)
-    rows = [("fast", timed(lambda i: cpu_kernels.dense(raws[i], qtype, x), n, mat_bytes))]
+    rows = [(name, timed(functools.partial(_dense, raws, qtype, x, bits), n, mat_bytes))
+            for name, bits in (("fast", 16), ("int8", 8))]  # fmt: skip
     if exact:
         xt = torch.from_numpy(x)
         rows.append(("exact", timed(lambda i: xt @ dequantize(raws[i], qtype).T, min(n, 8), mat_bytes, 0.5)))
     return rows
 
 
-def measure_moe(qtype: Q, mib: int, rng: np.random.Generator) -> float:
+def measure_moe(qtype: Q, mib: int, rng: np.random.Generator, bits: int) -> float:
     """A Qwen3-30B-A3B MoE layer at decode: 8 of 128 experts (2048 hidden, 768 FFN), all in `qtype`."""
     e, f, n_expert, k = 2048, 768, 128, 8
     layer_bytes = 3 * n_expert * f * e // GGML_QUANT_SIZES[qtype][0] * GGML_QUANT_SIZES[qtype][1]
@@ -99,7 +106,7 @@ def measure_moe(qtype: Q, mib: int, rng: np.random.Generator) -> float:
         lx = layers[i]
         ids = rng.choice(n_expert, k, replace=False).astype(np.int64)[None]
         run_fused(lx, (lx.gate.raw.numpy(), lx.up.raw.numpy(), lx.down.raw.numpy()), None, 0, x, ids, w,
-                  sorted(ids[0].tolist()), contrib)  # fmt: skip
+                  sorted(ids[0].tolist()), contrib, bits)  # fmt: skip
         cpu_kernels.combine(contrib, ids)
 
     return timed(step, len(layers), layers[0].bytes_per_expert * k)
@@ -126,11 +133,10 @@ def main() -> None:
         for label, (n_rows, k) in SHAPES.items():
             for path, gbs in measure(qtype, n_rows, k, args.mib, args.tokens, rng, not args.no_exact):
                 print(f"| {qtype.name} | {label} | {path} | {gbs:.2f} | {100 * gbs / bw:.0f}% |", flush=True)
-        if args.tokens == 1:
-            gbs = measure_moe(qtype, args.mib, rng)
-            print(
-                f"| {qtype.name} | MoE layer, 8 of 128 experts | moe | {gbs:.2f} | {100 * gbs / bw:.0f}% |", flush=True
-            )
+        for path, bits in (("moe", 16), ("moe int8", 8)) if args.tokens == 1 else ():
+            gbs = measure_moe(qtype, args.mib, rng, bits)
+            print(f"| {qtype.name} | MoE layer, 8 of 128 experts | {path} | {gbs:.2f} | {100 * gbs / bw:.0f}% |",
+                  flush=True)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -131,7 +131,7 @@ def decode_attention(
 
 
 @functools.cache
-def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q) -> Any:
+def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q, bits: int) -> Any:
     cq, ck, cv, co = int(tq), int(tk), int(tv), int(to)
 
     @njit(parallel=True, fastmath=False)
@@ -141,7 +141,7 @@ def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q) -> Any:
         one = np.zeros(1, np.int64)
         h = np.empty((1, e), np.float32)
         _rms(x, norm, eps, h)
-        qa = quantize_rows(h, one)
+        qa = quantize_rows(h, one, bits)
         nq, nk, nv = wq.shape[0], wk.shape[0], wv.shape[0]
         tiles_q, tiles_k = (nq + ROWS - 1) // ROWS, (nk + ROWS - 1) // ROWS
         yq, yk, yv = np.empty(nq, np.float32), np.empty(nk, np.float32), np.empty(nv, np.float32)
@@ -165,7 +165,7 @@ def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q) -> Any:
         a = np.empty((n_head, v_cache.shape[2]), np.float32)
         _decode_attention(q, k, yv.reshape(n_kv, v_cache.shape[2]), cis, neox, k_cache, v_cache, pos, start, scale, a)
         a2 = a.reshape(1, -1)
-        qo = quantize_rows(a2, one)
+        qo = quantize_rows(a2, one, bits)
         y = np.empty((1, e), np.float32)
         for job in prange((e + ROWS - 1) // ROWS):
             _project(co, wo, qo, one, job * ROWS, y[0])
@@ -186,20 +186,21 @@ def attention_block(
     x: np.ndarray, norm: np.ndarray, eps: float, ws: tuple[tuple[np.ndarray, Q], ...],
     biases: tuple[np.ndarray | None, ...], q_norm: np.ndarray | None, k_norm: np.ndarray | None,
     post_norm: np.ndarray | None, shape: tuple[int, int, int], cis: np.ndarray, neox: bool, k_cache: np.ndarray,
-    v_cache: np.ndarray, pos: int, window: int, scale: float,
+    v_cache: np.ndarray, pos: int, window: int, scale: float, bits: int = 16,
 ) -> np.ndarray:  # fmt: skip
     """x [1, E] + the attention of its normed self at `pos` (see the module's doc) -> [1, E].
 
     ws: (raw bytes, type) of q, k, v and output; biases: of q, k, v, output (None: none; q, k
     and v have them all or none); q_norm/k_norm: per-head weights [head_dim]; post_norm: the
-    norm after the output projection; shape: (heads, KV heads, head_dim).
+    norm after the output projection; shape: (heads, KV heads, head_dim); bits: the activations'
+    integers in the products (8 or 16).
     """
     _check_position(pos, k_cache)
     (wq, tq), (wk, tk), (wv, tv), (wo, to) = ws
     bq, bk, bv, bo = (_NONE if b is None else b for b in biases)
     start = max(0, pos - window + 1) if window else 0
     out = np.empty_like(x)
-    _block_kernel(tq, tk, tv, to)(
+    _block_kernel(tq, tk, tv, to, bits)(
         x, norm, np.float32(eps), wq, wk, wv, wo, bq, bk, bv, bo, _NONE if q_norm is None else q_norm,
         _NONE if k_norm is None else k_norm, _NONE if post_norm is None else post_norm, *shape, cis, neox, k_cache,
         v_cache, pos, start, np.float32(scale), out,
@@ -208,11 +209,11 @@ def attention_block(
 
 
 @njit(inline="always")
-def _ffn(cg, cu, cd, h, gate, up, down, code, y):
+def _ffn(cg, cu, cd, bits, h, gate, up, down, code, y):
     """y [1, E] = down @ act(gate @ h, up @ h) for one token h [1, E]: two parallel regions."""
     e, f = h.shape[1], gate.shape[0]
     one = np.zeros(1, np.int64)
-    qh = quantize_rows(h, one)
+    qh = quantize_rows(h, one, bits)
     g = np.empty((1, f), np.float32)
     for job in prange((f + ROWS - 1) // ROWS):
         ag, au = np.empty(1, np.float32), np.empty(1, np.float32)
@@ -220,13 +221,13 @@ def _ffn(cg, cu, cd, h, gate, up, down, code, y):
             dots(cg, gate, r * gate.strides[0], e, qh, one, 0, 1, ag)
             dots(cu, up, r * up.strides[0], e, qh, one, 0, 1, au)
             g[0, r] = act(code, ag[0], au[0])
-    qg = quantize_rows(g, one)
+    qg = quantize_rows(g, one, bits)
     for job in prange((e + ROWS - 1) // ROWS):
         _project(cd, down, qg, one, job * ROWS, y[0])
 
 
 @functools.cache
-def _ffn_kernel(tg: Q, tu: Q, td: Q) -> Any:
+def _ffn_kernel(tg: Q, tu: Q, td: Q, bits: int) -> Any:
     cg, cu, cd = int(tg), int(tu), int(td)
 
     @njit(parallel=True, fastmath=False)
@@ -237,7 +238,7 @@ def _ffn_kernel(tg: Q, tu: Q, td: Q) -> Any:
         else:
             h[:] = x
         y = np.empty_like(x)
-        _ffn(cg, cu, cd, h, gate, up, down, code, y)
+        _ffn(cg, cu, cd, bits, h, gate, up, down, code, y)
         if post_norm.size:
             _rms(y.copy(), post_norm, eps, y)
         for r in range(x.shape[1]):
@@ -248,13 +249,14 @@ def _ffn_kernel(tg: Q, tu: Q, td: Q) -> Any:
 
 def ffn_block(
     x: np.ndarray, norm: np.ndarray | None, eps: float, ws: tuple[tuple[np.ndarray, Q], ...], code: int,
-    post_norm: np.ndarray | None = None, residual: bool = True,
+    post_norm: np.ndarray | None = None, residual: bool = True, bits: int = 16,
 ) -> np.ndarray:  # fmt: skip
     """x [1, E] (+ if residual) post_norm(down @ act(gate @ h, up @ h)), h = rms_norm(x) (x itself if
-    norm is None) -> [1, E]. ws: (raw bytes, type) of gate, up and down; code: `cpu_kernels.ACT_*`."""
+    norm is None) -> [1, E]. ws: (raw bytes, type) of gate, up and down; code: `cpu_kernels.ACT_*`;
+    bits: as for attention_block."""
     (gate, tg), (up, tu), (down, td) = ws
     out = np.empty_like(x)
-    _ffn_kernel(tg, tu, td)(x, _NONE if norm is None else norm, np.float32(eps), gate, up, down, code,
+    _ffn_kernel(tg, tu, td, bits)(x, _NONE if norm is None else norm, np.float32(eps), gate, up, down, code,
                             _NONE if post_norm is None else post_norm, residual, out)  # fmt: skip
     return out
 

@@ -1,10 +1,11 @@
 """CPU matmul kernels that read GGUF blocks where they lie (numba), one call per MoE layer per matrix kind.
 
-A kernel first quantizes the activation rows it reads to int16 (`qblocks.quantize_rows`, one
-scale per 32), then reads each row of a quantized matrix once for all the tokens that need it,
-four at a time (`qblocks.dot_row`: integer products per 32 weights, float32 accumulation). A
-token's result never depends on how many tokens share the call. Results are within 1e-4 of the
-exact product (dequantize, then matmul), relative to the largest output; the tests hold that.
+A kernel first quantizes the activation rows it reads (`qblocks.quantize_rows`, one scale per
+32) to int16, or to int8 where the caller asks for `bits=8` (about twice the speed per weight),
+then reads each row of a quantized matrix once for all the tokens that need it, four at a time
+(`qblocks.dot_row`: integer products per 32 weights, float32 accumulation). A token's result
+never depends on how many tokens share the call. Results are within 1e-4 (int16) or 1e-2 (int8)
+of the exact product (dequantize, then matmul), relative to the largest output; the tests hold that.
 
 The MoE kernels take a layer's stacked expert matrices `[S, rows, row_bytes]` (the file's
 experts, or a cache's slots holding the same bytes) and a selection in CSR form: for each
@@ -77,7 +78,7 @@ def _row(w: np.ndarray, m: int, r: int) -> int:
 
 
 @functools.cache
-def _gate_up_kernel(gate_type: Q, up_type: Q) -> Any:
+def _gate_up_kernel(gate_type: Q, up_type: Q, bits: int) -> Any:
     # The kernels close over type codes (ints): numba compiles them as constants, and caches each
     # type's kernel on disk apart (a closure over a compiled function would defeat that cache).
     code_g, code_u = int(gate_type), int(up_type)
@@ -86,7 +87,7 @@ def _gate_up_kernel(gate_type: Q, up_type: Q) -> Any:
     def gate_up(gate, up, x, x_rows, sel, eid, ptr, a_in, a_out, bias_g, bias_u, act_code, out):
         n_rows, k = gate.shape[1], x.shape[1]
         n_tiles = (n_rows + ROWS - 1) // ROWS
-        q = quantize_rows(x, x_rows)
+        q = quantize_rows(x, x_rows, bits)
         for job in prange(sel.shape[0] * n_tiles):
             u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
             ag = np.empty(nc, np.float32)
@@ -105,14 +106,14 @@ def _gate_up_kernel(gate_type: Q, up_type: Q) -> Any:
 
 
 @functools.cache
-def _matmul_kernel(qtype: Q) -> Any:
+def _matmul_kernel(qtype: Q, bits: int) -> Any:
     code = int(qtype)
 
     @njit(parallel=True, fastmath=False)
     def matmul(w, x, x_rows, sel, eid, ptr, a_in, a_out, bias, scale, out):
         n_rows, k = w.shape[1], x.shape[1]
         n_tiles = (n_rows + ROWS - 1) // ROWS
-        q = quantize_rows(x, x_rows)
+        q = quantize_rows(x, x_rows, bits)
         for job in prange(sel.shape[0] * n_tiles):
             u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
             acc = np.empty(nc, np.float32)
@@ -129,14 +130,14 @@ def _matmul_kernel(qtype: Q) -> Any:
 
 
 @functools.cache
-def _dense_many_kernel(qtype: Q) -> Any:
+def _dense_many_kernel(qtype: Q, bits: int) -> Any:
     code = int(qtype)
 
     @njit(parallel=True, fastmath=False)
     def dense_many(ws, x, rows, first_tile, outs):
         """outs[m] = x @ ws[m].T for every matrix m of the tuple ws: one parallel region, x quantized once."""
         k = x.shape[1]
-        q = quantize_rows(x, rows)
+        q = quantize_rows(x, rows, bits)
         nc = rows.shape[0]
         for job in prange(first_tile[-1]):
             m = np.searchsorted(first_tile, job, side="right") - 1
@@ -233,25 +234,27 @@ def gate_up(
     gate: np.ndarray, gate_type: Q, up: np.ndarray, up_type: Q,
     x: np.ndarray, x_rows: np.ndarray, sel: np.ndarray, eid: np.ndarray, ptr: np.ndarray, a_in: np.ndarray,
     a_out: np.ndarray, out: np.ndarray, act: int, bias_g: np.ndarray | None = None, bias_u: np.ndarray | None = None,
+    bits: int = 16,
 ) -> None:  # fmt: skip
     """out[a_out] = act(x[a_in] @ gate[sel].T + bg, x[a_in] @ up[sel].T + bu) for every selected expert.
 
-    x_rows: the rows of x that a_in names, each once (the kernel quantizes them before the products).
+    x_rows: the rows of x that a_in names, each once (the kernel quantizes them before the products,
+    to `bits`: 8 or 16).
     """
     bg = _NO_BIAS if bias_g is None else bias_g
     bu = _NO_BIAS if bias_u is None else bias_u
-    kernel = _gate_up_kernel(gate_type, up_type)
+    kernel = _gate_up_kernel(gate_type, up_type, bits)
     kernel(_blocks(gate), _blocks(up), _acts(x), x_rows, sel, eid, ptr, a_in, a_out, bg, bu, act, out)
 
 
 def matmul(
     w: np.ndarray, qtype: Q, x: np.ndarray, x_rows: np.ndarray, sel: np.ndarray, eid: np.ndarray, ptr: np.ndarray,
     a_in: np.ndarray, a_out: np.ndarray, out: np.ndarray, scale: np.ndarray | None = None,
-    bias: np.ndarray | None = None,
+    bias: np.ndarray | None = None, bits: int = 16,
 ) -> None:  # fmt: skip
     """out[a_out] = scale[a_out] * (x[a_in] @ w[sel].T + b) for every selected matrix (x_rows as for gate_up)."""
-    _matmul_kernel(qtype)(_blocks(w), _acts(x), x_rows, sel, eid, ptr, a_in, a_out,
-                          _NO_BIAS if bias is None else bias, _NO_SCALE if scale is None else scale, out)  # fmt: skip
+    b, s = _NO_BIAS if bias is None else bias, _NO_SCALE if scale is None else scale
+    _matmul_kernel(qtype, bits)(_blocks(w), _acts(x), x_rows, sel, eid, ptr, a_in, a_out, b, s, out)
 
 
 @functools.cache
@@ -260,22 +263,22 @@ def one_matrix(t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     return np.zeros(1, _I64), np.array([0, t], _I64), np.arange(t, dtype=_I64)
 
 
-def dense(w: np.ndarray, qtype: Q, x: np.ndarray) -> np.ndarray:
+def dense(w: np.ndarray, qtype: Q, x: np.ndarray, bits: int = 16) -> np.ndarray:
     """x [T, K] @ w.T for one quantized matrix w [N, row_bytes] -> [T, N]."""
     t = x.shape[0]
     out = np.empty((t, w.shape[0]), np.float32)
     one, ptr, rows = one_matrix(t)
-    _matmul_kernel(qtype)(_blocks(w)[None], _acts(x), rows, one, one, ptr, rows, rows, _NO_BIAS, _NO_SCALE, out)
+    _matmul_kernel(qtype, bits)(_blocks(w)[None], _acts(x), rows, one, one, ptr, rows, rows, _NO_BIAS, _NO_SCALE, out)
     return out
 
 
-def dense_many(ws: tuple[np.ndarray, ...], qtype: Q, x: np.ndarray) -> tuple[np.ndarray, ...]:
+def dense_many(ws: tuple[np.ndarray, ...], qtype: Q, x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, ...]:
     """x [T, K] @ w.T for several matrices of one type and width (a layer's q, k and v) in one call."""
     t = x.shape[0]
     outs = tuple(np.empty((t, w.shape[0]), np.float32) for w in ws)
     first_tile = np.zeros(len(ws) + 1, _I64)
     np.cumsum([(w.shape[0] + ROWS - 1) // ROWS for w in ws], out=first_tile[1:])
-    _dense_many_kernel(qtype)(tuple(_blocks(w) for w in ws), _acts(x), one_matrix(t)[2], first_tile, outs)
+    _dense_many_kernel(qtype, bits)(tuple(_blocks(w) for w in ws), _acts(x), one_matrix(t)[2], first_tile, outs)
     return outs
 
 

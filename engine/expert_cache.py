@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from . import device_kernels
 from .cache_policy import ClassLRU, CpuShare, Plan, split_budget
 from .fused_moe import combine as fused_combine
 from .fused_moe import host_arrays, run_fused
@@ -59,6 +60,10 @@ class CacheSettings:
     trace: Path | None = None
     max_batch: int = MAX_BATCH
     load_mode: str = "mmap"  # mmap: experts stay in the file map; pinned: copied to pinned memory (CUDA)
+    # How the device computes its experts: "auto" (the Triton kernels on CUDA where the types have
+    # them), "triton" (also on the CPU device, in Triton's interpreter: tests), "torch" (dequantize
+    # each expert, eager ops).
+    device_kernels: str = "auto"
 
     def validate(self) -> None:
         if not self.mib >= 0:
@@ -71,6 +76,8 @@ class CacheSettings:
             raise CacheError("--emulate-link-gbps only applies to the CPU device")
         if self.load_mode not in ("mmap", "pinned"):
             raise CacheError(f"--load-mode must be mmap or pinned, got '{self.load_mode}'")
+        if self.device_kernels not in ("auto", "triton", "torch"):
+            raise CacheError(f"device kernels must be auto, triton or torch, got '{self.device_kernels}'")
 
 
 @dataclass
@@ -122,6 +129,20 @@ class ExpertCache:
         self._link_debt = 0.0  # seconds of emulated link time not yet waited
         self._lock = threading.Lock()  # guards the counters while a snapshot is taken
         self._trace = TraceWriter(settings.trace, self.trace_header()) if settings.trace else None
+        self._biases: dict[int, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = {}
+        self.triton = {layer: self._use_triton(layer, lx) for layer, lx in self.host.layers.items()}
+
+    def _use_triton(self, layer: int, lx: LayerExperts) -> bool:
+        want = self.settings.device_kernels
+        if want == "torch" or (want == "auto" and self.device.type != "cuda"):
+            return False
+        qtypes = (lx.gate.qtype, lx.up.qtype, lx.down.qtype)
+        if device_kernels.supports(qtypes) and self.host.act_code >= 0:
+            return True
+        why = "triton is not installed" if not device_kernels.available() else (
+            f"no device kernel for {'/'.join(t.name for t in qtypes)} or this activation")  # fmt: skip
+        logger.info("MoE layer %d: %s; its cached experts are dequantized on each use", layer, why)
+        return False
 
     # -- set-up --------------------------------------------------------------------------
 
@@ -237,6 +258,9 @@ class ExpertCache:
                 out = self.host(layer, x, ids, weights)
             else:
                 out = combine(x, run_experts(lx, x, ids, weights, self.host.act, uniq, fetch=self._host_fetch(lx)))
+        elif self.triton[layer]:
+            out = self._run_triton(layer, group, policy, lx, plan, x, ids, weights)
+            self.seconds += time.perf_counter() - t0
         elif fused:
             out = self._run_fused(layer, group, policy, lx, plan, x, ids, weights)
             self.seconds += time.perf_counter() - t0
@@ -283,10 +307,65 @@ class ExpertCache:
         if on_device:
             banks = tuple(b.numpy() for b in group.banks)
             slots = np.asarray(policy.slot_map[layer], dtype=np.int64)
-            run_fused(lx, (banks[0], banks[1], banks[2]), slots, self.host.act_code, xh, ih, wh, on_device, contrib)
+            run_fused(lx, (banks[0], banks[1], banks[2]), slots, self.host.act_code, xh, ih, wh, on_device, contrib,
+                      self.host.bits)  # fmt: skip
         if future is not None:
             future.result()
         return fused_combine(contrib, ih)
+
+    def _run_triton(
+        self, layer: int, group: _Group, policy: ClassLRU, lx: LayerExperts, plan: Plan, x: torch.Tensor,
+        ids: torch.Tensor, weights: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The device's experts in three launches (device_kernels), the CPU share from the host copy meanwhile."""
+        # The CPU share's inputs cross now, while the device is idle after the routing's sync.
+        host_in = host_arrays(x, ids, weights) if plan.cpu else None
+        self._upload(group, lx, plan.uploads)
+        on_device = np.zeros(group.info.n_expert, dtype=bool)
+        on_device[[*plan.hits, *(e for e, _ in plan.uploads)]] = True
+        ih = ids.cpu().numpy()  # the routing's one sync: the policy has read these ids already
+        table, n_pairs = device_kernels.pair_table(ih, np.asarray(policy.slot_map[layer], dtype=np.int64), on_device)
+        table_d = torch.from_numpy(table).to(self.device, non_blocking=True)
+
+        def host_part() -> torch.Tensor | None:
+            if host_in is None:
+                return None
+            contrib = self._host_rows(layer, lx, host_in, list(plan.cpu))
+            return torch.from_numpy(contrib).to(self.device, non_blocking=True)
+
+        biases = (lx.gate.bias, lx.up.bias, lx.down.bias)
+        banks = (group.banks[0], group.banks[1], group.banks[2])
+        return device_kernels.run_layer(
+            banks, (lx.gate.qtype, lx.up.qtype, lx.down.qtype), self._device_biases(layer, biases),
+            self.host.act_code, x.float().contiguous(), weights.float().contiguous(), table_d, n_pairs, ih.shape[1],
+            host_part,
+        ).to(x.dtype)  # fmt: skip
+
+    def _host_rows(
+        self, layer: int, lx: LayerExperts, host_in: tuple[np.ndarray, ...], experts: list[int]
+    ) -> np.ndarray:
+        """The contributions of `experts` computed on the CPU, in their rows t*k + j of [T*k, E]."""
+        xh, ih, wh = host_in
+        contrib = np.empty((ih.size, xh.shape[1]), np.float32)  # only the rows of `experts` get set
+        if self.host.fused[layer]:
+            self.host.run_host_part(layer, xh, ih, wh, experts, contrib)
+            return contrib
+        ids = torch.from_numpy(ih)
+        for e, tok, y in run_experts(lx, torch.from_numpy(xh), ids, torch.from_numpy(wh), self.host.act, experts,
+                                     fetch=self.host.fetcher(layer)):  # fmt: skip
+            j = (ids[tok] == e).int().argmax(-1)  # where e sits in each of its tokens' selections
+            contrib[(tok * ih.shape[1] + j).numpy()] = y.numpy()
+        return contrib
+
+    def _device_biases(
+        self, layer: int, biases: tuple[torch.Tensor | None, ...]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The experts' biases [n_expert, rows] float32 on the device, moved there once per layer."""
+        got = self._biases.get(layer)
+        if got is None:
+            moved = [None if b is None else b.float().contiguous().to(self.device) for b in biases]
+            got = self._biases[layer] = (moved[0], moved[1], moved[2])
+        return got
 
     def _host_fetch(self, lx: LayerExperts) -> Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
         """Bypass on a device: upload an expert for this call only, without caching it."""

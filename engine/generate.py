@@ -38,8 +38,6 @@ class Model(Protocol):
 
     def end_of_generation(self) -> None: ...
 
-    def routing(self) -> tuple[tuple[int, ...], ...]: ...
-
 
 @dataclass(frozen=True)
 class SamplingParams:
@@ -73,7 +71,6 @@ class TokenEvent:
     text: str
     index: int  # 0-based index among generated tokens
     seconds: float = 0.0  # since the previous token (the first: since the prompt was read)
-    routing: tuple[tuple[int, ...], ...] = ()  # per MoE layer, the experts that chose this token
 
 
 @dataclass(frozen=True)
@@ -144,10 +141,13 @@ def one_torch_thread(when: bool) -> Iterator[None]:
 
 
 def sample(logits: torch.Tensor, p: SamplingParams, history: Sequence[int], gen: torch.Generator) -> int:
-    """One token id from logits [V] under the sampling parameters (greedy at temperature 0)."""
-    logits = logits.float().cpu().clone()  # sampling runs on the host, with the host generator
+    """One token id from logits [V] under the sampling parameters (greedy at temperature 0).
+
+    Sampling runs where the logits are, with `gen` on that device: only the chosen id crosses to the host.
+    """
+    logits = logits.float().clone()
     if p.repeat_penalty != 1.0 and history:
-        recent = torch.tensor(sorted(set(history[-p.repeat_last_n :])), dtype=torch.long)
+        recent = torch.tensor(sorted(set(history[-p.repeat_last_n :])), dtype=torch.long, device=logits.device)
         vals = logits[recent]
         logits[recent] = torch.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
     if p.temperature <= 0:
@@ -179,7 +179,7 @@ def generate(
 ) -> Iterator[Event]:
     """Prefill `prompt` after what `cache` holds, then decode; yields TokenEvents and one DoneEvent."""
     params.validate()
-    gen = torch.Generator().manual_seed(params.seed if params.seed is not None else int(time.time_ns() % 2**63))
+    seed = params.seed if params.seed is not None else int(time.time_ns() % 2**63)
     t0 = time.perf_counter()
     try:
         logits = prefill(model, prompt, cache, stop=stop)
@@ -188,6 +188,7 @@ def generate(
         yield DoneEvent(len(prompt), 0, time.perf_counter() - t0, 0.0, "stopped")
         return
     t1 = time.perf_counter()
+    gen = torch.Generator(logits.device).manual_seed(seed)  # sampling stays on the model's device
     history = list(prompt)
     decoder = tokenizer.stream_decoder()
     reason, n = "length", 0
@@ -202,7 +203,7 @@ def generate(
             break
         history.append(tok)
         now = time.perf_counter()
-        yield TokenEvent(tok, decoder.push(tok), n, now - last, model.routing())
+        yield TokenEvent(tok, decoder.push(tok), n, now - last)
         last = now
         n += 1
         if n >= max_tokens:

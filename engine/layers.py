@@ -36,6 +36,12 @@ class QuantRows:
     def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
         return dequantize(self.raw[rows], self.qtype)  # [T, cols]
 
+    def moved_to(self, device: torch.device) -> QuantRows:
+        """The bytes on `device`: a token's row is decoded there (a few small ops per token)."""
+        self.raw = self.raw.to(device)
+        self.device = device
+        return self
+
 
 def maybe_weight(gguf: GGUFFile, name: str) -> torch.Tensor | None:
     return load_weight(gguf, name) if name in gguf.tensors else None
@@ -44,12 +50,15 @@ def maybe_weight(gguf: GGUFFile, name: str) -> torch.Tensor | None:
 def move_tensors(module: torch.nn.Module, device: torch.device) -> None:
     """Move every plain tensor attribute of `module` and its submodules to `device`.
 
-    Weights are plain attributes (not parameters): the experts, which are not, stay put.
+    Weights are plain attributes (not parameters): the experts, which are not, stay put. Quantized
+    matrices (anything with `moved_to`) choose their own form on the device.
     """
     for sub in module.modules():
         for name, value in list(vars(sub).items()):
             if isinstance(value, torch.Tensor):
                 setattr(sub, name, value.to(device))
+            elif callable(getattr(value, "moved_to", None)):
+                setattr(sub, name, value.moved_to(device))
 
 
 def host_rows(x: torch.Tensor) -> np.ndarray:

@@ -18,6 +18,7 @@ from .model_file import open_model
 from .models import build_model, family_for
 from .models.decoder import MoeDecoder
 from .models.gemma3 import Gemma3
+from .qlinear import set_activation_bits
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -175,10 +176,13 @@ def load_model(
             eos_token=tok.tokens[sp.eos] if sp.eos is not None else "",
         )
         on_cpu = device == "cpu"
-        # On the CPU the dense matrices stay the file's bytes and run through the kernels; on a
-        # GPU they are dequantized once and moved there.
-        model = build_model(gguf, cfg, n_ctx, quantized=on_cpu and cpu_kernels == "fast", kernels=cpu_kernels,
-                            dequant_mib=cpu_dequant_mib)  # fmt: skip
+        # The dense matrices stay the file's bytes: on the CPU under the CPU kernels, on a GPU under
+        # the device kernels where they read the type (else dequantized once to float32 there).
+        on_gpu_kernels = not on_cpu and cache is not None and cache.device_kernels != "torch"
+        model = build_model(gguf, cfg, n_ctx, quantized=(on_cpu or on_gpu_kernels) and cpu_kernels != "exact",
+                            kernels=cpu_kernels, dequant_mib=cpu_dequant_mib)  # fmt: skip
+        if cpu_kernels == "int8":
+            set_activation_bits(model, 8)
         if not on_cpu:
             model.to_device(torch.device(device))
         check_fit(gguf, cfg, model, tok)

@@ -26,6 +26,7 @@ from .cpu_kernels import ACT_SILU
 from .fused_moe import activation_code, fusable, host_arrays, register_activation, run_fused
 from .fused_moe import combine as fused_combine
 from .gguf_file import GGUFError, GGUFFile
+from .kernel_modes import KERNEL_MODES
 from .quants import dequantize
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -178,8 +179,8 @@ class DequantCache:
 class HostExperts:
     """Expert execution straight from the host copy (the file's bytes).
 
-    `kernels="fast"`: the layer's selected experts in three kernel calls that read the quantized
-    blocks in place (fused_moe); layers whose types or activation have no kernel, and
+    `kernels="fast"` or `"int8"`: the layer's selected experts in three kernel calls that read the
+    quantized blocks in place (fused_moe); layers whose types or activation have no kernel, and
     `kernels="exact"`, dequantize each selected expert with torch and multiply in float32 (the
     reference path), optionally keeping up to `dequant_mib` of dequantized experts.
     """
@@ -187,8 +188,8 @@ class HostExperts:
     def __init__(
         self, layers: dict[int, LayerExperts], act: Activation, *, kernels: str = "fast", dequant_mib: float = 0.0
     ) -> None:
-        if kernels not in ("fast", "exact"):
-            raise ValueError(f"--cpu-kernels must be fast or exact, got '{kernels}'")
+        if kernels not in KERNEL_MODES:
+            raise ValueError(f"--cpu-kernels must be one of {', '.join(KERNEL_MODES)}, got '{kernels}'")
         if dequant_mib < 0:
             raise ValueError(f"--cpu-dequant-mib must be >= 0, got {dequant_mib}")
         self.layers = layers
@@ -198,7 +199,8 @@ class HostExperts:
         self.dequant = DequantCache(int(dequant_mib * 2**20)) if dequant_mib > 0 else None
         code = activation_code(act)
         self.act_code = -1 if code is None else code
-        self.fused = {i: kernels == "fast" and fusable(lx, act) for i, lx in layers.items()}
+        self.fused = {i: kernels != "exact" and fusable(lx, act) for i, lx in layers.items()}
+        self.bits = 8 if kernels == "int8" else 16  # the fused kernels' activations
 
     def with_layers(self, layers: dict[int, LayerExperts]) -> HostExperts:
         """The same execution options over other copies of the experts (pinned memory)."""
@@ -220,7 +222,7 @@ class HostExperts:
         self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, experts: list[int] | None, contrib: np.ndarray
     ) -> None:
         """Fused path: the contributions of `experts` (None: all selected), from the host copy, into their rows."""
-        run_fused(self.layers[layer], self.mats(layer), None, self.act_code, x, ids, w, experts, contrib)
+        run_fused(self.layers[layer], self.mats(layer), None, self.act_code, x, ids, w, experts, contrib, self.bits)
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.fused[layer]:

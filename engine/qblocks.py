@@ -1,22 +1,26 @@
 """GGUF block layouts as vector code: one entry per quant type, compiled into the kernels.
 
 Each entry turns one block of the file's bytes (a pointer to where it lies) into its weights, 32
-at a time, as small integers (LLVM vectors of 32 int16 lanes) and their scale: weight = q * scale,
-plus a per-32 bias for the types with mins. From that one description come the two operations
-the kernels in `cpu_kernels.py` use (numba intrinsics, inlined where they are called, so LLVM
-sees the whole loop and vectorizes it for the machine's CPU):
+at a time, as small integers (LLVM vectors of 32 int8 lanes, unsigned 0..63 or signed) and their
+scale: weight = q * scale, plus a per-32 bias for the types with mins or offsets. From that one
+description come the two operations the kernels in `cpu_kernels.py` use (numba intrinsics,
+inlined where they are called, so LLVM sees the whole loop and vectorizes it for the machine's CPU):
 
-- `dot_row`: a row's dot products with one or four rows of activations quantized to int16 (one
-  scale per 32 activations: `quantize_rows`), integer products summed in pairs (pmaddwd on x86),
-  then float32 per 32 weights: acc += float(sum q * xq) * scale * dx. The weights' integers
-  are unpacked once for the four tokens; each token's operations are the same whatever the
-  number of tokens, so how many tokens share a row never changes a token's result.
+- `dot_row`: a row's dot products with one or four rows of activations quantized with one scale
+  per 32 (`quantize_rows`), to int16 or int8, in integers per 32 weights, then float32:
+  acc += float(sum q * xq) * scale * dx. int16: the products summed in pairs (pmaddwd on x86).
+  int8: unsigned weights times signed activations summed in pairs (pmaddubsw on x86 with AVX2;
+  a signed weight's sign moves onto the activation), then in fours (pmaddwd), about half the
+  instructions per weight. The weights' integers are unpacked once for the four tokens; each
+  token's operations are the same whatever the number of tokens, so how many tokens share a row
+  never changes a token's result.
 - `decode_row`: a row's weights as float32 (the tiles a float GEMM multiplies in prefill).
 
 The weights follow the reference dequantizer (`engine/quants.py`, bit-exact with gguf-py) except
-that a scale and a min are applied in one fused multiply-add: a weight can differ by one unit in
-the last place. The dot products' error is the activations' rounding to int16, at most 1.5e-5 of
-the largest activation of their 32; the tests bound it against the exact product.
+that a scale and a min (or offset) are applied in one fused multiply-add: a weight can differ by
+one unit in the last place. The dot products' error is the activations' rounding: at most 1.5e-5
+(int16) or 0.4% (int8) of the largest activation of their 32; the tests bound it against the
+exact product.
 """
 
 from __future__ import annotations
@@ -47,8 +51,10 @@ V_I8, V_I16, V_I32, V_F32, V8_F32 = _vec(I8), _vec(I16), _vec(I32), _vec(F32), _
 
 _IQ4_NL = [-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113]
 _MXFP4 = [0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12]  # doubled; the scale is halved
-# x86's byte shuffle looks up 16 table entries for 16 lanes at once; elsewhere one lane at a time.
+# x86's byte shuffle looks up 16 table entries for 16 lanes at once (32 with AVX2); elsewhere one lane at a time.
 _X86 = llvm.get_process_triple().startswith(("x86_64", "amd64"))
+# AVX2: 32-byte integer vectors, and the byte products of the int8 dot products (pmaddubsw).
+_AVX2 = _X86 and bool(llvm.get_host_cpu_features().get("avx2"))
 # A float16 converts in one instruction with x86's F16C or on ARM; elsewhere with integer operations.
 _HALF = (_X86 and bool(llvm.get_host_cpu_features().get("f16c"))) or llvm.get_process_triple().startswith(
     ("aarch64", "arm64")
@@ -115,6 +121,8 @@ class _B:
 
     def table(self, idx: ir.Value, values: list[int]) -> ir.Value:
         """Lanes idx (0..15) looked up in a 16-entry int8 table."""
+        if _AVX2:  # one 32-byte shuffle: each 16-byte half looks up its own copy of the table
+            return _call(self.b, "llvm.x86.avx2.pshuf.b", V_I8, [ir.Constant(V_I8, values * 2), idx])
         if _X86:
             fnty = ir.FunctionType(_vec(I8, 16), [_vec(I8, 16), _vec(I8, 16)])
             fn = cgutils.get_or_insert_function(self.b.module, fnty, "llvm.x86.ssse3.pshuf.b.128")
@@ -136,8 +144,9 @@ class _B:
 class Chunk(NamedTuple):
     """32 weights of a block as integers and their scale: weight = q * scale (+ the block's bias)."""
 
-    q: ir.Value  # <32 x i16>
-    scale: ir.Value  # float32, or <16 x float32>: lanes 0..7 scale weights 0..15, lanes 8..15 weights 16..31
+    q: ir.Value  # <32 x i8>: 0..63 when not signed, -128..127 when signed
+    signed: bool
+    scale: ir.Value  # float32, or <8 x float32>: lanes 0..3 scale weights 0..15, lanes 4..7 weights 16..31
 
 
 class Block(NamedTuple):
@@ -163,37 +172,37 @@ def _scaled(v: _B, s: ir.Value, dxp: ir.Value | None) -> ir.Value:
     return v.b.fmul(s, dx)
 
 
-def _i16(v: _B, q: ir.Value, signed: bool) -> ir.Value:
-    return v.b.sext(q, V_I16) if signed else v.b.zext(q, V_I16)
-
-
 # -- 32-weight blocks: one chunk each ------------------------------------------------------------
 
 
+# Q4_0 and Q5_0 keep their integers unsigned and their offset as a bias: an unsigned weight times
+# an activation is one instruction on x86, a signed one three.
 def _q4_0(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
-    return Block([Chunk(_i16(v, v.b.sub(v.nibbles(p, 2), v.const(I8, 8)), True), _scaled(v, v.f16(p, 0), dxp))], None)
+    d = v.f16(p, 0)
+    return Block([Chunk(v.nibbles(p, 2), False, _scaled(v, d, dxp))], v.b.fmul(d, ir.Constant(F32, -8.0)))
 
 
 def _q4_1(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
-    return Block([Chunk(_i16(v, v.nibbles(p, 4), False), _scaled(v, v.f16(p, 0), dxp))], v.f16(p, 2))
+    return Block([Chunk(v.nibbles(p, 4), False, _scaled(v, v.f16(p, 0), dxp))], v.f16(p, 2))
 
 
 def _q5_0(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
-    q = v.b.sub(v.b.or_(v.nibbles(p, 6), v.bits32(p, 2)), v.const(I8, 16))
-    return Block([Chunk(_i16(v, q, True), _scaled(v, v.f16(p, 0), dxp))], None)
+    d = v.f16(p, 0)
+    q = v.b.or_(v.nibbles(p, 6), v.bits32(p, 2))
+    return Block([Chunk(q, False, _scaled(v, d, dxp))], v.b.fmul(d, ir.Constant(F32, -16.0)))
 
 
 def _q5_1(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
     q = v.b.or_(v.nibbles(p, 8), v.bits32(p, 4))
-    return Block([Chunk(_i16(v, q, False), _scaled(v, v.f16(p, 0), dxp))], v.f16(p, 2))
+    return Block([Chunk(q, False, _scaled(v, v.f16(p, 0), dxp))], v.f16(p, 2))
 
 
 def _q8_0(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
-    return Block([Chunk(_i16(v, v.load(p, 2, I8), True), _scaled(v, v.f16(p, 0), dxp))], None)
+    return Block([Chunk(v.load(p, 2, I8), True, _scaled(v, v.f16(p, 0), dxp))], None)
 
 
 def _iq4_nl(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
-    return Block([Chunk(_i16(v, v.table(v.nibbles(p, 2), _IQ4_NL), True), _scaled(v, v.f16(p, 0), dxp))], None)
+    return Block([Chunk(v.table(v.nibbles(p, 2), _IQ4_NL), True, _scaled(v, v.f16(p, 0), dxp))], None)
 
 
 def _mxfp4(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
@@ -203,7 +212,7 @@ def _mxfp4(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
     normal = b.shl(b.sub(e, ir.Constant(I32, 1)), ir.Constant(I32, 23))
     subnormal = b.shl(ir.Constant(I32, 0x200000), e)  # e = 0, 1: 2^-128, 2^-127
     d = b.bitcast(b.select(b.icmp_unsigned(">=", e, ir.Constant(I32, 2)), normal, subnormal), F32)
-    return Block([Chunk(_i16(v, v.table(v.nibbles(p, 1), _MXFP4), True), _scaled(v, d, dxp))], None)
+    return Block([Chunk(v.table(v.nibbles(p, 1), _MXFP4), True, _scaled(v, d, dxp))], None)
 
 
 # -- 256-weight super-blocks: eight chunks each --------------------------------------------------
@@ -236,7 +245,7 @@ def _k_block(v: _B, p: ir.Value, dxp: ir.Value | None, q: Callable[[int], ir.Val
     """Q4_K/Q5_K: chunk j's integers q(j) (<32 x i8>, 0..31) scaled by d * scale_j, less dmin * min_j."""
     sc, mn = _k_scales(v, p)
     scales = _scaled(v, v.b.fmul(sc, v.splat(v.f16(p, 0), 8)), dxp)
-    chunks = [Chunk(_i16(v, q(j), False), v.b.extract_element(scales, ir.Constant(I32, j))) for j in range(8)]
+    chunks = [Chunk(q(j), False, v.b.extract_element(scales, ir.Constant(I32, j))) for j in range(8)]
     return Block(chunks, v.b.fneg(v.b.fmul(mn, v.splat(v.f16(p, 2), 8))))
 
 
@@ -270,22 +279,24 @@ def _q6_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
             low = b.and_(b.lshr(src, v.const(I8, shift)), v.const(I8, 15))
             high = b.shl(b.and_(b.lshr(qh, v.const(I8, 2 * quarter)), v.const(I8, 3)), v.const(I8, 4))
             s = 8 * half + 2 * quarter  # scales s and s + 1: the chunk's two runs of 16
-            scale = b.shuffle_vector(sc, sc, ir.Constant(_vec(I32, 16), [s] * 8 + [s + 1] * 8))
-            chunks.append(Chunk(_i16(v, b.sub(b.or_(low, high), v.const(I8, 32)), True), scale))
+            scale = b.shuffle_vector(sc, sc, ir.Constant(_vec(I32, 8), [s] * 4 + [s + 1] * 4))
+            chunks.append(Chunk(b.sub(b.or_(low, high), v.const(I8, 32)), True, scale))
     return Block(chunks, None)
 
 
 def _iq4_xs(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
-    d = v.f16(p, 0)
     b = v.b
-    sh = b.zext(v.scalar(p, 2, I16), I32)
-    chunks = []
-    for ib in range(8):
-        low = b.and_(b.lshr(v.u8(p, 4 + ib // 2), ir.Constant(I32, 4 * (ib % 2))), ir.Constant(I32, 15))
-        high = b.shl(b.and_(b.lshr(sh, ir.Constant(I32, 2 * ib)), ir.Constant(I32, 3)), ir.Constant(I32, 4))
-        dl = b.fmul(d, b.sitofp(b.sub(b.or_(low, high), ir.Constant(I32, 32)), F32))
-        dl = dl if dxp is None else _scaled(v, dl, v.at(dxp, ib))
-        chunks.append(Chunk(_i16(v, v.table(v.nibbles(p, 8 + 16 * ib), _IQ4_NL), True), dl))
+    # The eight 6-bit scales: low nibbles of the 4 bytes at 4, high 2 bits of the uint16 at 2.
+    lo = v.load(p, 4, I8, 4)
+    lo = b.shuffle_vector(lo, lo, ir.Constant(_vec(I32, 8), [i // 2 for i in range(8)]))
+    lo = b.lshr(lo, ir.Constant(_vec(I8, 8), [4 * (i % 2) for i in range(8)]))
+    lo = b.and_(lo, ir.Constant(_vec(I8, 8), [15] * 8))
+    hi = b.lshr(v.splat(b.zext(v.scalar(p, 2, I16), I32), 8), ir.Constant(_vec(I32, 8), [2 * i for i in range(8)]))
+    hi = b.shl(b.and_(hi, ir.Constant(_vec(I32, 8), [3] * 8)), ir.Constant(_vec(I32, 8), [4] * 8))
+    sc = b.sub(b.or_(b.zext(lo, _vec(I32, 8)), hi), ir.Constant(_vec(I32, 8), [32] * 8))
+    scales = _scaled(v, b.fmul(b.sitofp(sc, V8_F32), v.splat(v.f16(p, 0), 8)), dxp)
+    chunks = [Chunk(v.table(v.nibbles(p, 8 + 16 * j), _IQ4_NL), True, b.extract_element(scales, ir.Constant(I32, j)))
+              for j in range(8)]  # fmt: skip
     return Block(chunks, None)
 
 
@@ -318,19 +329,21 @@ def has_kernel(qtype: Q) -> bool:
 
 # -- activations as the dot products read them ---------------------------------------------------
 
-ACT_MAX = 32767  # int16: the rounding is at most 1.5e-5 of the largest activation of its 32
+ACTIVATION_BITS = (8, 16)
+ACT16 = 32767  # int16: the rounding is at most 1.5e-5 of the largest activation of its 32
+ACT8 = 127  # int8: at most 0.4%
 
 
 @njit(inline="always")
-def quantize_row(x: np.ndarray, row: int, xq: np.ndarray, dx: np.ndarray, bs: np.ndarray) -> None:
-    """Row `row` of x [R, K] (float32, K a multiple of 32) as int16 xq with one scale per 32 in dx,
-    and per 32 activations dx times their sum in bs (what a block's bias multiplies)."""
+def _quantize_row(x: np.ndarray, row: int, xq: np.ndarray, dx: np.ndarray, bs: np.ndarray, top: float) -> None:
+    """Row `row` of x [R, K] (float32, K a multiple of 32) as integers in -top..top (xq) with one scale
+    per 32 in dx, and per 32 activations dx times their sum in bs (what a block's bias multiplies)."""
     for c in range(x.shape[1] // LANES):
         m = np.float32(0)
         for i in range(c * LANES, c * LANES + LANES):
             m = max(m, abs(x[row, i]))
-        d = m / np.float32(ACT_MAX)
-        inv = np.float32(ACT_MAX) / m if m > 0 else np.float32(0)
+        d = m / np.float32(top)
+        inv = np.float32(top) / m if m > 0 else np.float32(0)
         s = 0
         for i in range(c * LANES, c * LANES + LANES):
             q = int(np.rint(x[row, i] * inv))
@@ -340,16 +353,30 @@ def quantize_row(x: np.ndarray, row: int, xq: np.ndarray, dx: np.ndarray, bs: np
         bs[row, c] = d * np.float32(s)
 
 
-@njit(inline="always")
-def quantize_rows(x: np.ndarray, rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """The rows of x a kernel reads, quantized for the dot products (other rows left unset)."""
-    n, k = x.shape
-    xq = np.empty((n, k), np.int16)
-    dx = np.empty((n, k // LANES), np.float32)
-    bs = np.empty((n, k // LANES), np.float32)
-    for i in range(rows.shape[0]):
-        quantize_row(x, rows[i], xq, dx, bs)
-    return xq, dx, bs
+def quantize_rows(x: np.ndarray, rows: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of x [R, K] a kernel reads, quantized for the dot products to int8 or int16 (`bits`,
+    a compile-time constant): (xq [R, K], dx, bs [R, K / 32]); other rows left unset. Compiled code only."""
+    raise NotImplementedError("quantize_rows runs in compiled code")
+
+
+@overload(quantize_rows, inline="always")
+def _quantize_rows(x, rows, bits):
+    if not isinstance(bits, types.IntegerLiteral):
+        return None
+    if bits.literal_value not in ACTIVATION_BITS:
+        raise ValueError(f"activations are quantized to {ACTIVATION_BITS} bits, not {bits.literal_value}")
+    dtype, top = (np.int8, ACT8) if bits.literal_value == 8 else (np.int16, ACT16)
+
+    def impl(x, rows, bits):
+        n, k = x.shape
+        xq = np.empty((n, k), dtype)
+        dx = np.empty((n, k // LANES), np.float32)
+        bs = np.empty((n, k // LANES), np.float32)
+        for i in range(rows.shape[0]):
+            _quantize_row(x, rows[i], xq, dx, bs, top)
+        return xq, dx, bs
+
+    return impl
 
 
 # -- intrinsics ----------------------------------------------------------------------------------
@@ -372,13 +399,48 @@ def _hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
     return b.extract_element(v, ir.Constant(I32, 0))
 
 
-def _madd(v: _B, q: ir.Value, x: ir.Value) -> ir.Value:
-    """<32 x i16> times <32 x i16>, adjacent products summed: <16 x i32> (x86's pmaddwd, found by LLVM)."""
-    b = v.b
-    m = b.mul(b.sext(q, V_I32), b.sext(x, V_I32))
-    even = b.shuffle_vector(m, m, ir.Constant(_vec(I32, 16), list(range(0, LANES, 2))))
-    odd = b.shuffle_vector(m, m, ir.Constant(_vec(I32, 16), list(range(1, LANES, 2))))
+def _pairs(b: ir.IRBuilder, m: ir.Value) -> ir.Value:
+    """Adjacent lanes summed: n lanes -> n / 2."""
+    n = m.type.count
+    even = b.shuffle_vector(m, m, ir.Constant(_vec(I32, n // 2), list(range(0, n, 2))))
+    odd = b.shuffle_vector(m, m, ir.Constant(_vec(I32, n // 2), list(range(1, n, 2))))
     return b.add(even, odd)
+
+
+def _call(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return b.call(fn, args)
+
+
+_ONES16 = ir.Constant(_vec(I16, 16), [1] * 16)
+
+
+def _dot32(v: _B, q: ir.Value, magnitude: ir.Value, signed: bool, x: ir.Value) -> ir.Value:
+    """32 weights' integers q times 32 int8 activations x, summed in fours: <8 x i32> (lane i:
+    weights 4i..4i+3). `magnitude` is |q| (for signed q). On x86 with AVX2: pmaddubsw (unsigned
+    times signed bytes, summed in pairs; the weights' ranges keep it from saturating) and pmaddwd."""
+    b = v.b
+    if _AVX2:
+        if signed:  # |q| times x with q's sign
+            x = _call(b, "llvm.x86.avx2.psign.b", V_I8, [x, q])
+        p16 = _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [magnitude, x])
+        return _call(b, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [p16, _ONES16])
+    wide = b.sext(q, V_I16) if signed else b.zext(q, V_I16)
+    p16 = _pairs(b, b.mul(wide, b.sext(x, V_I16)))  # exact: |q * x| <= 128 * 127, twice
+    return _pairs(b, b.sext(p16, _vec(I32, 16)))
+
+
+def _dot32_wide(v: _B, q: ir.Value, signed: bool, x: ir.Value) -> ir.Value:
+    """32 weights' integers q times 32 int16 activations x, summed in pairs: <16 x i32> (pmaddwd)."""
+    b = v.b
+    wide = b.sext(q, V_I32) if signed else b.zext(q, V_I32)
+    return _pairs(b, b.mul(wide, b.sext(x, V_I32)))
+
+
+def _magnitude(v: _B, chunk: Chunk) -> ir.Value:
+    if not (_AVX2 and chunk.signed):
+        return chunk.q
+    return _call(v.b, "llvm.abs.v32i8", V_I8, [chunk.q, ir.Constant(ir.IntType(1), 0)])
 
 
 def _decode_intrinsic(layout: Layout) -> Any:
@@ -395,9 +457,9 @@ def _decode_intrinsic(layout: Layout) -> Any:
             with cgutils.for_range(b, args[2]) as loop:
                 block = layout.chunks(v, v.at(wp, b.mul(loop.index, ir.Constant(I64, layout.size))), None)
                 row = v.at(yp, b.mul(loop.index, ir.Constant(I64, layout.weights)))
-                for c, (q, scale) in enumerate(block.chunks):
+                for c, (q, _, scale) in enumerate(block.chunks):
                     if isinstance(scale.type, ir.VectorType):
-                        scale = b.shuffle_vector(scale, scale, ir.Constant(V_I32, [0] * 16 + [8] * 16))
+                        scale = b.shuffle_vector(scale, scale, ir.Constant(V_I32, [0] * 16 + [4] * 16))
                     else:
                         scale = v.splat(scale)
                     w = b.sitofp(q, V_F32)
@@ -416,10 +478,12 @@ def _decode_intrinsic(layout: Layout) -> Any:
     return decode
 
 
-def _dot_intrinsic(layout: Layout, nt: int) -> Any:
-    """The dot products of one quantized row with nt rows of quantized activations, in integers per
-    32 weights (pmaddwd), then float32: acc += float(sum of q * xq) * scale * dx, lane-wise, and the
-    block biases times bs. Each token's operations are the same whatever nt is: the same result."""
+def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
+    """The dot products of one quantized row with nt rows of activations quantized to `bits` (8 or
+    16), in integers per 32 weights, then float32: acc += float(sum of q * xq) * scale * dx,
+    lane-wise, and the block biases times bs. Each token's operations are the same whatever nt is:
+    the same result."""
+    act = I8 if bits == 8 else I16
 
     @intrinsic
     def dot(typingctx, w, w_off, n_blocks, xq, dx, bs, rows):
@@ -436,7 +500,7 @@ def _dot_intrinsic(layout: Layout, nt: int) -> Any:
                 stride = cgutils.unpack_tuple(b, arr.strides, 2)[0]
                 return b.bitcast(b.gep(b.bitcast(arr.data, I8.as_pointer()), [b.mul(row, stride)]), t.as_pointer())
 
-            xps = [row_ptr(3, r, I16) for r in rows]
+            xps = [row_ptr(3, r, act) for r in rows]
             dps = [row_ptr(4, r, F32) for r in rows]
             bps = [row_ptr(5, r, F32) for r in rows]
             # Two accumulators, for even and odd chunks: two chains of dependent FMAs, not one.
@@ -447,24 +511,34 @@ def _dot_intrinsic(layout: Layout, nt: int) -> Any:
             accb = [cgutils.alloca_once_value(b, ir.Constant(V8_F32, None)) for _ in range(nt)]
             accs = [cgutils.alloca_once_value(b, ir.Constant(F32, None)) for _ in range(nt)]
             used = set()
-            halves = [ir.Constant(_vec(I32, 8), list(range(h, h + 8))) for h in (0, 8)]
             with cgutils.for_range(b, args[2]) as loop:
                 first = b.mul(loop.index, ir.Constant(I64, layout.weights))  # the block's first weight
                 block_p = v.at(wp, b.mul(loop.index, ir.Constant(I64, layout.size)))
                 sums = b.udiv(first, ir.Constant(I64, LANES))  # the block's first chunk
+                magnitudes: list[ir.Value] = []
                 for t in range(nt):
                     block = layout.chunks(v, block_p, v.at(dps[t], sums))
-                    for c, (q, scale) in enumerate(block.chunks):
-                        m = _madd(v, q, v.load(xps[t], b.add(first, ir.Constant(I64, c * LANES)), I16, align=2))
+                    if not magnitudes and bits == 8:  # the weights' integers, unpacked once for all the tokens
+                        magnitudes = [_magnitude(v, chunk) for chunk in block.chunks]
+                    for c, (q, signed, scale) in enumerate(block.chunks):
+                        x = v.load(xps[t], b.add(first, ir.Constant(I64, c * LANES)), act, align=bits // 8)
+                        if bits == 8:
+                            m = b.sitofp(_dot32(v, q, magnitudes[c], signed, x), V8_F32)
+                            acc = acc8[t][c % 2]
+                            scale = scale if isinstance(scale.type, ir.VectorType) else v.splat(scale, 8)
+                            b.store(v.fma(m, scale, b.load(acc)), acc)
+                            continue
+                        m = _dot32_wide(v, q, signed, x)  # <16 x i32>
                         if isinstance(scale.type, ir.VectorType):
                             acc = acc16[t][c % 2]
+                            scale = b.shuffle_vector(scale, scale, ir.Constant(_vec(I32, 16), [0] * 8 + [4] * 8))
                             b.store(v.fma(b.sitofp(m, _vec(F32, 16)), scale, b.load(acc)), acc)
                             used.add("16")
                         else:  # one scale: the two halves' integer sums first
-                            s = b.add(b.shuffle_vector(m, m, halves[0]), b.shuffle_vector(m, m, halves[1]))
+                            halves = [b.shuffle_vector(m, m, ir.Constant(_vec(I32, 8), list(range(h, h + 8))))
+                                      for h in (0, 8)]  # fmt: skip
                             acc = acc8[t][c % 2]
-                            b.store(v.fma(b.sitofp(s, V8_F32), v.splat(scale, 8), b.load(acc)), acc)
-                            used.add("8")
+                            b.store(v.fma(b.sitofp(b.add(*halves), V8_F32), v.splat(scale, 8), b.load(acc)), acc)
                     if block.bias is not None:
                         if isinstance(block.bias.type, ir.VectorType):
                             bsum = v.load(bps[t], sums, F32, 8, align=4)
@@ -476,8 +550,9 @@ def _dot_intrinsic(layout: Layout, nt: int) -> Any:
                             used.add("s")
             outs = []
             for t in range(nt):
-                parts = [_hsum(b, b.fadd(b.load(a[t][0]), b.load(a[t][1]))) for key, a in (("8", acc8), ("16", acc16))
-                         if key in used]  # fmt: skip
+                parts = [_hsum(b, b.fadd(b.load(acc8[t][0]), b.load(acc8[t][1])))]
+                if "16" in used:
+                    parts.append(_hsum(b, b.fadd(b.load(acc16[t][0]), b.load(acc16[t][1]))))
                 if "b" in used:
                     parts.append(_hsum(b, b.load(accb[t])))
                 if "s" in used:
@@ -503,8 +578,8 @@ def _fma1(b: ir.IRBuilder, x: ir.Value, y: ir.Value, z: ir.Value) -> ir.Value:
 TOKENS = 4  # tokens per pass over a row: each chunk of weights is unpacked once for all of them
 
 _DECODE = {t: _decode_intrinsic(lay) for t, lay in LAYOUTS.items()}
-_DOT1 = {t: _dot_intrinsic(lay, 1) for t, lay in LAYOUTS.items()}
-_DOT4 = {t: _dot_intrinsic(lay, TOKENS) for t, lay in LAYOUTS.items()}
+_DOTS = {(t, nt, bits): _dot_intrinsic(lay, nt, bits) for t, lay in LAYOUTS.items() for nt in (1, TOKENS)
+         for bits in (8, 16)}  # fmt: skip
 
 
 def _literal(code: Any) -> Q | None:
@@ -515,7 +590,7 @@ def _literal(code: Any) -> Q | None:
 def dot_row(code: int, w: np.ndarray, w_off: int, k: int, xq: np.ndarray, dx: np.ndarray, bs: np.ndarray,
             rows: Any) -> Any:  # fmt: skip
     """The row of k weights at byte w_off of w times activation rows `rows` (one int, or TOKENS of
-    them in a tuple) of quantize_rows' (xq, dx, bs): a float32, or a tuple of them.
+    them in a tuple) of quantize_rows' (xq, dx, bs), int8 or int16: a float32, or a tuple of them.
 
     Compiled code only (see the overloads below). `code`, the type's gguf enum value, must be a
     compile-time constant: a kernel closes over it, and only that type's layout is compiled in.
@@ -535,7 +610,8 @@ def _dot_row(code, w, w_off, k, xq, dx, bs, rows):
     if qtype is None:
         return None
     per_block = LAYOUTS[qtype].weights
-    dot = _DOT4[qtype] if isinstance(rows, types.BaseTuple) else _DOT1[qtype]
+    nt = TOKENS if isinstance(rows, types.BaseTuple) else 1
+    dot = _DOTS[qtype, nt, xq.dtype.bitwidth]
 
     def impl(code, w, w_off, k, xq, dx, bs, rows):
         return dot(w, w_off, k // per_block, xq, dx, bs, rows)

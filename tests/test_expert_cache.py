@@ -50,10 +50,11 @@ def test_cache_never_changes_the_greedy_tokens(arch: str, tmp_path: Path) -> Non
             lm.close()
 
 
-def test_cached_logits_are_bit_identical_on_the_cpu_device(tmp_path: Path) -> None:
+@pytest.mark.parametrize("kernels", ["fast", "int8"])
+def test_cached_logits_are_bit_identical_on_the_cpu_device(kernels: str, tmp_path: Path) -> None:
     path = tiny_moe(tmp_path / "m.gguf")
-    plain = load_model(path, n_ctx=64)
-    cached = load_model(path, n_ctx=64, cache=CacheSettings(mib=EXPERT_MIB / 4, cpu_share=0.5))
+    plain = load_model(path, n_ctx=64, cpu_kernels=kernels)
+    cached = load_model(path, n_ctx=64, cache=CacheSettings(mib=EXPERT_MIB / 4, cpu_share=0.5), cpu_kernels=kernels)
     ids = plain.tokenizer.encode(PROMPT)[:8]
     c1, c2 = plain.new_cache(), cached.new_cache()
     with torch.inference_mode():

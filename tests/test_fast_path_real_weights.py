@@ -1,5 +1,10 @@
-"""The fast path on real weights: one token at a time through the kernels (int16 activations) and
-the compiled layer halves, against the exact path (dequantized weights, float32 matmuls)."""
+"""The fast path on real weights: one token at a time through the kernels and the compiled layer
+halves, against the exact path (dequantized weights, float32 matmuls).
+
+Bounds over 256 positions: the default kernels (int16 activations) agree on the top token at >= 99%
+of them, mean KL <= 1e-3 (measured 100%, 3e-8 to 6e-6); `--cpu-kernels int8` (llama.cpp's
+approximation) at >= 93%, KL <= 5e-3 (measured 94.9% to 96.5%, 2e-3 to 3e-3).
+"""
 
 from __future__ import annotations
 
@@ -30,8 +35,11 @@ def _log_softmax(x: torch.Tensor) -> torch.Tensor:
     return torch.log_softmax(x.double(), dim=-1)
 
 
-@pytest.mark.parametrize("which", ["gemma_gguf", "demo_gguf"])
-def test_fast_decode_agrees_with_the_exact_path(which: str, request: pytest.FixtureRequest) -> None:
+BOUNDS = {"fast": (0.99, 1e-3), "int8": (0.93, 5e-3)}  # (top-1 agreement >=, mean KL <=)
+
+
+@pytest.mark.parametrize(("which", "kernels"), [("gemma_gguf", "fast"), ("demo_gguf", "fast"), ("demo_gguf", "int8")])
+def test_fast_decode_agrees_with_the_exact_path(which: str, kernels: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(which)
     exact = load_model(path, n_ctx=POSITIONS + 8, cpu_kernels="exact")
     ids = exact.tokenizer.encode(TEXT)[:POSITIONS]
@@ -39,11 +47,12 @@ def test_fast_decode_agrees_with_the_exact_path(which: str, request: pytest.Fixt
     with torch.inference_mode():
         ref = _log_softmax(exact.model(torch.tensor(ids), 0, exact.new_cache()))  # [P, V]
         exact.close()
-        fast = load_model(path, n_ctx=POSITIONS + 8)
+        fast = load_model(path, n_ctx=POSITIONS + 8, cpu_kernels=kernels)
         cache = fast.new_cache()
         got = _log_softmax(torch.cat([fast.model(torch.tensor([t]), i, cache) for i, t in enumerate(ids)]))
         fast.close()
     top1 = float((got.argmax(-1) == ref.argmax(-1)).double().mean())
     kl = float((ref.exp() * (ref - got)).sum(-1).mean())  # KL(exact || fast) per position, averaged
-    assert top1 >= 0.99, top1
-    assert kl <= 1e-3, kl
+    min_top1, max_kl = BOUNDS[kernels]
+    assert top1 >= min_top1, top1
+    assert kl <= max_kl, kl

@@ -66,7 +66,8 @@ class Attention(nn.Module):
         ws = (self.wq, self.wk, self.wv, self.wo)
         norms_fit = self.qk_norm_per_head or (self.q_norm is None and self.k_norm is None)
         biases_fit = (self.bq is None) == (self.bk is None) == (self.bv is None)
-        return all(isinstance(w, QLinear) for w in ws) and norms_fit and biases_fit and self._cpu_decode(cache)
+        one_kind = all(isinstance(w, QLinear) for w in ws) and len({getattr(w, "bits", 0) for w in ws}) == 1
+        return one_kind and norms_fit and biases_fit and self._cpu_decode(cache)
 
     def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
                      cache: LayerCache, rope: Rope) -> torch.Tensor | None:  # fmt: skip
@@ -81,6 +82,7 @@ class Attention(nn.Module):
             None if self.q_norm is None else self.q_norm.numpy(), None if self.k_norm is None else self.k_norm.numpy(),
             None if post_norm is None else post_norm.numpy(), (cfg.n_head, cfg.n_head_kv[self.i], cfg.head_dim),
             rope.parts(), rope.neox, cache.k.numpy(), cache.v.numpy(), pos0, self.window, cfg.head_dim**-0.5,
+            getattr(self.wq, "bits", 16),
         )  # fmt: skip
         return torch.from_numpy(out)
 
