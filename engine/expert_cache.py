@@ -23,6 +23,7 @@ import dataclasses
 import logging
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -506,8 +507,17 @@ def _one_thread() -> None:
     set_kernel_threads(1)
 
 
+_PINNED: weakref.WeakKeyDictionary[HostExperts, HostExperts] = weakref.WeakKeyDictionary()
+
+
 def _pinned(host: HostExperts) -> HostExperts:
-    """A copy of the host experts in pinned (page-locked) memory: uploads then run at link speed."""
+    """A copy of the host experts in pinned (page-locked) memory: uploads then run at link speed.
+
+    Made once per model and kept while the model lives: each cache made for it (the tuner's arms)
+    reuses it. The copy keeps the CPU execution options (kernels, dequant budget).
+    """
+    if host in _PINNED:
+        return _PINNED[host]
     layers = {}
     for layer, lx in host.layers.items():
         tensors = []
@@ -517,7 +527,8 @@ def _pinned(host: HostExperts) -> HostExperts:
             tensors.append(dataclasses.replace(t, raw=pinned))
         layers[layer] = LayerExperts(*tensors)
     logger.info("experts copied to pinned memory")
-    return host.with_layers(layers)
+    copy = _PINNED[host] = host.with_layers(layers)
+    return copy
 
 
 def _span(layers: list[int] | tuple[int, ...]) -> str:

@@ -247,3 +247,15 @@ def test_dequant_cache_is_exact_and_bounded(tmp_path: Path) -> None:
     assert lm2.model.host_experts.dequant is not None and lm2.model.host_experts.dequant.hits > 0
     with pytest.raises(ValueError, match="cpu-dequant-mib"):
         load_model(path, n_ctx=64, cpu_dequant_mib=-1)
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu.py runs these)")
+def test_pinned_experts_are_copied_once_per_model_and_keep_the_cpu_options(tmp_path: Path) -> None:
+    lm = load_model(tiny_moe(tmp_path / "m.gguf"), n_ctx=64, cpu_kernels="int8", cpu_dequant_mib=4)
+    first = lm.set_cache(CacheSettings(mib=EXPERT_MIB / 2, cpu_share=0.5, device="cuda", load_mode="pinned"))
+    second = lm.set_cache(CacheSettings(mib=EXPERT_MIB / 4, cpu_share=0.5, device="cuda", load_mode="pinned"))
+    assert first is not None and second is not None
+    assert second.host is first.host  # the tuner's arms do not pin the experts again
+    assert second.host.layers[0].gate.raw.is_pinned()
+    assert (second.host.kernels, second.host.dequant_mib) == ("int8", 4)
