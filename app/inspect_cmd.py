@@ -7,6 +7,7 @@ from collections import defaultdict
 
 from moechat.engine.config import ModelConfig
 from moechat.engine.gguf_file import GGUFFile
+from moechat.engine.layers import kv_cache_bytes
 from moechat.engine.model_file import open_model, quant_histogram
 from rich.console import Console
 from rich.table import Table
@@ -15,16 +16,28 @@ from rich.text import Text
 _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 
 
-def expert_bytes(gguf: GGUFFile) -> tuple[int, dict[int, int]]:
-    """Total bytes of expert weights, and bytes of one expert per layer."""
+def expert_bytes(gguf: GGUFFile, n_layers: int | None = None) -> tuple[int, dict[int, int]]:
+    """Total bytes of expert weights, and bytes of one expert per layer, over the first `n_layers`
+    layers (the ones decoding runs: not a file's trailing NextN blocks)."""
     total = 0
     per_layer: dict[int, int] = defaultdict(int)
     for t in gguf.tensors.values():
         m = _EXPERT_TENSOR.match(t.name)
-        if m:
+        if m and (n_layers is None or int(m.group(1)) < n_layers):
             total += t.n_bytes
             per_layer[int(m.group(1))] += t.n_bytes // t.shape[0]
     return total, dict(per_layer)
+
+
+def layer_kinds(gguf: GGUFFile, cfg: ModelConfig) -> str:
+    """The decoder's layers by kind: attention (full or sliding window), FFN (dense or MoE), skipped."""
+    sliding = sum(cfg.swa_layers[: cfg.n_layers]) if cfg.sliding_window else 0
+    moe = sum(f"blk.{i}.ffn_gate_inp.weight" in gguf.tensors for i in range(cfg.n_layers))
+    parts = [f"{cfg.n_layers - sliding} full attention"] + ([f"{sliding} sliding window"] if sliding else [])
+    parts += [f"{cfg.n_layers - moe} dense FFN", f"{moe} MoE"]
+    if cfg.n_layers_skipped:
+        parts.append(f"{cfg.n_layers_skipped} NextN skipped")
+    return ", ".join(parts)
 
 
 def _mib(n: int) -> str:
@@ -32,24 +45,32 @@ def _mib(n: int) -> str:
 
 
 def summary_rows(gguf: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str]]:
-    total_exp, per_layer = expert_bytes(gguf)
+    total_exp, per_layer = expert_bytes(gguf, cfg.n_layers)
     hist = quant_histogram(gguf)
+    kv_token = kv_cache_bytes(cfg, 1)
     rows = [
         ("file", f"{gguf.path.name} ({_mib(gguf.file_size)})"),
         ("name", cfg.name),
         ("architecture", cfg.arch),
-        ("layers", str(cfg.n_layers)),
+        ("layers", f"{cfg.n_layers}: {layer_kinds(gguf, cfg)}"),
         ("embedding", str(cfg.n_embd)),
         ("attention heads", f"{cfg.n_head} (kv {max(cfg.n_head_kv)}, head dim {cfg.head_dim})"),
         ("context (trained)", str(cfg.n_ctx_train)),
+        (
+            "KV cache (float32)",
+            f"{kv_token / 2**10:,.1f} KiB per token, {_mib(kv_token * cfg.n_ctx_train)} at {cfg.n_ctx_train} tokens",
+        ),
         ("vocabulary", str(cfg.n_vocab)),
     ]
     if cfg.is_moe:
         one = max(per_layer.values()) if per_layer else 0
+        layer_bytes = {layer: b * cfg.n_expert for layer, b in per_layer.items()}
+        span = sorted(set(layer_bytes.values()))
+        per = _mib(span[0]) if len(span) == 1 else f"{_mib(span[0])} to {_mib(span[-1])}"
         rows += [
             ("experts", f"{cfg.n_expert} per layer, {cfg.n_expert_used} used per token, FFN {cfg.n_ff_exp}"),
             ("shared experts", str(cfg.n_expert_shared)),
-            ("expert bytes", f"{_mib(total_exp)} total, {_mib(one)} per expert"),
+            ("expert bytes", f"{_mib(total_exp)} total, {per} per MoE layer, {_mib(one)} per expert"),
         ]
     else:
         rows.append(("experts", f"none (dense FFN {cfg.n_ff})"))

@@ -14,7 +14,7 @@ from typing import Any
 from .gguf_file import GGUFError, GGUFFile
 
 # Architectures whose blocks route tokens to experts, and dense ones we also read.
-MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "gemma3moe")
+MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe", "gemma3moe")
 DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(MOE_ARCHITECTURES + DENSE_ARCHITECTURES))
 
@@ -64,6 +64,11 @@ class ModelConfig:
     expert_weights_norm: bool = False
     expert_weights_scale: float = 1.0
     expert_gating: int = GATING_SOFTMAX
+    # Group-limited selection (DeepSeek-V3 style): experts fall in `expert_groups` equal groups,
+    # and a token picks its experts from the `expert_groups_used` groups with the best top-2 sums.
+    expert_groups: int = 1
+    expert_groups_used: int = 1
+    n_layers_skipped: int = 0  # trailing blocks the file carries but decoding skips (NextN/MTP layers)
     # Attention details.
     sliding_window: int = 0
     swa_layers: tuple[bool, ...] = ()  # per layer: does it use the sliding window?
@@ -125,12 +130,17 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     if arch not in SUPPORTED_ARCHITECTURES:
         raise GGUFError(f"{path}: unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
     p = f"{arch}."
-    n_layers = _int(meta, path, p + "block_count")
+    n_blocks = _int(meta, path, p + "block_count")
+    # Multi-token-prediction (NextN) layers trail the decoder's blocks; plain decoding never runs them.
+    n_nextn = _int(meta, path, p + "nextn_predict_layers", 0)
+    if n_nextn >= n_blocks > 0:
+        raise GGUFError(f"{path}: key {p}nextn_predict_layers: {n_nextn} leaves none of the {n_blocks} blocks")
+    n_layers = n_blocks - n_nextn
     n_embd = _int(meta, path, p + "embedding_length")
     n_head = _int(meta, path, p + "attention.head_count")
     if n_layers == 0 or n_embd == 0 or n_head == 0:
         raise GGUFError(f"{path}: block_count, embedding_length and head_count must be positive")
-    n_head_kv = _per_layer(meta, path, p + "attention.head_count_kv", n_layers, n_head)
+    n_head_kv = _per_layer(meta, path, p + "attention.head_count_kv", n_blocks, n_head)[:n_layers]
     if any(h == 0 or n_head % h for h in n_head_kv):
         raise GGUFError(f"{path}: key {p}attention.head_count_kv: {n_head_kv} does not divide {n_head} heads")
     head_dim = _int(meta, path, p + "attention.key_length", n_embd // n_head)
@@ -208,6 +218,9 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         expert_weights_norm=bool(meta.get(p + "expert_weights_norm", weights_norm_default)),
         expert_weights_scale=_float(meta, path, p + "expert_weights_scale", 1.0),
         expert_gating=gating,
+        expert_groups=max(1, _int(meta, path, p + "expert_group_count", 1)),
+        expert_groups_used=max(1, _int(meta, path, p + "expert_group_used_count", 1)),
+        n_layers_skipped=n_nextn,
         sliding_window=sliding_window,
         swa_layers=swa_layers,
         rope_theta_swa=rope_theta_swa,

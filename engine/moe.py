@@ -53,7 +53,15 @@ def route(
         probs = logits
     else:
         probs = F.softmax(logits, dim=-1)
-    scores = probs + bias if bias is not None else probs
+    scores = probs + bias if bias is not None else probs  # the bias steers the choice, not the weights
+    if cfg.expert_groups > 1:
+        # Only the best groups compete: a group's score is the sum of its two best experts.
+        n_tok, n_exp = scores.shape
+        grouped = scores.view(n_tok, cfg.expert_groups, n_exp // cfg.expert_groups)  # [T, G, E/G]
+        best = torch.topk(grouped.topk(2, dim=-1).values.sum(-1), cfg.expert_groups_used, dim=-1).indices  # [T, g]
+        keep = torch.zeros(n_tok, cfg.expert_groups, dtype=torch.bool, device=scores.device)
+        keep.scatter_(1, best, True)
+        scores = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n_tok, n_exp)
     ids = torch.topk(scores, k, dim=-1).indices  # [T, k]
     weights = probs.gather(-1, ids)
     if cfg.expert_gating == GATING_SOFTMAX_SELECTED:

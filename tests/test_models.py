@@ -34,6 +34,7 @@ CASES = [
     ("llama", Q.F32, ""), ("llama", Q.Q4_K, ""),
     ("olmoe", Q.F32, ""), ("olmoe", Q.Q6_K, ""),
     ("gpt-oss", Q.F32, ""), ("gpt-oss", Q.MXFP4, ""), ("gpt-oss", Q.MXFP4, "q8"),
+    ("glm4moe", Q.F32, ""), ("glm4moe", Q.Q8_0, ""), ("glm4moe", Q.Q4_K, "q4km"),
 ]  # fmt: skip
 
 
@@ -184,3 +185,22 @@ def test_dense_lead_layers_stay_out_of_the_expert_cache(tmp_path: Path) -> None:
     cached.close()
     tr = read_trace(trace)
     assert {rec.layer for rec in tr} == {1, 2} and tr.header["groups"][0]["layers"] == [1, 2]
+
+
+def test_glm_nextn_blocks_are_neither_run_nor_loaded_and_inspect_counts_layers_by_kind(tmp_path: Path) -> None:
+    from moechat.app.inspect_cmd import summary_rows
+
+    path = tiny_moe(tmp_path / "glm.gguf", arch="glm4moe", n_layers=3, expert_type=Q.Q8_0)
+    lm = load_model(path, n_ctx=64)
+    assert lm.config.n_layers == 3 and lm.config.n_layers_skipped == 1 and len(lm.model.blocks) == 3
+    assert "blk.3.nextn.eh_proj.weight" in lm.gguf.tensors
+    assert sorted(lm.model.host_experts.layers) == [1, 2]  # layer 0 is dense, block 3 is NextN
+    assert len(lm.new_cache().layers) == 3  # KV only for the decoder's layers
+    rows = dict(summary_rows(lm.gguf, lm.config))
+    assert rows["layers"] == "3: 3 full attention, 1 dense FFN, 2 MoE, 1 NextN skipped"
+    one = lm.model.host_experts.layers[1].bytes_per_expert
+    assert rows["expert bytes"].endswith(f"{one / 2**20:,.1f} MiB per expert")
+    total = 2 * 8 * one  # two MoE layers of 8 experts: the NextN block's experts are not counted
+    assert rows["expert bytes"].startswith(f"{total / 2**20:,.1f} MiB total")
+    kv = 3 * lm.config.n_head_kv[0] * 2 * lm.config.head_dim * 4
+    assert rows["KV cache (float32)"].startswith(f"{kv / 2**10:,.1f} KiB per token")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from ..gguf_file import GGUFError, GGUFFile
-from . import gpt_oss, llama_moe, olmoe, qwen_moe
+from . import glm4moe, gpt_oss, llama_moe, olmoe, qwen_moe
 from .decoder import Family, MoeDecoder
 from .gemma3 import Gemma3
 
@@ -16,6 +16,7 @@ _FAMILIES = {
     "llama": llama_moe.FAMILY,  # dense, or with experts (Mixtral)
     "olmoe": olmoe.FAMILY,
     "gpt-oss": gpt_oss.FAMILY,
+    "glm4moe": glm4moe.FAMILY,
 }
 
 

@@ -175,7 +175,8 @@ class MoeFFN(Routed):
         p = f"blk.{i}."
         self.cfg, self.i, self.act = cfg, i, act
         self.router = load_weight(gguf, p + "ffn_gate_inp.weight")  # [n_expert, E]
-        self.router_bias = maybe_weight(gguf, p + "ffn_gate_inp.bias")
+        self.router_bias = maybe_weight(gguf, p + "ffn_gate_inp.bias")  # added to the logits
+        self.choice_bias = maybe_weight(gguf, p + "exp_probs_b.bias")  # added to the scores, for the choice only
         self.sh_gate = maybe_linear(gguf, p + "ffn_gate_shexp.weight", quantized)
         self.sh_up = maybe_linear(gguf, p + "ffn_up_shexp.weight", quantized)
         self.sh_down = maybe_linear(gguf, p + "ffn_down_shexp.weight", quantized)
@@ -183,13 +184,14 @@ class MoeFFN(Routed):
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
         cfg = self.cfg
-        if h.shape[0] <= FEW_ROWS and h.device.type == "cpu" and h.dtype == torch.float32:  # decode: one compiled call
+        compiled = self.choice_bias is None and cfg.expert_groups == 1
+        if compiled and h.shape[0] <= FEW_ROWS and h.device.type == "cpu" and h.dtype == torch.float32:  # one call
             i, w = route_rows(host_rows(h), self.router.numpy(), None if self.router_bias is None else
                               self.router_bias.numpy(), cfg.expert_gating, cfg.n_expert_used, cfg.expert_weights_norm,
                               cfg.expert_weights_scale)  # fmt: skip
             ids, weights = torch.from_numpy(i), torch.from_numpy(w)
         else:
-            ids, weights = route(F.linear(h, self.router, self.router_bias), cfg)  # [T, k] each
+            ids, weights = route(F.linear(h, self.router, self.router_bias), cfg, self.choice_bias)  # [T, k] each
         self.last_ids = ids  # read by routing(): the experts of the latest step
         y = experts(self.i, h, ids, weights)
         if self.sh_gate is not None and self.sh_up is not None and self.sh_down is not None:

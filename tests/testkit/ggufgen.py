@@ -117,7 +117,7 @@ def write_gguf(
     return path
 
 
-ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss")
+ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe")
 
 
 def tiny_moe(
@@ -206,6 +206,21 @@ def tiny_moe(
         meta[f"{arch}.feed_forward_length"] = 2 * n_ff_exp
     if arch == "qwen2moe":
         meta[f"{arch}.expert_shared_feed_forward_length"] = 2 * n_ff_exp
+    nextn = 0
+    if arch == "glm4moe":  # as convert_hf_to_gguf writes GLM-4.5: a dense lead layer, one NextN block
+        dense_layers = max(dense_layers, 1)
+        nextn = 1
+        meta |= {
+            f"{arch}.block_count": n_layers + nextn,
+            f"{arch}.nextn_predict_layers": nextn,
+            f"{arch}.leading_dense_block_count": dense_layers,
+            f"{arch}.feed_forward_length": 2 * n_ff_exp,
+            f"{arch}.expert_shared_count": 1,
+            f"{arch}.expert_gating_func": 2,
+            f"{arch}.expert_weights_norm": True,
+            f"{arch}.expert_weights_scale": 2.5,
+            f"{arch}.rope.dimension_count": hd // 2,
+        }
     if arch == "gpt-oss":
         meta |= {
             f"{arch}.attention.sliding_window": 8,
@@ -226,8 +241,8 @@ def tiny_moe(
         t["output.weight"] = (t["output.weight"][0] * logit_scale, f32)
     if tied:
         del t["output.weight"]
-    biased = arch in ("qwen2moe", "qwen2", "gpt-oss")
-    for i in range(n_layers):
+    biased = arch in ("qwen2moe", "qwen2", "gpt-oss", "glm4moe")
+    for i in range(n_layers + nextn):
         b = f"blk.{i}."
         t[b + "attn_norm.weight"] = norm(n_embd)
         t[b + "attn_q.weight"] = dense(n_head * hd, n_embd)
@@ -251,8 +266,13 @@ def tiny_moe(
             t[b + "ffn_gate_exps.bias"] = vector(n_expert, n_ff_exp)
             t[b + "ffn_up_exps.bias"] = vector(n_expert, n_ff_exp)
             t[b + "ffn_down_exps.bias"] = vector(n_expert, n_embd)
-        # gpt-oss files name the pre-FFN norm after the attention it follows.
-        t[b + ("post_attention_norm.weight" if arch == "gpt-oss" else "ffn_norm.weight")] = norm(n_embd)
+        # gpt-oss and GLM files name the pre-FFN norm after the attention it follows.
+        t[b + ("post_attention_norm.weight" if arch in ("gpt-oss", "glm4moe") else "ffn_norm.weight")] = norm(n_embd)
+        if i >= n_layers:  # a NextN block: what decoding must not read
+            t[b + "nextn.eh_proj.weight"] = dense(n_embd, 2 * n_embd)
+            t[b + "nextn.enorm.weight"] = norm(n_embd)
+            t[b + "nextn.hnorm.weight"] = norm(n_embd)
+            t[b + "nextn.shared_head_norm.weight"] = norm(n_embd)
         if i < dense_layers:
             t[b + "ffn_gate.weight"] = dense(2 * n_ff_exp, n_embd)
             t[b + "ffn_up.weight"] = dense(2 * n_ff_exp, n_embd)
@@ -267,4 +287,10 @@ def tiny_moe(
             t[b + "ffn_up_shexp.weight"] = dense(2 * n_ff_exp, n_embd)
             t[b + "ffn_down_shexp.weight"] = dense(n_embd, 2 * n_ff_exp)
             t[b + "ffn_gate_inp_shexp.weight"] = vector(n_embd)
+        if arch == "glm4moe":
+            # The choice's correction bias, large enough to change which experts win.
+            t[b + "exp_probs_b.bias"] = ((rng.standard_normal(n_expert) * 0.3).astype(np.float32), f32)
+            t[b + "ffn_gate_shexp.weight"] = dense(n_ff_exp, n_embd)
+            t[b + "ffn_up_shexp.weight"] = dense(n_ff_exp, n_embd)
+            t[b + "ffn_down_shexp.weight"] = dense(n_embd, n_ff_exp)
     return write_gguf(path, arch, meta, t, vocab=vocab, template=template)

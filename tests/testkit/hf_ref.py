@@ -15,7 +15,7 @@ def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:
     return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def _hf_config(cfg: ModelConfig) -> Any:
+def _hf_config(cfg: ModelConfig, dense_lead: int = 0, qk_norm: bool = False) -> Any:
     import transformers as tf
 
     common: dict[str, Any] = {
@@ -49,6 +49,14 @@ def _hf_config(cfg: ModelConfig) -> Any:
         kinds = ["sliding_attention" if swa else "full_attention" for swa in cfg.swa_layers]
         return tf.GptOssConfig(**common, num_local_experts=cfg.n_expert, intermediate_size=cfg.n_ff_exp,
                                sliding_window=cfg.sliding_window, rope_parameters=rope, layer_types=kinds)  # fmt: skip
+    if cfg.arch == "glm4moe":
+        partial: dict[str, Any] = {"partial_rotary_factor": cfg.rope_dim / cfg.head_dim}  # an init-only argument
+        return tf.Glm4MoeConfig(**common, **partial, n_routed_experts=cfg.n_expert, moe_intermediate_size=cfg.n_ff_exp,
+                                intermediate_size=cfg.n_ff, n_shared_experts=cfg.n_expert_shared,
+                                routed_scaling_factor=cfg.expert_weights_scale, n_group=cfg.expert_groups,
+                                topk_group=cfg.expert_groups_used, first_k_dense_replace=dense_lead,
+                                norm_topk_prob=cfg.expert_weights_norm, use_qk_norm=qk_norm, attention_bias=True,
+                                num_mtp_layers=0)  # fmt: skip
     raise ValueError(cfg.arch)
 
 
@@ -61,9 +69,12 @@ def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
         "llama": "Mixtral",
         "olmoe": "Olmoe",
         "gpt-oss": "GptOss",
+        "glm4moe": "Glm4Moe",
     }
     name = classes[cfg.arch] if cfg.is_moe else {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[cfg.arch]
-    model = getattr(tf, name + "ForCausalLM")(_hf_config(cfg)).eval()
+    dense_lead = sum(f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors for i in range(cfg.n_layers))
+    qk_norm = "blk.0.attn_q_norm.weight" in gguf.tensors
+    model = getattr(tf, name + "ForCausalLM")(_hf_config(cfg, dense_lead, qk_norm)).eval()
 
     def w(name: str) -> torch.Tensor:
         return load_weight(gguf, name)
@@ -76,7 +87,7 @@ def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
     for i in range(cfg.n_layers):
         hf, b = f"model.layers.{i}.", f"blk.{i}."
         sd[hf + "input_layernorm.weight"] = w(b + "attn_norm.weight")
-        ffn_norm = "post_attention_norm" if cfg.arch == "gpt-oss" else "ffn_norm"
+        ffn_norm = "post_attention_norm" if cfg.arch in ("gpt-oss", "glm4moe") else "ffn_norm"
         sd[hf + "post_attention_layernorm.weight"] = w(f"{b}{ffn_norm}.weight")
         for proj, ours in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
             sd[f"{hf}self_attn.{proj}.weight"] = w(f"{b}{ours}.weight")
@@ -109,6 +120,10 @@ def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
         sd[hf + "mlp.gate.weight"] = w(b + "ffn_gate_inp.weight")
         sd[hf + "mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)  # [n_expert, 2F, E]
         sd[hf + "mlp.experts.down_proj"] = down
+        if cfg.arch == "glm4moe":
+            sd[hf + "mlp.gate.e_score_correction_bias"] = w(b + "exp_probs_b.bias")
+            for proj in ("gate", "up", "down"):
+                sd[f"{hf}mlp.shared_experts.{proj}_proj.weight"] = w(f"{b}ffn_{proj}_shexp.weight")
         if cfg.arch == "qwen2moe":
             sd[hf + "mlp.shared_expert.gate_proj.weight"] = w(b + "ffn_gate_shexp.weight")
             sd[hf + "mlp.shared_expert.up_proj.weight"] = w(b + "ffn_up_shexp.weight")
