@@ -33,11 +33,19 @@ def layer_kinds(gguf: GGUFFile, cfg: ModelConfig) -> str:
     """The decoder's layers by kind: attention (full or sliding window), FFN (dense or MoE), skipped."""
     sliding = sum(cfg.swa_layers[: cfg.n_layers]) if cfg.sliding_window else 0
     moe = sum(f"blk.{i}.ffn_gate_inp.weight" in gguf.tensors for i in range(cfg.n_layers))
-    parts = [f"{cfg.n_layers - sliding} full attention"] + ([f"{sliding} sliding window"] if sliding else [])
+    full = "latent attention" if cfg.kv_lora_rank else "full attention"
+    parts = [f"{cfg.n_layers - sliding} {full}"] + ([f"{sliding} sliding window"] if sliding else [])
     parts += [f"{cfg.n_layers - moe} dense FFN", f"{moe} MoE"]
     if cfg.n_layers_skipped:
         parts.append(f"{cfg.n_layers_skipped} NextN skipped")
     return ", ".join(parts)
+
+
+def attention_heads(cfg: ModelConfig) -> str:
+    if cfg.kv_lora_rank:  # MLA: what the cache holds per position, and the heads' own lengths
+        return (f"{cfg.n_head}, latent (cached: latent {cfg.kv_lora_rank} + rotary key {cfg.rope_dim}; "
+                f"head dim {cfg.head_dim_mla}, value {cfg.head_dim_v_mla})")  # fmt: skip
+    return f"{cfg.n_head} (kv {max(cfg.n_head_kv)}, head dim {cfg.head_dim})"
 
 
 def _mib(n: int) -> str:
@@ -54,7 +62,7 @@ def summary_rows(gguf: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str]]:
         ("architecture", cfg.arch),
         ("layers", f"{cfg.n_layers}: {layer_kinds(gguf, cfg)}"),
         ("embedding", str(cfg.n_embd)),
-        ("attention heads", f"{cfg.n_head} (kv {max(cfg.n_head_kv)}, head dim {cfg.head_dim})"),
+        ("attention heads", attention_heads(cfg)),
         ("context (trained)", str(cfg.n_ctx_train)),
         (
             "KV cache (float32)",

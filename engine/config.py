@@ -14,7 +14,7 @@ from typing import Any
 from .gguf_file import GGUFError, GGUFFile
 
 # Architectures whose blocks route tokens to experts, and dense ones we also read.
-MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe", "gemma3moe")
+MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe", "deepseek2", "gemma3moe")
 DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(MOE_ARCHITECTURES + DENSE_ARCHITECTURES))
 
@@ -36,6 +36,7 @@ class RopeScaling:
     yarn_beta_slow: float = 1.0
     yarn_ext_factor: float = -1.0  # < 0: derived from the factor, as llama.cpp does
     yarn_attn_factor: float = 1.0
+    yarn_log_mul: float = 0.0  # > 0: the attention scores carry YaRN's magnitude, not the rotation (MLA files)
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,13 @@ class ModelConfig:
     # and a token picks its experts from the `expert_groups_used` groups with the best top-2 sums.
     expert_groups: int = 1
     expert_groups_used: int = 1
+    # Multi-head latent attention (kv_lora_rank > 0): the cache holds one latent of `kv_lora_rank`
+    # plus the rotary key per position (head_dim = kv_lora_rank + rope_dim, head_dim_v = kv_lora_rank);
+    # each head's query and key are head_dim_mla long, its value head_dim_v_mla.
+    q_lora_rank: int = 0
+    kv_lora_rank: int = 0
+    head_dim_mla: int = 0
+    head_dim_v_mla: int = 0
     n_layers_skipped: int = 0  # trailing blocks the file carries but decoding skips (NextN/MTP layers)
     # Attention details.
     sliding_window: int = 0
@@ -145,6 +153,18 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         raise GGUFError(f"{path}: key {p}attention.head_count_kv: {n_head_kv} does not divide {n_head} heads")
     head_dim = _int(meta, path, p + "attention.key_length", n_embd // n_head)
     head_dim_v = _int(meta, path, p + "attention.value_length", head_dim)
+    rope_dim = _int(meta, path, p + "rope.dimension_count", head_dim)
+    kv_lora_rank = _int(meta, path, p + "attention.kv_lora_rank", 0)
+    head_dim_mla = _int(meta, path, p + "attention.key_length_mla", head_dim)
+    head_dim_v_mla = _int(meta, path, p + "attention.value_length_mla", head_dim_v)
+    if kv_lora_rank:
+        # Files from before the *_mla keys give the per-head lengths as key/value lengths; either
+        # way the cache holds one latent head of kv_lora_rank + rope_dim (value: the latent).
+        if not 0 < rope_dim < head_dim_mla:
+            raise GGUFError(
+                f"{path}: key {p}rope.dimension_count: {rope_dim} is not below the key length {head_dim_mla}"
+            )
+        head_dim, head_dim_v, n_head_kv = kv_lora_rank + rope_dim, kv_lora_rank, (1,) * n_layers
     tokens = meta.get("tokenizer.ggml.tokens")
     embd = gguf.tensors.get("token_embd.weight")
     n_vocab = int(embd.shape[0]) if embd is not None else len(tokens or [])
@@ -154,6 +174,13 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     n_expert_used = _int(meta, path, p + "expert_used_count", 0)
     if n_expert and not 0 < n_expert_used <= n_expert:
         raise GGUFError(f"{path}: key {p}expert_used_count: {n_expert_used} not in 1..{n_expert}")
+    n_groups = max(1, _int(meta, path, p + "expert_group_count", 1))
+    n_groups_used = max(1, _int(meta, path, p + "expert_group_used_count", 1))
+    if n_expert and (
+        n_expert % n_groups or n_groups_used > n_groups or n_expert_used > n_expert // n_groups * n_groups_used
+    ):
+        raise GGUFError(f"{path}: key {p}expert_group_count: {n_groups} groups ({n_groups_used} used) do not fit "
+                        f"{n_expert} experts with {n_expert_used} used per token")  # fmt: skip
     n_ff = meta.get(p + "feed_forward_length", 0)
     n_ff = max(n_ff) if isinstance(n_ff, (list, tuple)) or hasattr(n_ff, "shape") else int(n_ff)
 
@@ -166,6 +193,7 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         yarn_beta_slow=_float(meta, path, p + "rope.scaling.yarn_beta_slow", 1.0),
         yarn_ext_factor=_float(meta, path, p + "rope.scaling.yarn_ext_factor", -1.0),
         yarn_attn_factor=_float(meta, path, p + "rope.scaling.yarn_attn_factor", 1.0),
+        yarn_log_mul=_float(meta, path, p + "rope.scaling.yarn_log_multiplier", 0.0),
     )
 
     # Families that the format leaves implicit: which layers slide, and the gating function.
@@ -208,7 +236,7 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         n_ff=n_ff,
         norm_eps=_float(meta, path, p + "attention.layer_norm_rms_epsilon", default_eps),
         rope_theta=_float(meta, path, p + "rope.freq_base", 10_000.0),
-        rope_dim=_int(meta, path, p + "rope.dimension_count", head_dim),
+        rope_dim=rope_dim,
         rope_scaling=rope_scaling,
         n_expert=n_expert,
         n_expert_used=n_expert_used,
@@ -218,8 +246,12 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         expert_weights_norm=bool(meta.get(p + "expert_weights_norm", weights_norm_default)),
         expert_weights_scale=_float(meta, path, p + "expert_weights_scale", 1.0),
         expert_gating=gating,
-        expert_groups=max(1, _int(meta, path, p + "expert_group_count", 1)),
-        expert_groups_used=max(1, _int(meta, path, p + "expert_group_used_count", 1)),
+        expert_groups=n_groups,
+        expert_groups_used=n_groups_used,
+        q_lora_rank=_int(meta, path, p + "attention.q_lora_rank", 0),
+        kv_lora_rank=kv_lora_rank,
+        head_dim_mla=head_dim_mla,
+        head_dim_v_mla=head_dim_v_mla,
         n_layers_skipped=n_nextn,
         sliding_window=sliding_window,
         swa_layers=swa_layers,

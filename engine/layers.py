@@ -88,6 +88,8 @@ class Rope:
             inv = inv / cfg.rope_scaling.factor
         elif cfg is not None and cfg.rope_scaling.kind == "yarn":
             inv, self.mscale = _yarn(inv, dim, theta, cfg, truncate)
+            if cfg.rope_scaling.yarn_log_mul > 0:  # the magnitude goes into the attention scale instead
+                self.mscale = 1.0
         pos = torch.arange(n_ctx, dtype=torch.float64)
         ang = torch.outer(pos, inv)  # [n_ctx, dim/2]
         # cos + i sin, one table for both layouts: adjacent pairs are complex numbers as they lie, and
@@ -144,7 +146,16 @@ class LayerCache:
 
 def kv_cache_bytes(cfg: ModelConfig, n_ctx: int, itemsize: int = 4) -> int:
     """Bytes of a KVCache of n_ctx positions (fp32 by default)."""
-    return sum(n_ctx * cfg.n_head_kv[i] * (cfg.head_dim + cfg.head_dim_v) * itemsize for i in range(cfg.n_layers))
+    # A latent cache (MLA) stores the value as the front of the key: no bytes of its own.
+    per_head = cfg.head_dim + (0 if cfg.kv_lora_rank else cfg.head_dim_v)
+    return sum(n_ctx * cfg.n_head_kv[i] * per_head * itemsize for i in range(cfg.n_layers))
+
+
+def _layer_cache(cfg: ModelConfig, i: int, n_ctx: int, dtype: torch.dtype, device: str | torch.device) -> LayerCache:
+    k = torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim, dtype=dtype, device=device)
+    if cfg.kv_lora_rank:  # MLA: the value is the latent, the key's first kv_lora_rank numbers
+        return LayerCache(k, k[..., : cfg.kv_lora_rank])
+    return LayerCache(k, torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim_v, dtype=dtype, device=device))
 
 
 class KVCache:
@@ -155,13 +166,7 @@ class KVCache:
     ) -> None:
         self.n_ctx = n_ctx
         self.device = torch.device(device)
-        self.layers = [
-            LayerCache(
-                torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim, dtype=dtype, device=device),
-                torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim_v, dtype=dtype, device=device),
-            )
-            for i in range(cfg.n_layers)
-        ]
+        self.layers = [_layer_cache(cfg, i, n_ctx, dtype, device) for i in range(cfg.n_layers)]
         self.pos = 0  # tokens stored
 
     def reset(self, pos: int = 0) -> None:

@@ -63,6 +63,22 @@ def test_gpt_oss(tmp_path: Path) -> None:
     assert c.expert_gating == GATING_SIGMOID
 
 
+def test_deepseek2_latent_attention_and_groups(tmp_path: Path) -> None:
+    """DeepSeek-V3's keys as convert_hf_to_gguf writes them: MLA as one latent head, groups, YaRN multiplier."""
+    c = _config(
+        tmp_path, "deepseek2", expert_count=256, expert_used_count=8, expert_feed_forward_length=2048,
+        expert_group_count=8, expert_group_used_count=4, expert_gating_func=GATING_SIGMOID,
+        **{"attention.head_count_kv": 1, "attention.q_lora_rank": 1536, "attention.kv_lora_rank": 512,
+           "attention.key_length": 576, "attention.value_length": 512, "attention.key_length_mla": 192,
+           "attention.value_length_mla": 128, "rope.dimension_count": 64, "rope.scaling.type": "yarn",
+           "rope.scaling.factor": 40.0, "rope.scaling.yarn_log_multiplier": 0.1},
+    )  # fmt: skip
+    assert (c.kv_lora_rank, c.q_lora_rank, c.head_dim, c.head_dim_v) == (512, 1536, 576, 512)
+    assert (c.head_dim_mla, c.head_dim_v_mla, c.rope_dim, c.n_head_kv) == (192, 128, 64, (1,) * 4)
+    assert (c.expert_groups, c.expert_groups_used) == (8, 4)
+    assert abs(c.rope_scaling.yarn_log_mul - 0.1) < 1e-7
+
+
 def test_dense_gemma3_from_the_real_file(gemma_gguf: Path) -> None:
     with GGUFFile(gemma_gguf) as f:
         c = model_config(f)
@@ -77,6 +93,15 @@ def test_dense_gemma3_from_the_real_file(gemma_gguf: Path) -> None:
         ({"expert_count": 8, "expert_used_count": 9}, "expert_used_count: 9 not in 1..8"),
         ({"attention.head_count_kv": 3}, "does not divide 8 heads"),
         ({"attention.key_length": "wide"}, "expected an integer"),
+        ({"expert_count": 8, "expert_used_count": 2, "expert_group_count": 3}, "3 groups .1 used. do not fit 8"),
+        (
+            {"expert_count": 8, "expert_used_count": 4, "expert_group_count": 4, "expert_group_used_count": 1},
+            "4 groups .1 used. do not fit 8 experts with 4 used",
+        ),
+        (
+            {"attention.kv_lora_rank": 128, "attention.key_length": 64, "rope.dimension_count": 64},
+            "rope.dimension_count: 64 is not below the key length 64",
+        ),
     ],
 )
 def test_bad_values(tmp_path: Path, keys: dict, message: str) -> None:

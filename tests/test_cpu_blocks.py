@@ -68,7 +68,8 @@ def test_compiled_routing_matches_route(gating: int, norm: bool) -> None:
         torch.randn(24, 64, generator=gen),
         torch.randn(24, generator=gen),
     )
-    cfg = SimpleNamespace(n_expert_used=4, expert_gating=gating, expert_weights_norm=norm, expert_weights_scale=2.5)
+    cfg = SimpleNamespace(n_expert_used=4, expert_gating=gating, expert_weights_norm=norm, expert_weights_scale=2.5,
+                          expert_groups=1, expert_groups_used=1)  # fmt: skip
     ids, weights = route(F.linear(h, router, bias), cfg)
     got_ids, got_w = route_rows(h.numpy(), router.numpy(), bias.numpy(), gating, 4, norm, 2.5)
     np.testing.assert_array_equal(got_ids, ids.numpy())

@@ -35,6 +35,7 @@ CASES = [
     ("olmoe", Q.F32, ""), ("olmoe", Q.Q6_K, ""),
     ("gpt-oss", Q.F32, ""), ("gpt-oss", Q.MXFP4, ""), ("gpt-oss", Q.MXFP4, "q8"),
     ("glm4moe", Q.F32, ""), ("glm4moe", Q.Q8_0, ""), ("glm4moe", Q.Q4_K, "q4km"),
+    ("deepseek2", Q.F32, ""), ("deepseek2", Q.Q8_0, ""), ("deepseek2", Q.Q4_K, "q4km"),
 ]  # fmt: skip
 
 
@@ -86,7 +87,8 @@ def test_quantized_matrices_run_from_the_file_bytes(model: LoadedModel) -> None:
     layer = next(iter(host.layers))
     assert host.fused[layer] == has_kernel(host.layers[layer].gate.qtype)
     attn = model.model.blocks[0].attn
-    for w, name in ((attn.wq, "blk.0.attn_q.weight"), (model.model.output, "output.weight")):
+    q = ("attn_q_a", attn.q_a) if model.config.kv_lora_rank else ("attn_q", attn.wq)  # latent attention: low-rank q
+    for w, name in ((q[1], f"blk.0.{q[0]}.weight"), (model.model.output, "output.weight")):
         assert isinstance(w, QLinear) == has_kernel(model.gguf.tensors[name].qtype), name
     assert isinstance(model.model.embed, QuantRows)  # rows looked up in the file, whatever their type
 
@@ -204,3 +206,39 @@ def test_glm_nextn_blocks_are_neither_run_nor_loaded_and_inspect_counts_layers_b
     assert rows["expert bytes"].startswith(f"{total / 2**20:,.1f} MiB total")
     kv = 3 * lm.config.n_head_kv[0] * 2 * lm.config.head_dim * 4
     assert rows["KV cache (float32)"].startswith(f"{kv / 2**10:,.1f} KiB per token")
+
+
+def test_latent_attention_caches_the_latent_only_and_inspect_says_so(tmp_path: Path) -> None:
+    from moechat.app.inspect_cmd import summary_rows
+    from testkit.ggufgen import MLA
+
+    path = tiny_moe(tmp_path / "ds.gguf", arch="deepseek2", n_layers=3, expert_type=Q.Q8_0)
+    lm = load_model(path, n_ctx=64)
+    per_pos = MLA["kv_lora"] + MLA["rope"]  # one latent head, whatever the number of attention heads
+    cache = lm.new_cache()
+    for layer in cache.layers:
+        assert layer.k.shape == (64, 1, per_pos)
+        assert layer.v.untyped_storage().data_ptr() == layer.k.untyped_storage().data_ptr()  # value = latent
+    ids = lm.tokenizer.encode("one two three four")
+    with torch.inference_mode():
+        lm.model(torch.tensor(ids), 0, cache)
+    n = len(ids)
+    assert bool(cache.layers[1].k[:n].abs().sum(-1).gt(0).all()) and not bool(cache.layers[1].k[n:].any())
+    rows = dict(summary_rows(lm.gguf, lm.config))
+    assert rows["layers"] == "3: 3 latent attention, 1 dense FFN, 2 MoE"
+    assert rows["KV cache (float32)"].startswith(f"{3 * per_pos * 4 / 2**10:,.1f} KiB per token")
+    assert f"latent {MLA['kv_lora']} + rotary key {MLA['rope']}" in rows["attention heads"]
+
+
+def test_latent_attention_reads_files_with_the_joint_kv_b_matrix(tmp_path: Path) -> None:
+    """Older DeepSeek files hold attn_kv_b (and per-head lengths) instead of attn_k_b/attn_v_b: same model."""
+    split = load_model(tiny_moe(tmp_path / "split.gguf", arch="deepseek2", expert_type=Q.F32), n_ctx=64)
+    joint = load_model(tiny_moe(tmp_path / "joint.gguf", arch="deepseek2", expert_type=Q.F32, mla_joint_kv_b=True),
+                       n_ctx=64)  # fmt: skip
+    assert "blk.0.attn_kv_b.weight" in joint.gguf.tensors and "blk.0.attn_k_b.weight" not in joint.gguf.tensors
+    assert joint.config.head_dim == split.config.head_dim and joint.config.head_dim_mla == split.config.head_dim_mla
+    ids = split.tokenizer.encode("one two three four five")
+    with torch.inference_mode():
+        a = split.model(torch.tensor(ids), 0, split.new_cache())
+        b = joint.model(torch.tensor(ids), 0, joint.new_cache())
+    assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())

@@ -6,7 +6,9 @@ router bias) and by the config (sliding-window layers, gating), never by the mod
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -31,12 +33,23 @@ from ..moe import Activation, ExpertExecutor, HostExperts, load_layer_experts, r
 from ..qlinear import QLinear, Weight, ffn_one_token, gated, linear, linears, load_linear, maybe_linear
 
 
+class SelfAttention(Protocol):
+    """What a block needs of its attention: a whole-layer compiled call where one exists, and forward."""
+
+    def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
+                     cache: LayerCache, rope: Rope) -> torch.Tensor | None: ...  # fmt: skip
+
+    def __call__(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor: ...
+
+
 @dataclass(frozen=True)
 class Family:
     neox_rope: bool = True  # rotate halves (False: adjacent pairs, for GGUF-permuted llama q/k)
     act: Activation = swiglu
     yarn_truncate: bool = True  # floor/ceil the YaRN correction range, as ggml does
     ffn_norm: str = "ffn_norm"  # tensor name of the norm before the FFN
+    # The attention of a layer (default: the multi-head attention below): (gguf, cfg, layer, quantized).
+    attention: Callable[[GGUFFile, ModelConfig, int, bool], SelfAttention] | None = None
 
 
 class Attention(nn.Module):
@@ -256,7 +269,7 @@ class Block(nn.Module):
         super().__init__()
         self.attn_norm = load_weight(gguf, f"blk.{i}.attn_norm.weight")
         self.ffn_norm = load_weight(gguf, f"blk.{i}.{family.ffn_norm}.weight")
-        self.attn = Attention(gguf, cfg, i, quantized)
+        self.attn = (family.attention or Attention)(gguf, cfg, i, quantized)
         self.ffn = ffn_for(gguf, cfg, i, family.act, quantized)
         self.eps = cfg.norm_eps
 

@@ -117,7 +117,10 @@ def write_gguf(
     return path
 
 
-ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe")
+ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe", "deepseek2")
+
+# DeepSeek-style latent attention: query rank, latent rank, and per-head lengths (no-rope, rope, value).
+MLA = {"q_lora": 256, "kv_lora": 128, "nope": 64, "rope": 32, "v": 64}
 
 
 def tiny_moe(
@@ -144,6 +147,7 @@ def tiny_moe(
     down_type: GGMLQuantizationType | None = None,
     output_type: GGMLQuantizationType | None = None,
     dense_layers: int = 0,
+    mla_joint_kv_b: bool = False,
 ) -> Path:
     """A small MoE model of `arch` with random weights and a real (truncated) Qwen vocabulary.
 
@@ -155,6 +159,9 @@ def tiny_moe(
     (as Gemma's files do). `dense_type` is the type of the attention and shared-expert matrices,
     `down_type` that of the experts' down projections (default: `expert_type`): a Q4_K_M file
     has Q4_K attention and gate/up experts, Q6_K down projections and output.
+
+    `mla_joint_kv_b` (deepseek2): write attention as files from before the split of `attn_kv_b`
+    did (the same weights), with per-head key/value lengths and no *_mla keys.
 
     Each architecture gets the tensors its family has: QK norms (per head for qwen3moe, whole
     projection for olmoe), biases and a shared expert (qwen2moe), sinks, router and expert
@@ -221,6 +228,37 @@ def tiny_moe(
             f"{arch}.expert_weights_scale": 2.5,
             f"{arch}.rope.dimension_count": hd // 2,
         }
+    if arch == "deepseek2":  # as convert_hf_to_gguf writes DeepSeek-V3: MLA as one latent head, YaRN
+        dense_layers = max(dense_layers, 1)
+        meta |= {
+            f"{arch}.leading_dense_block_count": dense_layers,
+            f"{arch}.feed_forward_length": 2 * n_ff_exp,
+            f"{arch}.attention.head_count_kv": 1,
+            f"{arch}.attention.q_lora_rank": MLA["q_lora"],
+            f"{arch}.attention.kv_lora_rank": MLA["kv_lora"],
+            f"{arch}.attention.key_length": MLA["kv_lora"] + MLA["rope"],
+            f"{arch}.attention.value_length": MLA["kv_lora"],
+            f"{arch}.attention.key_length_mla": MLA["nope"] + MLA["rope"],
+            f"{arch}.attention.value_length_mla": MLA["v"],
+            f"{arch}.rope.dimension_count": MLA["rope"],
+            f"{arch}.expert_shared_count": 1,
+            f"{arch}.expert_gating_func": 2,
+            f"{arch}.expert_weights_norm": True,
+            f"{arch}.expert_weights_scale": 2.5,
+            f"{arch}.expert_group_count": 4,
+            f"{arch}.expert_group_used_count": 2,
+            f"{arch}.rope.scaling.type": "yarn",
+            f"{arch}.rope.scaling.factor": 4.0,
+            f"{arch}.rope.scaling.original_context_length": 128,
+            f"{arch}.rope.scaling.yarn_log_multiplier": 0.1,  # 0.1 x mscale_all_dim (1.0)
+        }
+        if mla_joint_kv_b:
+            del meta[f"{arch}.attention.key_length_mla"], meta[f"{arch}.attention.value_length_mla"]
+            meta |= {
+                f"{arch}.attention.head_count_kv": n_head,
+                f"{arch}.attention.key_length": MLA["nope"] + MLA["rope"],
+                f"{arch}.attention.value_length": MLA["v"],
+            }
     if arch == "gpt-oss":
         meta |= {
             f"{arch}.attention.sliding_window": 8,
@@ -245,10 +283,29 @@ def tiny_moe(
     for i in range(n_layers + nextn):
         b = f"blk.{i}."
         t[b + "attn_norm.weight"] = norm(n_embd)
-        t[b + "attn_q.weight"] = dense(n_head * hd, n_embd)
-        t[b + "attn_k.weight"] = dense(n_head_kv * hd, n_embd)
-        t[b + "attn_v.weight"] = dense(n_head_kv * hd, n_embd)
-        t[b + "attn_output.weight"] = dense(n_embd, n_head * hd)
+        if arch == "deepseek2":
+            m = MLA
+            t[b + "attn_q_a.weight"] = dense(m["q_lora"], n_embd)
+            t[b + "attn_q_a_norm.weight"] = norm(m["q_lora"])
+            t[b + "attn_q_b.weight"] = dense(n_head * (m["nope"] + m["rope"]), m["q_lora"])
+            t[b + "attn_kv_a_mqa.weight"] = dense(m["kv_lora"] + m["rope"], n_embd)
+            t[b + "attn_kv_a_norm.weight"] = norm(m["kv_lora"])
+            # Rows shorter than a K-quant block: the converter keeps these in a 32-block type.
+            small = dense_type if GGML_QUANT_SIZES[dense_type][0] <= 32 else Q.Q8_0
+            t[b + "attn_k_b.weight"] = (quantized((n_head, m["kv_lora"], m["nope"]), small, rng), small)
+            t[b + "attn_v_b.weight"] = (quantized((n_head, m["v"], m["kv_lora"]), small, rng), small)
+            if mla_joint_kv_b:  # [H * (nope + v), kv_lora]: per head, its key rows then its value rows
+                k_b, v_b = t.pop(b + "attn_k_b.weight")[0], t.pop(b + "attn_v_b.weight")[0]
+                if small != f32:
+                    raise ValueError("mla_joint_kv_b needs float dense matrices")
+                joint = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, m["kv_lora"])
+                t[b + "attn_kv_b.weight"] = (np.ascontiguousarray(joint), f32)
+            t[b + "attn_output.weight"] = dense(n_embd, n_head * m["v"])
+        else:
+            t[b + "attn_q.weight"] = dense(n_head * hd, n_embd)
+            t[b + "attn_k.weight"] = dense(n_head_kv * hd, n_embd)
+            t[b + "attn_v.weight"] = dense(n_head_kv * hd, n_embd)
+            t[b + "attn_output.weight"] = dense(n_embd, n_head * hd)
         if biased:
             t[b + "attn_q.bias"] = vector(n_head * hd)
             t[b + "attn_k.bias"] = vector(n_head_kv * hd)
@@ -287,7 +344,7 @@ def tiny_moe(
             t[b + "ffn_up_shexp.weight"] = dense(2 * n_ff_exp, n_embd)
             t[b + "ffn_down_shexp.weight"] = dense(n_embd, 2 * n_ff_exp)
             t[b + "ffn_gate_inp_shexp.weight"] = vector(n_embd)
-        if arch == "glm4moe":
+        if arch in ("glm4moe", "deepseek2"):
             # The choice's correction bias, large enough to change which experts win.
             t[b + "exp_probs_b.bias"] = ((rng.standard_normal(n_expert) * 0.3).astype(np.float32), f32)
             t[b + "ffn_gate_shexp.weight"] = dense(n_ff_exp, n_embd)

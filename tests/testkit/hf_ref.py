@@ -57,7 +57,42 @@ def _hf_config(cfg: ModelConfig, dense_lead: int = 0, qk_norm: bool = False) -> 
                                 topk_group=cfg.expert_groups_used, first_k_dense_replace=dense_lead,
                                 norm_topk_prob=cfg.expert_weights_norm, use_qk_norm=qk_norm, attention_bias=True,
                                 num_mtp_layers=0)  # fmt: skip
+    if cfg.arch == "deepseek2":
+        s = cfg.rope_scaling
+        del common["rope_theta"]
+        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta}
+        if s.kind == "yarn":
+            mscale = s.yarn_log_mul / 0.1  # the file holds 0.1 x mscale_all_dim
+            rope = {
+                "rope_type": "yarn", "factor": s.factor, "beta_fast": s.yarn_beta_fast, "beta_slow": s.yarn_beta_slow,
+                "original_max_position_embeddings": s.original_context, "rope_theta": cfg.rope_theta,
+                "mscale": mscale, "mscale_all_dim": mscale,
+            }  # fmt: skip
+        common["num_key_value_heads"] = cfg.n_head
+        del common["head_dim"]
+        return tf.DeepseekV3Config(**common, n_routed_experts=cfg.n_expert, moe_intermediate_size=cfg.n_ff_exp,
+                                   intermediate_size=cfg.n_ff, n_shared_experts=cfg.n_expert_shared,
+                                   routed_scaling_factor=cfg.expert_weights_scale, n_group=cfg.expert_groups,
+                                   topk_group=cfg.expert_groups_used, first_k_dense_replace=dense_lead,
+                                   norm_topk_prob=cfg.expert_weights_norm, kv_lora_rank=cfg.kv_lora_rank,
+                                   q_lora_rank=cfg.q_lora_rank or None, qk_rope_head_dim=cfg.rope_dim,
+                                   qk_nope_head_dim=cfg.head_dim_mla - cfg.rope_dim, v_head_dim=cfg.head_dim_v_mla,
+                                   rope_parameters=rope, rope_interleave=True, num_mtp_layers=0)  # fmt: skip
     raise ValueError(cfg.arch)
+
+
+def _mla_attention(sd: dict[str, torch.Tensor], hf: str, b: str, cfg: ModelConfig, gguf: GGUFFile) -> None:
+    """DeepSeek's attention weights under transformers' names; k_b/v_b joined back into kv_b_proj."""
+    names = {
+        "q_a_proj": "attn_q_a", "q_a_layernorm": "attn_q_a_norm", "q_b_proj": "attn_q_b",
+        "kv_a_proj_with_mqa": "attn_kv_a_mqa", "kv_a_layernorm": "attn_kv_a_norm", "o_proj": "attn_output",
+    }  # fmt: skip
+    for theirs, ours in names.items():
+        sd[f"{hf}self_attn.{theirs}.weight"] = load_weight(gguf, f"{b}{ours}.weight")
+    h, c, nope = cfg.n_head, cfg.kv_lora_rank, cfg.head_dim_mla - cfg.rope_dim
+    k_b = load_weight(gguf, b + "attn_k_b.weight").reshape(h, c, nope).transpose(1, 2)  # [H, Dnope, C]
+    v_b = load_weight(gguf, b + "attn_v_b.weight").reshape(h, -1, c)  # [H, Dv, C]
+    sd[hf + "self_attn.kv_b_proj.weight"] = torch.cat([k_b, v_b], dim=1).reshape(-1, c)
 
 
 def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
@@ -70,6 +105,7 @@ def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
         "olmoe": "Olmoe",
         "gpt-oss": "GptOss",
         "glm4moe": "Glm4Moe",
+        "deepseek2": "DeepseekV3",
     }
     name = classes[cfg.arch] if cfg.is_moe else {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[cfg.arch]
     dense_lead = sum(f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors for i in range(cfg.n_layers))
@@ -89,7 +125,10 @@ def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
         sd[hf + "input_layernorm.weight"] = w(b + "attn_norm.weight")
         ffn_norm = "post_attention_norm" if cfg.arch in ("gpt-oss", "glm4moe") else "ffn_norm"
         sd[hf + "post_attention_layernorm.weight"] = w(f"{b}{ffn_norm}.weight")
-        for proj, ours in (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"), ("o_proj", "attn_output")):
+        attn = () if cfg.kv_lora_rank else (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"))
+        if cfg.kv_lora_rank:
+            _mla_attention(sd, hf, b, cfg, gguf)
+        for proj, ours in (*attn, ("o_proj", "attn_output")):
             sd[f"{hf}self_attn.{proj}.weight"] = w(f"{b}{ours}.weight")
             bias = maybe_weight(gguf, f"{b}{ours}.bias")
             if bias is not None:
@@ -120,7 +159,7 @@ def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
         sd[hf + "mlp.gate.weight"] = w(b + "ffn_gate_inp.weight")
         sd[hf + "mlp.experts.gate_up_proj"] = torch.cat([gate, up], dim=1)  # [n_expert, 2F, E]
         sd[hf + "mlp.experts.down_proj"] = down
-        if cfg.arch == "glm4moe":
+        if cfg.arch in ("glm4moe", "deepseek2"):
             sd[hf + "mlp.gate.e_score_correction_bias"] = w(b + "exp_probs_b.bias")
             for proj in ("gate", "up", "down"):
                 sd[f"{hf}mlp.shared_experts.{proj}_proj.weight"] = w(f"{b}ffn_{proj}_shexp.weight")

@@ -1,0 +1,94 @@
+"""DeepSeek-V2/V3/R1, Kimi-K2, GLM-4.7-Flash (deepseek2): MoE with multi-head latent attention.
+
+Its quirks, all read from the file:
+- Multi-head latent attention (MLA). A token's keys and values come from one compressed latent
+  (`kv_lora_rank` numbers, RMS-normed) and one rotary key part shared by all heads. The cache
+  holds only those (`kv_lora_rank + rope_dim` per position, the value being the latent's front),
+  and each head's key and value projections are folded into its query and output: the score of
+  head h is (q_nope_h W_kb_h) . latent + q_rope_h . k_rope, its output W_vb_h (probs @ latents).
+  Both are exactly the expanded attention, reassociated.
+- The query through a low-rank pair with a norm between (`attn_q_a`, `attn_q_a_norm`,
+  `attn_q_b`), or one matrix (`attn_q`, the "lite" sizes).
+- `attn_k_b` / `attn_v_b` per head, or in older files the joint `attn_kv_b`, split at load.
+- Rotary embedding on adjacent pairs; with YaRN its magnitude goes into the score scale:
+  (1 + yarn_log_multiplier * ln factor)^2 / sqrt(head_dim_mla).
+- Leading dense layers, shared experts, routing by softmax or sigmoid with the correction bias and
+  group-limited top-k, routed scaling: the shared decoder's MoE layer reads them from the file.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from ..config import ModelConfig
+from ..gguf_file import GGUFError, GGUFFile
+from ..layers import LayerCache, Rope, attention, load_weight, rms_norm
+from ..moe import swiglu
+from ..qlinear import linear, load_linear
+from .decoder import Family
+
+
+def score_scale(cfg: ModelConfig) -> float:
+    """The factor on q . k: 1/sqrt(head length), times YaRN's magnitude squared where the file gives it."""
+    s = cfg.rope_scaling
+    m = 1 + s.yarn_log_mul * math.log(s.factor) if s.kind == "yarn" and s.factor > 1 else 1.0
+    return m * m / math.sqrt(cfg.head_dim_mla)
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, quantized: bool = False) -> None:
+        super().__init__()
+        p = f"blk.{i}."
+        if not cfg.kv_lora_rank:
+            raise GGUFError(f"{gguf.path}: key {cfg.arch}.attention.kv_lora_rank: required for latent attention")
+        self.cfg = cfg
+        self.nope = cfg.head_dim_mla - cfg.rope_dim
+        self.q_a = self.q_a_norm = self.q_b = self.q = None
+        if p + "attn_q_a.weight" in gguf.tensors:
+            self.q_a = load_linear(gguf, p + "attn_q_a.weight", quantized)  # [q_lora, E]
+            self.q_a_norm = load_weight(gguf, p + "attn_q_a_norm.weight")
+            self.q_b = load_linear(gguf, p + "attn_q_b.weight", quantized)  # [H*Dk, q_lora]
+        else:
+            self.q = load_linear(gguf, p + "attn_q.weight", quantized)  # [H*Dk, E]
+        self.kv_a = load_linear(gguf, p + "attn_kv_a_mqa.weight", quantized)  # [C + R, E]
+        self.kv_a_norm = load_weight(gguf, p + "attn_kv_a_norm.weight")  # [C]
+        h, c, dv = cfg.n_head, cfg.kv_lora_rank, cfg.head_dim_v_mla
+        if p + "attn_k_b.weight" in gguf.tensors:
+            self.k_b = load_weight(gguf, p + "attn_k_b.weight").reshape(h, c, self.nope)  # [H, C, Dnope]
+            self.v_b = load_weight(gguf, p + "attn_v_b.weight").reshape(h, dv, c)  # [H, Dv, C]
+        else:
+            kv_b = load_weight(gguf, p + "attn_kv_b.weight").reshape(h, self.nope + dv, c)
+            self.k_b = kv_b[:, : self.nope].transpose(1, 2).contiguous()
+            self.v_b = kv_b[:, self.nope :].contiguous()
+        self.wo = load_linear(gguf, p + "attn_output.weight", quantized)  # [E, H*Dv]
+        self.scale = score_scale(cfg)
+
+    def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
+                     cache: LayerCache, rope: Rope) -> torch.Tensor | None:  # fmt: skip
+        return None  # no compiled whole-layer form: forward serves every token count
+
+    def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
+        cfg, t = self.cfg, h.shape[0]
+        c, r = cfg.kv_lora_rank, cfg.rope_dim
+        if self.q is not None:
+            q = linear(h, self.q)
+        else:
+            assert self.q_a is not None and self.q_b is not None  # set together in __init__
+            q = linear(rms_norm(linear(h, self.q_a), self.q_a_norm, cfg.norm_eps), self.q_b)
+        q = q.view(t, cfg.n_head, cfg.head_dim_mla)  # [T, H, Dnope + R]
+        kv = linear(h, self.kv_a)  # [T, C + R]
+        latent = rms_norm(kv[:, :c].contiguous(), self.kv_a_norm, cfg.norm_eps).view(t, 1, c)  # [T, 1, C]
+        pos = torch.arange(pos0, pos0 + t, device=h.device)
+        q_rope = rope(q[..., self.nope :], pos)  # [T, H, R]
+        k_rope = rope(kv[:, c:].reshape(t, 1, r), pos)  # [T, 1, R]
+        q_lat = torch.einsum("thn,hcn->thc", q[..., : self.nope], self.k_b)  # [T, H, C]
+        keys = torch.cat([latent, k_rope], dim=-1)  # [T, 1, C + R]
+        a = attention(torch.cat([q_lat, q_rope], dim=-1), cache, keys, latent, pos0, scale=self.scale)  # [T, H, C]
+        out = torch.einsum("thc,hvc->thv", a, self.v_b)  # [T, H, Dv]
+        return linear(out.reshape(t, -1), self.wo)
+
+
+FAMILY = Family(neox_rope=False, act=swiglu, attention=LatentAttention)
