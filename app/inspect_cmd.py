@@ -9,6 +9,7 @@ from moechat.engine.config import ModelConfig
 from moechat.engine.gguf_file import GGUFFile
 from moechat.engine.layers import kv_cache_bytes
 from moechat.engine.model_file import open_model, quant_histogram
+from moechat.engine.models.decoder import is_moe_layer
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
@@ -32,7 +33,7 @@ def expert_bytes(gguf: GGUFFile, n_layers: int | None = None) -> tuple[int, dict
 def layer_kinds(gguf: GGUFFile, cfg: ModelConfig) -> str:
     """The decoder's layers by kind: attention (full or sliding window), FFN (dense or MoE), skipped."""
     sliding = sum(cfg.swa_layers[: cfg.n_layers]) if cfg.sliding_window else 0
-    moe = sum(f"blk.{i}.ffn_gate_inp.weight" in gguf.tensors for i in range(cfg.n_layers))
+    moe = sum(is_moe_layer(gguf, i) for i in range(cfg.n_layers))
     full = "latent attention" if cfg.kv_lora_rank else "full attention"
     parts = [f"{cfg.n_layers - sliding} {full}"] + ([f"{sliding} sliding window"] if sliding else [])
     parts += [f"{cfg.n_layers - moe} dense FFN", f"{moe} MoE"]
@@ -72,8 +73,7 @@ def summary_rows(gguf: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str]]:
     ]
     if cfg.is_moe:
         one = max(per_layer.values()) if per_layer else 0
-        layer_bytes = {layer: b * cfg.n_expert for layer, b in per_layer.items()}
-        span = sorted(set(layer_bytes.values()))
+        span = sorted({b * cfg.n_expert for b in per_layer.values()})  # bytes of one MoE layer's experts
         per = _mib(span[0]) if len(span) == 1 else f"{_mib(span[0])} to {_mib(span[-1])}"
         rows += [
             ("experts", f"{cfg.n_expert} per layer, {cfg.n_expert_used} used per token, FFN {cfg.n_ff_exp}"),

@@ -88,8 +88,6 @@ class Rope:
             inv = inv / cfg.rope_scaling.factor
         elif cfg is not None and cfg.rope_scaling.kind == "yarn":
             inv, self.mscale = _yarn(inv, dim, theta, cfg, truncate)
-            if cfg.rope_scaling.yarn_log_mul > 0:  # the magnitude goes into the attention scale instead
-                self.mscale = 1.0
         pos = torch.arange(n_ctx, dtype=torch.float64)
         ang = torch.outer(pos, inv)  # [n_ctx, dim/2]
         # cos + i sin, one table for both layouts: adjacent pairs are complex numbers as they lie, and
@@ -135,6 +133,8 @@ def _yarn(inv: torch.Tensor, dim: int, theta: float, cfg: ModelConfig, truncate:
     extrapolate = 1 - ramp
     inv = inv / s.factor * (1 - extrapolate) + inv * extrapolate
     mscale = (0.1 * math.log(s.factor) + 1.0) * s.yarn_attn_factor if s.factor > 1 else 1.0
+    if s.yarn_log_mul > 0:  # the file's magnitude goes into the attention's score scale instead (MLA)
+        mscale = 1.0
     return inv, mscale
 
 

@@ -214,25 +214,25 @@ def tiny_moe(
     if arch == "qwen2moe":
         meta[f"{arch}.expert_shared_feed_forward_length"] = 2 * n_ff_exp
     nextn = 0
-    if arch == "glm4moe":  # as convert_hf_to_gguf writes GLM-4.5: a dense lead layer, one NextN block
+    if arch in ("glm4moe", "deepseek2"):  # DeepSeek-V3-style MoE: a dense lead layer, a shared expert, sigmoid
         dense_layers = max(dense_layers, 1)
-        nextn = 1
         meta |= {
-            f"{arch}.block_count": n_layers + nextn,
-            f"{arch}.nextn_predict_layers": nextn,
             f"{arch}.leading_dense_block_count": dense_layers,
             f"{arch}.feed_forward_length": 2 * n_ff_exp,
             f"{arch}.expert_shared_count": 1,
             f"{arch}.expert_gating_func": 2,
             f"{arch}.expert_weights_norm": True,
             f"{arch}.expert_weights_scale": 2.5,
+        }
+    if arch == "glm4moe":  # as convert_hf_to_gguf writes GLM-4.5: partial rotary, one NextN block
+        nextn = 1
+        meta |= {
+            f"{arch}.block_count": n_layers + nextn,
+            f"{arch}.nextn_predict_layers": nextn,
             f"{arch}.rope.dimension_count": hd // 2,
         }
     if arch == "deepseek2":  # as convert_hf_to_gguf writes DeepSeek-V3: MLA as one latent head, YaRN
-        dense_layers = max(dense_layers, 1)
         meta |= {
-            f"{arch}.leading_dense_block_count": dense_layers,
-            f"{arch}.feed_forward_length": 2 * n_ff_exp,
             f"{arch}.attention.head_count_kv": 1,
             f"{arch}.attention.q_lora_rank": MLA["q_lora"],
             f"{arch}.attention.kv_lora_rank": MLA["kv_lora"],
@@ -241,10 +241,6 @@ def tiny_moe(
             f"{arch}.attention.key_length_mla": MLA["nope"] + MLA["rope"],
             f"{arch}.attention.value_length_mla": MLA["v"],
             f"{arch}.rope.dimension_count": MLA["rope"],
-            f"{arch}.expert_shared_count": 1,
-            f"{arch}.expert_gating_func": 2,
-            f"{arch}.expert_weights_norm": True,
-            f"{arch}.expert_weights_scale": 2.5,
             f"{arch}.expert_group_count": 4,
             f"{arch}.expert_group_used_count": 2,
             f"{arch}.rope.scaling.type": "yarn",
