@@ -7,7 +7,7 @@ from collections import defaultdict
 
 from moechat.engine.config import ModelConfig
 from moechat.engine.gguf_file import GGUFFile
-from moechat.engine.layers import kv_cache_bytes
+from moechat.engine.layers import kv_cache_bytes, recurrent_state_bytes
 from moechat.engine.model_file import open_model, quant_histogram
 from moechat.engine.models.decoder import is_moe_layer
 from rich.console import Console
@@ -34,8 +34,10 @@ def layer_kinds(gguf: GGUFFile, cfg: ModelConfig) -> str:
     """The decoder's layers by kind: attention (full or sliding window), FFN (dense or MoE), skipped."""
     sliding = sum(cfg.swa_layers[: cfg.n_layers]) if cfg.sliding_window else 0
     moe = sum(is_moe_layer(gguf, i) for i in range(cfg.n_layers))
+    linear = sum(cfg.is_recurrent(i) for i in range(cfg.n_layers))
     full = "latent attention" if cfg.kv_lora_rank else "full attention"
-    parts = [f"{cfg.n_layers - sliding} {full}"] + ([f"{sliding} sliding window"] if sliding else [])
+    parts = [f"{cfg.n_layers - sliding - linear} {full}"] + ([f"{sliding} sliding window"] if sliding else [])
+    parts += [f"{linear} linear attention"] if linear else []
     parts += [f"{cfg.n_layers - moe} dense FFN", f"{moe} MoE"]
     if cfg.n_layers_skipped:
         parts.append(f"{cfg.n_layers_skipped} NextN skipped")
@@ -71,6 +73,11 @@ def summary_rows(gguf: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str]]:
         ),
         ("vocabulary", str(cfg.n_vocab)),
     ]
+    if cfg.recurrent:
+        state = _mib(recurrent_state_bytes(cfg))
+        rows.insert(-1, ("linear attention state", f"{state} at any context (float32); {cfg.ssm_k_heads} key heads, "
+                         f"{cfg.ssm_v_heads} value heads, state {cfg.ssm_state} x {cfg.ssm_inner // cfg.ssm_v_heads}, "
+                         f"conv {cfg.ssm_conv_kernel}"))  # fmt: skip
     if cfg.is_moe:
         one = max(per_layer.values()) if per_layer else 0
         span = sorted({b * cfg.n_expert for b in per_layer.values()})  # bytes of one MoE layer's experts

@@ -14,7 +14,9 @@ from typing import Any
 from .gguf_file import GGUFError, GGUFFile
 
 # Architectures whose blocks route tokens to experts, and dense ones we also read.
-MOE_ARCHITECTURES = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe", "deepseek2", "gemma3moe")
+MOE_ARCHITECTURES = (
+    "qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe", "deepseek2", "qwen3next", "qwen35moe", "gemma3moe",
+)  # fmt: skip
 DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
 SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(MOE_ARCHITECTURES + DENSE_ARCHITECTURES))
 
@@ -77,6 +79,15 @@ class ModelConfig:
     head_dim_mla: int = 0
     head_dim_v_mla: int = 0
     n_layers_skipped: int = 0  # trailing blocks the file carries but decoding skips (NextN/MTP layers)
+    # Linear attention (Gated DeltaNet) in the layers marked `recurrent`: a short causal conv over
+    # q|k|v (`ssm_conv_kernel` taps) and per value head a [ssm_state, head_v] state instead of a
+    # KV cache; `ssm_k_heads` query/key heads serve `ssm_v_heads` value heads of ssm_inner / ssm_v_heads.
+    recurrent: tuple[bool, ...] = ()  # per layer; () or all False: no linear attention
+    ssm_conv_kernel: int = 0
+    ssm_inner: int = 0
+    ssm_state: int = 0
+    ssm_v_heads: int = 0
+    ssm_k_heads: int = 0
     # Attention details.
     sliding_window: int = 0
     swa_layers: tuple[bool, ...] = ()  # per layer: does it use the sliding window?
@@ -88,6 +99,9 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.n_expert > 0
+
+    def is_recurrent(self, i: int) -> bool:
+        return bool(self.recurrent) and self.recurrent[i]
 
     @property
     def moe_layers(self) -> tuple[int, ...]:
@@ -131,6 +145,17 @@ def _per_layer(meta: Mapping[str, Any], path: str, key: str, n_layers: int, defa
     return values
 
 
+def _recurrent_layers(meta: Mapping[str, Any], path: str, p: str, n_blocks: int) -> tuple[bool, ...]:
+    """Which blocks use linear attention: every one but each `full_attention_interval`-th, where
+    the file describes a recurrent state (Qwen3-Next, Qwen3.5); none otherwise."""
+    if p + "ssm.inner_size" not in meta:
+        return (False,) * n_blocks
+    interval = _int(meta, path, p + "full_attention_interval", 4)
+    if interval == 0:
+        raise GGUFError(f"{path}: key {p}full_attention_interval: must be positive")
+    return tuple((i + 1) % interval != 0 for i in range(n_blocks))
+
+
 def model_config(gguf: GGUFFile) -> ModelConfig:
     """Build the config of an opened file, or raise `GGUFError` naming the problem."""
     meta, path = gguf.metadata, str(gguf.path)
@@ -148,7 +173,11 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     n_head = _int(meta, path, p + "attention.head_count")
     if n_layers == 0 or n_embd == 0 or n_head == 0:
         raise GGUFError(f"{path}: block_count, embedding_length and head_count must be positive")
+    recurrent = _recurrent_layers(meta, path, p, n_blocks)[:n_layers]
     n_head_kv = _per_layer(meta, path, p + "attention.head_count_kv", n_blocks, n_head)[:n_layers]
+    if any(recurrent):  # linear-attention layers have no KV heads (some files say 0): full attention's count
+        full = [h for h, r in zip(n_head_kv, recurrent, strict=True) if h and not r]
+        n_head_kv = tuple((full[0] if full else n_head) if r else h for h, r in zip(n_head_kv, recurrent, strict=True))
     if any(h == 0 or n_head % h for h in n_head_kv):
         raise GGUFError(f"{path}: key {p}attention.head_count_kv: {n_head_kv} does not divide {n_head} heads")
     head_dim = _int(meta, path, p + "attention.key_length", n_embd // n_head)
@@ -181,6 +210,17 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     ):
         raise GGUFError(f"{path}: key {p}expert_group_count: {n_groups} groups ({n_groups_used} used) do not fit "
                         f"{n_expert} experts with {n_expert_used} used per token")  # fmt: skip
+    if n_expert and n_groups > 1 and n_expert // n_groups < 2:  # a group's score is the sum of its best two
+        raise GGUFError(f"{path}: key {p}expert_group_count: groups of {n_expert // n_groups} expert; "
+                        "group-limited routing needs at least 2 experts per group")  # fmt: skip
+    ssm = {k: _int(meta, path, f"{p}ssm.{k}", 0) for k in ("conv_kernel", "inner_size", "state_size",
+                                                            "time_step_rank", "group_count")}  # fmt: skip
+    if any(recurrent):
+        v_heads, k_heads = ssm["time_step_rank"], ssm["group_count"]
+        if not (ssm["conv_kernel"] and ssm["state_size"] and k_heads and v_heads and v_heads % k_heads == 0
+                and ssm["inner_size"] % v_heads == 0):  # fmt: skip
+            raise GGUFError(f"{path}: keys {p}ssm.*: {ssm} do not describe linear attention (value heads a multiple "
+                            "of the key heads, inner size a multiple of the value heads)")  # fmt: skip
     n_ff = meta.get(p + "feed_forward_length", 0)
     n_ff = max(n_ff) if isinstance(n_ff, (list, tuple)) or hasattr(n_ff, "shape") else int(n_ff)
 
@@ -209,8 +249,8 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
     elif arch == "gpt-oss":
         swa_layers = tuple(i % 2 == 0 for i in range(n_layers)) if sliding_window else swa_layers
         gating = GATING_SOFTMAX_SELECTED
-    elif arch in ("qwen3moe", "llama"):
-        weights_norm_default = True  # Qwen3-MoE and Mixtral renormalise the selected weights
+    elif arch in ("qwen3moe", "llama", "qwen3next", "qwen35moe"):
+        weights_norm_default = True  # Qwen3-MoE, Qwen3-Next and Mixtral renormalise the selected weights
     pattern = meta.get(p + "attention.sliding_window_pattern")
     if pattern is not None and sliding_window:
         if isinstance(pattern, (int,)) and not isinstance(pattern, bool):
@@ -253,6 +293,12 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         head_dim_mla=head_dim_mla,
         head_dim_v_mla=head_dim_v_mla,
         n_layers_skipped=n_nextn,
+        recurrent=recurrent if any(recurrent) else (),
+        ssm_conv_kernel=ssm["conv_kernel"],
+        ssm_inner=ssm["inner_size"],
+        ssm_state=ssm["state_size"],
+        ssm_v_heads=ssm["time_step_rank"],
+        ssm_k_heads=ssm["group_count"],
         sliding_window=sliding_window,
         swa_layers=swa_layers,
         rope_theta_swa=rope_theta_swa,

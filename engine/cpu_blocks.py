@@ -306,3 +306,41 @@ def route_rows(h: np.ndarray, router: np.ndarray, router_bias: np.ndarray | None
     it: ids int64 [T, k] by descending score, weights float32 [T, k]."""
     bias = _NONE if router_bias is None else router_bias
     return _route(h, router, bias, gating, k, weights_norm, np.float32(scale))
+
+
+@njit(parallel=True)
+def _delta_rule(q, k, v, decay, beta, state, out):
+    n_tok, n_head, dk = q.shape
+    dv = v.shape[2]
+    for h in prange(n_head):
+        s = state[h]  # [Dk, Dv]: this head's state, updated in place
+        mem = np.empty(dv, np.float32)
+        for t in range(n_tok):
+            g, b = decay[t, h], beta[t, h]
+            mem[:] = 0
+            for i in range(dk):  # decay, and what the state recalls for this key
+                ki = k[t, h, i]
+                for j in range(dv):
+                    s[i, j] *= g
+                    mem[j] += ki * s[i, j]
+            for j in range(dv):
+                mem[j] = (v[t, h, j] - mem[j]) * b  # the correction to write
+            for j in range(dv):
+                out[t, h, j] = 0
+            for i in range(dk):  # write the correction along the key, read along the query
+                ki, qi = k[t, h, i], q[t, h, i]
+                for j in range(dv):
+                    s[i, j] += ki * mem[j]
+                    out[t, h, j] += qi * s[i, j]
+
+
+def delta_rule_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray, beta: np.ndarray,
+                    state: np.ndarray) -> np.ndarray:  # fmt: skip
+    """The gated delta rule over T tokens, heads in parallel: q, k [T, H, Dk], v [T, H, Dv],
+    decay and beta [T, H]; `state` [H, Dk, Dv] is updated in place. -> [T, H, Dv].
+
+    Per token and head the state passes through the cache twice (decay with the key's recall,
+    then the write with the query's read) instead of the six whole-state ops of the torch form."""
+    out = np.empty(v.shape, np.float32)
+    _delta_rule(q, k, v, decay, beta, state, out)
+    return out

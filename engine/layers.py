@@ -140,18 +140,37 @@ def _yarn(inv: torch.Tensor, dim: int, theta: float, cfg: ModelConfig, truncate:
 
 @dataclass
 class LayerCache:
-    k: torch.Tensor  # [n_ctx, n_kv, head_dim]
+    k: torch.Tensor  # [n_ctx, n_kv, head_dim]; no positions in a linear-attention layer
     v: torch.Tensor  # [n_ctx, n_kv, head_dim_v]
+    # Linear attention: the conv's last inputs and the recurrent state, both of a fixed size.
+    conv: torch.Tensor | None = None  # [conv_kernel - 1, q|k|v channels]
+    state: torch.Tensor | None = None  # [v_heads, ssm_state, head_v]
 
 
 def kv_cache_bytes(cfg: ModelConfig, n_ctx: int, itemsize: int = 4) -> int:
-    """Bytes of a KVCache of n_ctx positions (fp32 by default)."""
+    """Bytes of a KVCache's keys and values for n_ctx positions (fp32 by default), full-attention layers only."""
     # A latent cache (MLA) stores the value as the front of the key: no bytes of its own.
     per_head = cfg.head_dim + (0 if cfg.kv_lora_rank else cfg.head_dim_v)
-    return sum(n_ctx * cfg.n_head_kv[i] * per_head * itemsize for i in range(cfg.n_layers))
+    return sum(n_ctx * cfg.n_head_kv[i] * per_head * itemsize for i in range(cfg.n_layers) if not cfg.is_recurrent(i))
+
+
+def _conv_channels(cfg: ModelConfig) -> int:
+    return 2 * cfg.ssm_k_heads * cfg.ssm_state + cfg.ssm_inner
+
+
+def recurrent_state_bytes(cfg: ModelConfig, itemsize: int = 4) -> int:
+    """Bytes of the linear-attention layers' state (conv inputs and recurrent state), whatever the context."""
+    per_layer = (cfg.ssm_conv_kernel - 1) * _conv_channels(cfg) + cfg.ssm_state * cfg.ssm_inner
+    return sum(per_layer * itemsize for i in range(cfg.n_layers) if cfg.is_recurrent(i))
 
 
 def _layer_cache(cfg: ModelConfig, i: int, n_ctx: int, dtype: torch.dtype, device: str | torch.device) -> LayerCache:
+    if cfg.is_recurrent(i):
+        none = torch.zeros(0, 1, 1, dtype=dtype, device=device)
+        conv = torch.zeros(cfg.ssm_conv_kernel - 1, _conv_channels(cfg), dtype=dtype, device=device)
+        head_v = cfg.ssm_inner // cfg.ssm_v_heads
+        state = torch.zeros(cfg.ssm_v_heads, cfg.ssm_state, head_v, dtype=dtype, device=device)
+        return LayerCache(none, none, conv, state)
     k = torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim, dtype=dtype, device=device)
     if cfg.kv_lora_rank:  # MLA: the value is the latent, the key's first kv_lora_rank numbers
         return LayerCache(k, k[..., : cfg.kv_lora_rank])

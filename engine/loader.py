@@ -13,7 +13,7 @@ from .chat_template import ChatTemplate, load_chat_template
 from .config import ModelConfig
 from .expert_cache import CacheSettings, ExpertCache
 from .gguf_file import GGUFFile
-from .layers import KVCache, kv_cache_bytes
+from .layers import KVCache, kv_cache_bytes, recurrent_state_bytes
 from .model_file import open_model
 from .models import build_model, family_for
 from .models.decoder import MoeDecoder
@@ -110,7 +110,7 @@ class ContextTooLarge(ValueError):
 def check_context(cfg: ModelConfig, n_ctx: int, device: torch.device) -> None:
     from .expert_cache import device_free_bytes
 
-    need = kv_cache_bytes(cfg, n_ctx)
+    need = kv_cache_bytes(cfg, n_ctx) + recurrent_state_bytes(cfg)
     free = device_free_bytes(device)
     if need > 0.8 * free:
         fits = int(n_ctx * 0.8 * free / need) // 256 * 256

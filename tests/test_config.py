@@ -79,6 +79,27 @@ def test_deepseek2_latent_attention_and_groups(tmp_path: Path) -> None:
     assert abs(c.rope_scaling.yarn_log_mul - 0.1) < 1e-7
 
 
+# Qwen3-Next-80B-A3B's keys as convert_hf_to_gguf writes them (Qwen3.5-35B-A3B's differ only in sizes).
+_HYBRID = {
+    "expert_count": 512, "expert_used_count": 10, "expert_feed_forward_length": 512,
+    "expert_shared_feed_forward_length": 512, "attention.key_length": 256, "attention.value_length": 256,
+    "rope.dimension_count": 64, "full_attention_interval": 4, "ssm.conv_kernel": 4, "ssm.state_size": 128,
+    "ssm.group_count": 16, "ssm.time_step_rank": 32, "ssm.inner_size": 4096,
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+def test_hybrid_linear_attention_layers(tmp_path: Path, arch: str) -> None:
+    c = _config(tmp_path, arch, **{**_HYBRID, "block_count": 8})
+    assert c.recurrent == (True, True, True, False) * 2 and c.is_recurrent(0) and not c.is_recurrent(3)
+    assert (c.ssm_conv_kernel, c.ssm_state, c.ssm_k_heads, c.ssm_v_heads, c.ssm_inner) == (4, 128, 16, 32, 4096)
+    assert c.n_head_kv == (2,) * 8 and c.rope_dim == 64 and c.head_dim == 256
+    assert c.expert_weights_norm  # the family renormalises the top-k weights; no key says so
+    # A file that counts no KV heads in its linear-attention layers: the full-attention layers' count serves.
+    c = _config(tmp_path, arch, **{**_HYBRID, "attention.head_count_kv": [0, 0, 0, 2]})
+    assert c.n_head_kv == (2, 2, 2, 2)
+
+
 def test_dense_gemma3_from_the_real_file(gemma_gguf: Path) -> None:
     with GGUFFile(gemma_gguf) as f:
         c = model_config(f)
@@ -102,6 +123,13 @@ def test_dense_gemma3_from_the_real_file(gemma_gguf: Path) -> None:
             {"attention.kv_lora_rank": 128, "attention.key_length": 64, "rope.dimension_count": 64},
             "rope.dimension_count: 64 is not below the key length 64",
         ),
+        (
+            {"expert_count": 8, "expert_used_count": 2, "expert_group_count": 8, "expert_group_used_count": 2},
+            "groups of 1 expert; group-limited routing needs at least 2",
+        ),
+        ({**_HYBRID, "ssm.time_step_rank": 3}, "do not describe linear attention"),
+        ({**_HYBRID, "ssm.group_count": 0}, "do not describe linear attention"),
+        ({**_HYBRID, "full_attention_interval": 0}, "full_attention_interval: must be positive"),
     ],
 )
 def test_bad_values(tmp_path: Path, keys: dict, message: str) -> None:

@@ -82,3 +82,22 @@ def test_decode_attention_refuses_a_position_past_the_cache() -> None:
     q, kv = np.zeros((2, 16), np.float32), np.zeros((2, 16), np.float32)
     with pytest.raises(IndexError, match="outside the KV cache"):
         decode_attention(q, kv, kv.copy(), rope.parts(), True, cache.k.numpy(), cache.v.numpy(), 8, 0, 0.25)
+
+
+@pytest.mark.parametrize(("n_tok", "n_head", "dk", "dv"), [(1, 4, 16, 16), (7, 3, 32, 24), (40, 2, 8, 64)])
+def test_compiled_delta_rule_matches_the_torch_recurrence(n_tok: int, n_head: int, dk: int, dv: int) -> None:
+    """Linear attention's recurrence (Qwen3-Next), from a non-zero state: outputs and the state left behind."""
+    from moechat.engine.models.qwen3next import delta_rule, delta_rule_torch
+
+    torch.manual_seed(n_tok)
+    q = F.normalize(torch.randn(n_tok, n_head, dk), dim=-1) * dk**-0.5
+    k = F.normalize(torch.randn(n_tok, n_head, dk), dim=-1)
+    v = torch.randn(n_tok, n_head, dv)
+    decay, beta = torch.rand(n_tok, n_head) * 0.5 + 0.5, torch.rand(n_tok, n_head)
+    start = torch.randn(n_head, dk, dv)
+    state, ref_state = start.clone(), start.clone()
+    out = delta_rule(q, k, v, decay, beta, state)
+    ref = delta_rule_torch(q, k, v, decay, beta, ref_state)
+    assert not torch.equal(state, start)
+    assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
+    assert float((state - ref_state).abs().max()) <= 1e-5 * float(ref_state.abs().max())

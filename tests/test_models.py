@@ -36,6 +36,8 @@ CASES = [
     ("gpt-oss", Q.F32, ""), ("gpt-oss", Q.MXFP4, ""), ("gpt-oss", Q.MXFP4, "q8"),
     ("glm4moe", Q.F32, ""), ("glm4moe", Q.Q8_0, ""), ("glm4moe", Q.Q4_K, "q4km"),
     ("deepseek2", Q.F32, ""), ("deepseek2", Q.Q8_0, ""), ("deepseek2", Q.Q4_K, "q4km"),
+    ("qwen3next", Q.F32, ""), ("qwen3next", Q.Q8_0, ""), ("qwen3next", Q.Q4_K, "q4km"),
+    ("qwen35moe", Q.F32, ""), ("qwen35moe", Q.Q8_0, ""), ("qwen35moe", Q.Q4_K, "q4km"),
 ]  # fmt: skip
 
 
@@ -87,7 +89,9 @@ def test_quantized_matrices_run_from_the_file_bytes(model: LoadedModel) -> None:
     layer = next(iter(host.layers))
     assert host.fused[layer] == has_kernel(host.layers[layer].gate.qtype)
     attn = model.model.blocks[0].attn
-    q = ("attn_q_a", attn.q_a) if model.config.kv_lora_rank else ("attn_q", attn.wq)  # latent attention: low-rank q
+    q = ("attn_q_a", attn.q_a) if model.config.kv_lora_rank else ("attn_q", getattr(attn, "wq", None))
+    if model.config.is_recurrent(0):  # linear attention
+        q = ("attn_qkv", attn.w_qkv)
     for w, name in ((q[1], f"blk.0.{q[0]}.weight"), (model.model.output, "output.weight")):
         assert isinstance(w, QLinear) == has_kernel(model.gguf.tensors[name].qtype), name
     assert isinstance(model.model.embed, QuantRows)  # rows looked up in the file, whatever their type
@@ -237,6 +241,58 @@ def test_latent_attention_reads_files_with_the_joint_kv_b_matrix(tmp_path: Path)
                        n_ctx=64)  # fmt: skip
     assert "blk.0.attn_kv_b.weight" in joint.gguf.tensors and "blk.0.attn_k_b.weight" not in joint.gguf.tensors
     assert joint.config.head_dim == split.config.head_dim and joint.config.head_dim_mla == split.config.head_dim_mla
+    ids = split.tokenizer.encode("one two three four five")
+    with torch.inference_mode():
+        a = split.model(torch.tensor(ids), 0, split.new_cache())
+        b = joint.model(torch.tensor(ids), 0, joint.new_cache())
+    assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
+
+
+@pytest.mark.parametrize("arch", ["qwen3next", "qwen35moe"])
+def test_linear_attention_keeps_a_fixed_state_and_inspect_counts_full_attention_kv_only(tmp_path: Path,
+                                                                                        arch: str) -> None:  # fmt: skip
+    from moechat.app.inspect_cmd import summary_rows
+    from testkit.ggufgen import DELTA
+
+    path = tiny_moe(tmp_path / "h.gguf", arch=arch, n_layers=4, expert_type=Q.Q8_0)
+    lm = load_model(path, n_ctx=64)
+    cfg = lm.config
+    assert cfg.recurrent == (True, False, True, False) and len(lm.model.blocks) == 4
+    if arch == "qwen35moe":  # its MTP block: in the file, neither run nor loaded, nor cached
+        assert cfg.n_layers_skipped == 1 and "blk.4.nextn.eh_proj.weight" in lm.gguf.tensors
+    assert sorted(lm.model.host_experts.layers) == [0, 1, 2, 3]
+    cache = lm.new_cache()
+    hk, hv, dk, dv, taps = (DELTA[k] for k in ("k_heads", "v_heads", "dk", "dv", "taps"))
+    for i in (0, 2):  # linear attention: no positions, a state of fixed size
+        layer = cache.layers[i]
+        assert layer.k.numel() == 0 and layer.conv is not None and layer.state is not None
+        assert layer.conv.shape == (taps - 1, 2 * hk * dk + hv * dv) and layer.state.shape == (hv, dk, dv)
+    assert cache.layers[1].k.shape == (64, cfg.n_head_kv[1], cfg.head_dim) and cache.layers[1].state is None
+    ids = lm.tokenizer.encode("one two three four five six")
+    with torch.inference_mode():
+        first = lm.model(torch.tensor(ids), 0, cache)
+        state = cache.layers[0].state.clone()
+        assert bool(state.abs().sum() > 0)
+        lm.model(torch.tensor(ids[:1]), cache.pos, cache)
+        assert not torch.equal(state, cache.layers[0].state)  # each token moves the state
+        # A fresh cache starts from zero: the same prompt gives the same logits again.
+        again = lm.model(torch.tensor(ids), 0, lm.new_cache())
+    assert torch.equal(first, again)
+    rows = dict(summary_rows(lm.gguf, cfg))
+    nextn = ", 1 NextN skipped" if arch == "qwen35moe" else ""
+    assert rows["layers"] == f"4: 2 full attention, 2 linear attention, 0 dense FFN, 4 MoE{nextn}"
+    kv = 2 * cfg.n_head_kv[1] * 2 * cfg.head_dim * 4  # two full-attention layers, keys and values, float32
+    assert rows["KV cache (float32)"].startswith(f"{kv / 2**10:,.1f} KiB per token")
+    state_bytes = 2 * ((taps - 1) * (2 * hk * dk + hv * dv) + hv * dk * dv) * 4
+    assert rows["linear attention state"].startswith(f"{state_bytes / 2**20:,.1f} MiB at any context")
+
+
+def test_linear_attention_reads_files_with_the_joint_qkvz_matrix(tmp_path: Path) -> None:
+    """The first Qwen3-Next files hold ssm_in (q|k|v|z per key head) instead of attn_qkv/attn_gate: same model."""
+    split = load_model(tiny_moe(tmp_path / "split.gguf", arch="qwen3next", expert_type=Q.F32), n_ctx=64)
+    joint = load_model(tiny_moe(tmp_path / "joint.gguf", arch="qwen3next", expert_type=Q.F32, legacy_ssm_in=True),
+                       n_ctx=64)  # fmt: skip
+    assert "blk.0.ssm_in.weight" in joint.gguf.tensors and "blk.0.attn_qkv.weight" not in joint.gguf.tensors
     ids = split.tokenizer.encode("one two three four five")
     with torch.inference_mode():
         a = split.model(torch.tensor(ids), 0, split.new_cache())

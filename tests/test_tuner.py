@@ -72,12 +72,13 @@ def test_replay_reproduces_the_engine_counters_exactly(tmp_path: Path, share: fl
     assert other.total.hits > res.total.hits
 
 
-@pytest.mark.parametrize("arch", ["glm4moe", "deepseek2"])
+@pytest.mark.parametrize("arch", ["glm4moe", "deepseek2", "qwen3next", "qwen35moe"])
 def test_dense_lead_layers_stay_out_of_trace_replay_and_tune(
     tmp_path: Path, arch: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    """Families with dense lead layers (and GLM's trailing NextN block): every consumer sees the MoE
-    layers only, by their real index; the replay equals the engine and the tuner completes."""
+    """Families with dense lead layers (and GLM's and Qwen3.5's trailing NextN block; Qwen3-Next's
+    dense layers, `mlp_only_layers`, and linear attention): every consumer sees the MoE layers
+    only, by their real index; the replay equals the engine and the tuner completes."""
     path = tiny_moe(tmp_path / "m.gguf", arch=arch, n_layers=3, dense_layers=1, n_expert=8, n_expert_used=2)
     trace = tmp_path / "run.trace"
     engine = _record(path, trace, 0.8, 0.5)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from ..config import ModelConfig
 from ..gguf_file import GGUFError, GGUFFile
-from . import deepseek2, glm4moe, gpt_oss, llama_moe, olmoe, qwen_moe
+from . import deepseek2, glm4moe, gpt_oss, llama_moe, olmoe, qwen3next, qwen_moe
 from .decoder import Family, MoeDecoder
 from .gemma3 import Gemma3
 
@@ -18,6 +18,8 @@ _FAMILIES = {
     "gpt-oss": gpt_oss.FAMILY,
     "glm4moe": glm4moe.FAMILY,
     "deepseek2": deepseek2.FAMILY,
+    "qwen3next": qwen3next.FAMILY,
+    "qwen35moe": qwen3next.FAMILY_35,
 }
 
 

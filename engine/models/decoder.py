@@ -100,9 +100,14 @@ class Attention(nn.Module):
         return torch.from_numpy(out)
 
     def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
-        cfg, t = self.cfg, h.shape[0]
-        n_kv = cfg.n_head_kv[self.i]
         q, k, v = linears(h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))  # [T, H*D], [T, Hkv*D] x2
+        return linear(self.attend(q, k, v, pos0, cache, rope).reshape(h.shape[0], -1), self.wo, self.bo)
+
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos0: int, cache: LayerCache,
+               rope: Rope) -> torch.Tensor:  # fmt: skip
+        """Projected q [T, H*D], k and v [T, Hkv*D] -> QK norms, rotary, cache write, attention -> [T, H, Dv]."""
+        cfg, t = self.cfg, q.shape[0]
+        n_kv = cfg.n_head_kv[self.i]
         v = v.view(t, n_kv, cfg.head_dim_v)
         if not self.qk_norm_per_head:
             if self.q_norm is not None:
@@ -119,14 +124,13 @@ class Attention(nn.Module):
             a = torch.from_numpy(decode_attention(
                 host_rows(q[0]), host_rows(k[0]), host_rows(v[0]), rope.parts(), rope.neox, cache.k.numpy(),
                 cache.v.numpy(), pos0, self.window, cfg.head_dim**-0.5))  # fmt: skip
-            return linear(a.reshape(1, -1), self.wo, self.bo)
-        pos = torch.arange(pos0, pos0 + t, device=h.device)
+            return a.view(1, cfg.n_head, cfg.head_dim_v)
+        pos = torch.arange(pos0, pos0 + t, device=q.device)
         q, k = rope(q, pos), rope(k, pos)
-        a = attention(
+        return attention(
             q, cache, k, v, pos0, scale=cfg.head_dim**-0.5, window=self.window, sinks=self.sinks,
             softcap=cfg.attn_softcap,
         )  # fmt: skip
-        return linear(a.reshape(t, -1), self.wo, self.bo)
 
 
 class Routed(nn.Module):

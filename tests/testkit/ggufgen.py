@@ -117,7 +117,11 @@ def write_gguf(
     return path
 
 
-ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe", "deepseek2")
+ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe", "deepseek2", "qwen3next", "qwen35moe")
+HYBRID = ("qwen3next", "qwen35moe")
+
+# Gated DeltaNet (Qwen3-Next, Qwen3.5): key heads, value heads, key (state) dim, value dim, conv taps.
+DELTA = {"k_heads": 2, "v_heads": 4, "dk": 32, "dv": 64, "taps": 4}
 
 # DeepSeek-style latent attention: query rank, latent rank, and per-head lengths (no-rope, rope, value).
 MLA = {"q_lora": 256, "kv_lora": 128, "nope": 64, "rope": 32, "v": 64}
@@ -148,6 +152,7 @@ def tiny_moe(
     output_type: GGMLQuantizationType | None = None,
     dense_layers: int = 0,
     mla_joint_kv_b: bool = False,
+    legacy_ssm_in: bool = False,
 ) -> Path:
     """A small MoE model of `arch` with random weights and a real (truncated) Qwen vocabulary.
 
@@ -162,6 +167,9 @@ def tiny_moe(
 
     `mla_joint_kv_b` (deepseek2): write attention as files from before the split of `attn_kv_b`
     did (the same weights), with per-head key/value lengths and no *_mla keys.
+
+    `legacy_ssm_in` (qwen3next): the linear attention's q|k|v|z and beta|alpha as the first
+    converters wrote them, one matrix each, interleaved per key head (float dense matrices only).
 
     Each architecture gets the tensors its family has: QK norms (per head for qwen3moe, whole
     projection for olmoe), biases and a shared expert (qwen2moe), sinks, router and expert
@@ -255,6 +263,25 @@ def tiny_moe(
                 f"{arch}.attention.key_length": MLA["nope"] + MLA["rope"],
                 f"{arch}.attention.value_length": MLA["v"],
             }
+    if arch in HYBRID:  # as convert_hf_to_gguf writes them: linear attention in every other layer here
+        d = DELTA
+        meta |= {
+            f"{arch}.expert_shared_feed_forward_length": n_ff_exp,
+            f"{arch}.rope.dimension_count": hd // 4,
+            f"{arch}.full_attention_interval": 2,
+            f"{arch}.ssm.conv_kernel": d["taps"],
+            f"{arch}.ssm.state_size": d["dk"],
+            f"{arch}.ssm.group_count": d["k_heads"],
+            f"{arch}.ssm.time_step_rank": d["v_heads"],
+            f"{arch}.ssm.inner_size": d["v_heads"] * d["dv"],
+        }
+    if arch == "qwen35moe":  # one MTP block, and the multi-axis rotary sections
+        nextn = 1
+        meta |= {
+            f"{arch}.block_count": n_layers + nextn,
+            f"{arch}.nextn_predict_layers": nextn,
+            f"{arch}.rope.dimension_sections": [hd // 24, hd // 24, hd // 8 - 2 * (hd // 24), 0],
+        }
     if arch == "gpt-oss":
         meta |= {
             f"{arch}.attention.sliding_window": 8,
@@ -297,6 +324,15 @@ def tiny_moe(
                 joint = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, m["kv_lora"])
                 t[b + "attn_kv_b.weight"] = (np.ascontiguousarray(joint), f32)
             t[b + "attn_output.weight"] = dense(n_embd, n_head * m["v"])
+        elif arch in HYBRID and i < n_layers and i % 2 == 0:  # linear attention
+            t |= _delta_net(b, n_embd, arch, dense, vector, norm, rng, legacy_ssm_in)
+        elif arch in HYBRID:  # gated attention: per head [query, gate]
+            t[b + "attn_q.weight"] = dense(n_head * hd * 2, n_embd)
+            t[b + "attn_k.weight"] = dense(n_head_kv * hd, n_embd)
+            t[b + "attn_v.weight"] = dense(n_head_kv * hd, n_embd)
+            t[b + "attn_output.weight"] = dense(n_embd, n_head * hd)
+            t[b + "attn_q_norm.weight"] = norm(hd)
+            t[b + "attn_k_norm.weight"] = norm(hd)
         else:
             t[b + "attn_q.weight"] = dense(n_head * hd, n_embd)
             t[b + "attn_k.weight"] = dense(n_head_kv * hd, n_embd)
@@ -320,7 +356,8 @@ def tiny_moe(
             t[b + "ffn_up_exps.bias"] = vector(n_expert, n_ff_exp)
             t[b + "ffn_down_exps.bias"] = vector(n_expert, n_embd)
         # gpt-oss and GLM files name the pre-FFN norm after the attention it follows.
-        t[b + ("post_attention_norm.weight" if arch in ("gpt-oss", "glm4moe") else "ffn_norm.weight")] = norm(n_embd)
+        post_norm = arch in ("gpt-oss", "glm4moe", *HYBRID)
+        t[b + ("post_attention_norm.weight" if post_norm else "ffn_norm.weight")] = norm(n_embd)
         if i >= n_layers:  # a NextN block: what decoding must not read
             t[b + "nextn.eh_proj.weight"] = dense(n_embd, 2 * n_embd)
             t[b + "nextn.enorm.weight"] = norm(n_embd)
@@ -335,10 +372,11 @@ def tiny_moe(
         t[b + "ffn_gate_exps.weight"] = experts(i, n_expert, n_ff_exp, n_embd)
         t[b + "ffn_up_exps.weight"] = experts(i, n_expert, n_ff_exp, n_embd)
         t[b + "ffn_down_exps.weight"] = experts(i, n_expert, n_embd, n_ff_exp, down=True)
-        if arch == "qwen2moe":
-            t[b + "ffn_gate_shexp.weight"] = dense(2 * n_ff_exp, n_embd)
-            t[b + "ffn_up_shexp.weight"] = dense(2 * n_ff_exp, n_embd)
-            t[b + "ffn_down_shexp.weight"] = dense(n_embd, 2 * n_ff_exp)
+        if arch in ("qwen2moe", *HYBRID):  # a shared expert behind a sigmoid gate
+            shared = 2 * n_ff_exp if arch == "qwen2moe" else n_ff_exp
+            t[b + "ffn_gate_shexp.weight"] = dense(shared, n_embd)
+            t[b + "ffn_up_shexp.weight"] = dense(shared, n_embd)
+            t[b + "ffn_down_shexp.weight"] = dense(n_embd, shared)
             t[b + "ffn_gate_inp_shexp.weight"] = vector(n_embd)
         if arch in ("glm4moe", "deepseek2"):
             # The choice's correction bias, large enough to change which experts win.
@@ -347,3 +385,36 @@ def tiny_moe(
             t[b + "ffn_up_shexp.weight"] = dense(n_ff_exp, n_embd)
             t[b + "ffn_down_shexp.weight"] = dense(n_embd, n_ff_exp)
     return write_gguf(path, arch, meta, t, vocab=vocab, template=template)
+
+
+def _delta_net(b: str, n_embd: int, arch: str, dense: Any, vector: Any, norm: Any, rng: np.random.Generator,
+               legacy: bool) -> dict[str, tuple[np.ndarray, GGMLQuantizationType]]:  # fmt: skip
+    """A Gated DeltaNet layer's tensors, laid out as the converter writes `arch`."""
+    d = DELTA
+    hk, hv, dk, dv = d["k_heads"], d["v_heads"], d["dk"], d["dv"]
+    channels = 2 * hk * dk + hv * dv
+    f32 = Q.F32
+    t = {
+        b + "attn_qkv.weight": dense(channels, n_embd),
+        b + "attn_gate.weight": dense(hv * dv, n_embd),
+        # A wider conv than the projections' 0.05, so that the state sees values of about 1.
+        b + "ssm_conv1d.weight": ((rng.standard_normal((channels, d["taps"])) * 0.5).astype(np.float32), f32),
+        b + "ssm_dt.bias": vector(hv),
+        b + "ssm_a": ((-np.exp(rng.uniform(-1.0, 1.0, hv))).astype(np.float32), f32),  # -exp(A_log)
+        b + "ssm_norm.weight": norm(dv),
+        b + "ssm_out.weight": dense(n_embd, hv * dv),
+    }
+    if arch == "qwen35moe":
+        t[b + "ssm_beta.weight"] = dense(hv, n_embd)
+        t[b + "ssm_alpha.weight"] = dense(hv, n_embd)
+    else:  # per key head [beta x ratio, alpha x ratio]
+        t[b + "ssm_ba.weight"] = dense(2 * hv, n_embd)
+    if legacy:
+        qkv, z = t.pop(b + "attn_qkv.weight")[0], t.pop(b + "attn_gate.weight")[0]
+        if qkv.dtype != np.float32:
+            raise ValueError("legacy_ssm_in needs float dense matrices")
+        r = hv // hk
+        q, k, v = np.split(qkv, [hk * dk, 2 * hk * dk])
+        per_head = [q.reshape(hk, dk, -1), k.reshape(hk, dk, -1), v.reshape(hk, r * dv, -1), z.reshape(hk, r * dv, -1)]
+        t[b + "ssm_in.weight"] = (np.ascontiguousarray(np.concatenate(per_head, axis=1).reshape(-1, n_embd)), f32)
+    return t

@@ -78,7 +78,64 @@ def _hf_config(cfg: ModelConfig, dense_lead: int = 0, qk_norm: bool = False) -> 
                                    q_lora_rank=cfg.q_lora_rank or None, qk_rope_head_dim=cfg.rope_dim,
                                    qk_nope_head_dim=cfg.head_dim_mla - cfg.rope_dim, v_head_dim=cfg.head_dim_v_mla,
                                    rope_parameters=rope, rope_interleave=True, num_mtp_layers=0)  # fmt: skip
+    if cfg.arch in ("qwen3next", "qwen35moe"):
+        del common["rope_theta"]
+        partial = cfg.rope_dim / cfg.head_dim
+        rope = {"rope_type": "default", "rope_theta": cfg.rope_theta, "partial_rotary_factor": partial}
+        kinds = ["linear_attention" if cfg.is_recurrent(i) else "full_attention" for i in range(cfg.n_layers)]
+        hybrid = dict(
+            num_experts=cfg.n_expert, moe_intermediate_size=cfg.n_ff_exp,
+            shared_expert_intermediate_size=cfg.n_ff_shexp,
+            linear_conv_kernel_dim=cfg.ssm_conv_kernel, linear_key_head_dim=cfg.ssm_state,
+            linear_value_head_dim=cfg.ssm_inner // cfg.ssm_v_heads, linear_num_key_heads=cfg.ssm_k_heads,
+            linear_num_value_heads=cfg.ssm_v_heads, layer_types=kinds, rope_parameters=rope,
+        )  # fmt: skip
+        if cfg.arch == "qwen3next":
+            return tf.Qwen3NextConfig(**common, **hybrid, intermediate_size=cfg.n_ff_exp, norm_topk_prob=True,
+                                      decoder_sparse_step=1, mlp_only_layers=[])  # fmt: skip
+        return tf.Qwen3_5MoeTextConfig(**common, **hybrid)
     raise ValueError(cfg.arch)
+
+
+def _untile(w: torch.Tensor, cfg: ModelConfig, head: int, dim: int = 0) -> torch.Tensor:
+    """Qwen3.5's converter orders value heads tiled over the key heads; transformers groups them."""
+    hk, r = cfg.ssm_k_heads, cfg.ssm_v_heads // cfg.ssm_k_heads
+    shape = list(w.shape)
+    w = w.reshape(*shape[:dim], r, hk, head, *shape[dim + 1 :]).transpose(dim, dim + 1)
+    return w.reshape(shape)
+
+
+def _delta_net(sd: dict[str, torch.Tensor], hf: str, b: str, cfg: ModelConfig, gguf: GGUFFile) -> None:
+    """A Gated DeltaNet layer under transformers' names and orders (Qwen3-Next: q|k|v|z and b|a per key head)."""
+    hk, hv, dk = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
+    dv, r = cfg.ssm_inner // hv, hv // hk
+    p = hf + "linear_attn."
+    if b + "ssm_in.weight" in gguf.tensors:  # the first converters' layout is transformers' own
+        sd[p + "in_proj_qkvz.weight"] = load_weight(gguf, b + "ssm_in.weight")
+        sd[p + "in_proj_ba.weight"] = load_weight(gguf, b + "ssm_ba.weight")
+    else:
+        qkv, z = load_weight(gguf, b + "attn_qkv.weight"), load_weight(gguf, b + "attn_gate.weight")
+    conv = load_weight(gguf, b + "ssm_conv1d.weight")
+    dt, a_log = load_weight(gguf, b + "ssm_dt.bias"), torch.log(-load_weight(gguf, b + "ssm_a"))
+    out = load_weight(gguf, b + "ssm_out.weight")
+    if cfg.arch == "qwen3next" and b + "ssm_in.weight" not in gguf.tensors:
+        q, k, v = qkv.split([hk * dk, hk * dk, hv * dv])
+        per_head = [q.view(hk, dk, -1), k.view(hk, dk, -1), v.view(hk, r * dv, -1), z.view(hk, r * dv, -1)]
+        sd[p + "in_proj_qkvz.weight"] = torch.cat(per_head, dim=1).reshape(-1, cfg.n_embd)
+        sd[p + "in_proj_ba.weight"] = load_weight(gguf, b + "ssm_ba.weight")
+    elif cfg.arch == "qwen35moe":
+        qk = qkv[: 2 * hk * dk]
+        sd[p + "in_proj_qkv.weight"] = torch.cat([qk, _untile(qkv[2 * hk * dk :], cfg, dv)])
+        sd[p + "in_proj_z.weight"] = _untile(z, cfg, dv)
+        sd[p + "in_proj_b.weight"] = _untile(load_weight(gguf, b + "ssm_beta.weight"), cfg, 1)
+        sd[p + "in_proj_a.weight"] = _untile(load_weight(gguf, b + "ssm_alpha.weight"), cfg, 1)
+        conv = torch.cat([conv[: 2 * hk * dk], _untile(conv[2 * hk * dk :], cfg, dv)])
+        dt, a_log = _untile(dt, cfg, 1), _untile(a_log, cfg, 1)
+        out = _untile(out, cfg, dv, dim=1)
+    sd[p + "conv1d.weight"] = conv[:, None, :]
+    sd[p + "dt_bias"], sd[p + "A_log"] = dt, a_log
+    sd[p + "norm.weight"] = load_weight(gguf, b + "ssm_norm.weight")  # the gated norm: weights as they are
+    sd[p + "out_proj.weight"] = out
 
 
 def _mla_attention(sd: dict[str, torch.Tensor], hf: str, b: str, cfg: ModelConfig, gguf: GGUFFile) -> None:
@@ -106,6 +163,8 @@ def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
         "gpt-oss": "GptOss",
         "glm4moe": "Glm4Moe",
         "deepseek2": "DeepseekV3",
+        "qwen3next": "Qwen3Next",
+        "qwen35moe": "Qwen3_5Moe",
     }
     name = classes[cfg.arch] if cfg.is_moe else {"llama": "Llama", "qwen2": "Qwen2", "qwen3": "Qwen3"}[cfg.arch]
     dense_lead = sum(f"blk.{i}.ffn_gate_inp.weight" not in gguf.tensors for i in range(cfg.n_layers))
@@ -120,15 +179,19 @@ def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
         "lm_head.weight": w("output.weight"),
         "model.norm.weight": w("output_norm.weight"),
     }
+    hybrid = cfg.arch in ("qwen3next", "qwen35moe")
     for i in range(cfg.n_layers):
         hf, b = f"model.layers.{i}.", f"blk.{i}."
         sd[hf + "input_layernorm.weight"] = w(b + "attn_norm.weight")
-        ffn_norm = "post_attention_norm" if cfg.arch in ("gpt-oss", "glm4moe") else "ffn_norm"
+        ffn_norm = "post_attention_norm" if cfg.arch in ("gpt-oss", "glm4moe") or hybrid else "ffn_norm"
         sd[hf + "post_attention_layernorm.weight"] = w(f"{b}{ffn_norm}.weight")
         attn = () if cfg.kv_lora_rank else (("q_proj", "attn_q"), ("k_proj", "attn_k"), ("v_proj", "attn_v"))
         if cfg.kv_lora_rank:
             _mla_attention(sd, hf, b, cfg, gguf)
-        for proj, ours in (*attn, ("o_proj", "attn_output")):
+        if cfg.is_recurrent(i):
+            _delta_net(sd, hf, b, cfg, gguf)
+            attn = ()
+        for proj, ours in (*attn, *(() if cfg.is_recurrent(i) else (("o_proj", "attn_output"),))):
             sd[f"{hf}self_attn.{proj}.weight"] = w(f"{b}{ours}.weight")
             bias = maybe_weight(gguf, f"{b}{ours}.bias")
             if bias is not None:
@@ -163,10 +226,14 @@ def hf_reference(gguf: GGUFFile, cfg: ModelConfig) -> Any:
             sd[hf + "mlp.gate.e_score_correction_bias"] = w(b + "exp_probs_b.bias")
             for proj in ("gate", "up", "down"):
                 sd[f"{hf}mlp.shared_experts.{proj}_proj.weight"] = w(f"{b}ffn_{proj}_shexp.weight")
-        if cfg.arch == "qwen2moe":
+        if cfg.arch in ("qwen2moe", "qwen3next", "qwen35moe"):
             sd[hf + "mlp.shared_expert.gate_proj.weight"] = w(b + "ffn_gate_shexp.weight")
             sd[hf + "mlp.shared_expert.up_proj.weight"] = w(b + "ffn_up_shexp.weight")
             sd[hf + "mlp.shared_expert.down_proj.weight"] = w(b + "ffn_down_shexp.weight")
             sd[hf + "mlp.shared_expert_gate.weight"] = w(b + "ffn_gate_inp_shexp.weight").reshape(1, -1)
+    if hybrid:  # transformers' zero-centred norms: the converter added the 1 that the file holds
+        for name in sd:
+            if name.endswith("norm.weight") and "linear_attn" not in name:
+                sd[name] = sd[name] - 1
     model.load_state_dict(sd, strict=True)
     return model

@@ -1,0 +1,155 @@
+"""Qwen3-Next (qwen3next) and Qwen3.5/3.6 MoE (qwen35moe): hybrid linear/full attention with experts.
+
+Their quirks, all read from the file:
+- Three of every four layers (`full_attention_interval`) mix tokens with a Gated DeltaNet: a
+  causal depthwise conv (`ssm.conv_kernel` taps) over the q|k|v projection, then per value head a
+  [key dim, value dim] state S that each token decays and corrects (the delta rule):
+      S <- exp(g) S;  S <- S + k (beta (v - k.S));  out = q.S
+  with q and k L2-normed (q also scaled by 1/sqrt(key dim)), beta = sigmoid(x W_beta) and the log
+  decay g = ssm_a * softplus(x W_alpha + dt_bias) (the file holds ssm_a = -exp(A_log)). The
+  output is RMS-normed per head, gated by SiLU(x W_gate), and projected back. A layer carries the
+  conv's last inputs and S from token to token: no KV cache, whatever the context.
+- Key heads serve several value heads: Qwen3-Next's files group a key head's value heads together
+  (value head j reads key head j // ratio), Qwen3.5's converter tiles them (key head j % n_key).
+- Qwen3-Next files hold beta and alpha in one matrix, per key head [beta x ratio, alpha x ratio];
+  older ones hold q|k|v|z in one (`ssm_in`), per key head. Both are split at load.
+- The other layers: attention whose query projection also yields a per-head output gate
+  (per head [query, gate]), sigmoid-applied before the output projection; per-head QK norms;
+  rotary embedding on the first quarter of each head, halves rotated. Qwen3.5's multi-axis rotary
+  sections all carry the token's position in text, so it is the same rotation.
+- Every layer is MoE: softmax routing, renormalised top-k, a shared expert behind a sigmoid gate.
+  The pre-FFN norm is named `post_attention_norm`. Qwen3.5's MTP block is neither run nor loaded.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from ..config import ModelConfig
+from ..cpu_blocks import delta_rule_rows
+from ..gguf_file import GGUFError, GGUFFile
+from ..layers import LayerCache, Rope, host_rows, load_weight, rms_norm
+from ..moe import swiglu
+from ..qlinear import Weight, linear, linears, load_linear
+from .decoder import Attention, Family, SelfAttention
+
+
+class GatedAttention(Attention):
+    """Full attention with a sigmoid output gate that the query projection yields per head."""
+
+    def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
+                     cache: LayerCache, rope: Rope) -> torch.Tensor | None:  # fmt: skip
+        return None  # the compiled whole-layer attention has no gate
+
+    def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
+        cfg, t = self.cfg, h.shape[0]
+        qg = linear(h, self.wq).view(t, cfg.n_head, 2, cfg.head_dim)  # per head [query, gate]
+        q, gate = qg[:, :, 0].reshape(t, -1), qg[:, :, 1].reshape(t, -1)  # [T, H*D] each
+        k, v = linears(h, (self.wk, self.wv), (None, None))
+        a = self.attend(q, k, v, pos0, cache, rope).reshape(t, -1)  # [T, H*Dv]
+        return linear(a * torch.sigmoid(gate), self.wo)
+
+
+class GatedDeltaNet(nn.Module):
+    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, quantized: bool, tiled_heads: bool) -> None:
+        super().__init__()
+        p = f"blk.{i}."
+        hk, hv, dk = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
+        dv, r, e = cfg.ssm_inner // hv, hv // hk, cfg.n_embd
+        self.cfg, self.dims = cfg, (hk, hv, dk, dv)
+        self.w_qkv: Weight
+        self.w_z: Weight
+        if p + "attn_qkv.weight" in gguf.tensors:
+            self.w_qkv = load_linear(gguf, p + "attn_qkv.weight", quantized)  # [2*Hk*Dk + Hv*Dv, E]
+            self.w_z = load_linear(gguf, p + "attn_gate.weight", quantized)  # [Hv*Dv, E]
+        else:  # per key head [q, k, v x ratio, z x ratio]
+            qkvz = load_weight(gguf, p + "ssm_in.weight").view(hk, 2 * dk + 2 * r * dv, e)
+            q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=1)
+            self.w_qkv = torch.cat([q.reshape(-1, e), k.reshape(-1, e), v.reshape(-1, e)])
+            self.w_z = z.reshape(-1, e).contiguous()
+        if p + "ssm_ba.weight" in gguf.tensors:  # per key head [beta x ratio, alpha x ratio]
+            ba = load_weight(gguf, p + "ssm_ba.weight").view(hk, 2 * r, e)
+            self.w_beta, self.w_alpha = ba[:, :r].reshape(hv, e), ba[:, r:].reshape(hv, e)  # [Hv, E] each
+        else:
+            self.w_beta = load_weight(gguf, p + "ssm_beta.weight")
+            self.w_alpha = load_weight(gguf, p + "ssm_alpha.weight")
+        self.conv = load_weight(gguf, p + "ssm_conv1d.weight")  # [C, taps]
+        channels = 2 * hk * dk + hv * dv
+        if tuple(self.conv.shape) != (channels, cfg.ssm_conv_kernel):
+            raise GGUFError(f"{gguf.path}: tensor '{p}ssm_conv1d.weight': shape {tuple(self.conv.shape)}, expected "
+                            f"{(channels, cfg.ssm_conv_kernel)} from the ssm.* keys")  # fmt: skip
+        self.dt_bias = load_weight(gguf, p + "ssm_dt.bias")  # [Hv]
+        self.a = load_weight(gguf, p + "ssm_a")  # [Hv]: -exp(A_log)
+        self.norm = load_weight(gguf, p + "ssm_norm.weight")  # [Dv]
+        self.w_out = load_linear(gguf, p + "ssm_out.weight", quantized)  # [E, Hv*Dv]
+        heads = torch.arange(hv)
+        self.key_head = heads % hk if tiled_heads else heads // r  # [Hv]: the key head each value head reads
+
+    def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
+                     cache: LayerCache, rope: Rope) -> torch.Tensor | None:  # fmt: skip
+        return None
+
+    def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
+        (hk, hv, dk, dv), t = self.dims, h.shape[0]
+        assert cache.conv is not None and cache.state is not None  # a recurrent layer's cache has both
+        qkv, z = linears(h, (self.w_qkv, self.w_z), (None, None))  # [T, C], [T, Hv*Dv]
+        beta = torch.sigmoid(F.linear(h, self.w_beta))  # [T, Hv]
+        decay = torch.exp(self.a * F.softplus(F.linear(h, self.w_alpha) + self.dt_bias))  # [T, Hv]
+        x = torch.cat([cache.conv, qkv])  # [taps - 1 + T, C]: the earlier tokens' inputs first
+        taps = self.conv.shape[1]
+        mixed = x[:t] * self.conv[:, 0]
+        for j in range(1, taps):
+            mixed = mixed + x[j : j + t] * self.conv[:, j]
+        mixed = F.silu(mixed)  # [T, C]
+        cache.conv.copy_(x[t:])
+        q, k, v = mixed.split([hk * dk, hk * dk, hv * dv], dim=-1)
+        q = F.normalize(q.view(t, hk, dk), dim=-1, eps=self.cfg.norm_eps)[:, self.key_head] * dk**-0.5  # [T, Hv, Dk]
+        k = F.normalize(k.view(t, hk, dk), dim=-1, eps=self.cfg.norm_eps)[:, self.key_head]
+        v = v.view(t, hv, dv)
+        out = delta_rule(q, k, v, decay, beta, cache.state)  # [T, Hv, Dv]
+        out = rms_norm(out, self.norm, self.cfg.norm_eps) * F.silu(z.view(t, hv, dv))
+        return linear(out.reshape(t, -1), self.w_out)
+
+
+def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+               state: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    """The gated delta rule token by token: q, k [T, H, Dk], v [T, H, Dv], decay, beta [T, H];
+    `state` [H, Dk, Dv] is read and left holding the state after the last token. -> [T, H, Dv].
+
+    On the CPU in float32 one compiled call runs it (`cpu_blocks.delta_rule_rows`); the torch loop
+    below is the reference the tests hold it to, and the form every other device runs."""
+    if state.device.type == "cpu" and state.dtype == torch.float32 and state.is_contiguous():
+        qr, kr, vr, dr, br = (host_rows(x) for x in (q, k, v, decay, beta))
+        return torch.from_numpy(delta_rule_rows(qr, kr, vr, dr, br, state.numpy()))
+    return delta_rule_torch(q, k, v, decay, beta, state)
+
+
+def delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor, beta: torch.Tensor,
+                     state: torch.Tensor) -> torch.Tensor:  # fmt: skip
+    s = state
+    out = torch.empty_like(v)
+    for i in range(q.shape[0]):
+        s = s * decay[i, :, None, None]
+        error = (v[i] - torch.einsum("hk,hkv->hv", k[i], s)) * beta[i, :, None]  # [H, Dv]
+        s = s + k[i, :, :, None] * error[:, None, :]
+        out[i] = torch.einsum("hk,hkv->hv", q[i], s)
+    state.copy_(s)
+    return out
+
+
+def _grouped(gguf: GGUFFile, cfg: ModelConfig, i: int, quantized: bool) -> SelfAttention:
+    if cfg.is_recurrent(i):
+        return GatedDeltaNet(gguf, cfg, i, quantized, tiled_heads=False)
+    return GatedAttention(gguf, cfg, i, quantized)
+
+
+def _tiled(gguf: GGUFFile, cfg: ModelConfig, i: int, quantized: bool) -> SelfAttention:
+    if cfg.is_recurrent(i):
+        return GatedDeltaNet(gguf, cfg, i, quantized, tiled_heads=True)
+    return GatedAttention(gguf, cfg, i, quantized)
+
+
+FAMILY = Family(neox_rope=True, act=swiglu, ffn_norm="post_attention_norm", attention=_grouped)
+FAMILY_35 = Family(neox_rope=True, act=swiglu, ffn_norm="post_attention_norm", attention=_tiled)
