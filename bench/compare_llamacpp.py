@@ -4,6 +4,7 @@
     python bench/compare_llamacpp.py                 # the test models of every architecture
     python bench/compare_llamacpp.py MODEL.gguf ...  # your own files
     python bench/compare_llamacpp.py --f32-copy MODEL.gguf   # and an F32 copy of each
+    python bench/compare_llamacpp.py --arch qwen35moe --agreement-only --f32-copy   # one family, no timing
 
 Both engines get the same token ids (no tokenizer differences), all positions' logits are
 compared (top-1 agreement, mean KL(llama.cpp || moechat)), then prefill and decode speed are
@@ -36,12 +37,12 @@ TEXT = (
 )
 
 
-def test_models(out: Path, logit_scale: float) -> list[Path]:
+def test_models(out: Path, logit_scale: float, archs: list[str] | None = None) -> list[Path]:
     """Every architecture's test model; `logit_scale` > 1 makes the random output layer as confident as an LM's."""
     from testkit.ggufgen import ARCHS, Q, tiny_moe
 
     paths = []
-    for arch in ARCHS:
+    for arch in archs or ARCHS:
         types = [Q.F32, Q.MXFP4] if arch == "gpt-oss" else [Q.F32, Q.Q8_0, Q.Q4_K]
         for qtype in types:
             name = f"{arch}-{qtype.name}{'-peaked' if logit_scale != 1 else ''}.gguf"
@@ -139,9 +140,11 @@ def _speed_in_process(engine: str, path: Path, n_pos: int, n_decode: int, thread
 
 
 def compare(path: Path, n_pos: int, n_decode: int, threads: int, repeats: int) -> dict[str, float | str]:
-    """Logits agreement over every position, then speed: each engine in its own process,
-    alternating, the median of `repeats` runs each."""
+    """Logits agreement over every position, then speed (with `repeats` > 0): each engine in its
+    own process, alternating, the median of `repeats` runs each."""
     top1, kl = _in_process(f"agreement(Path({str(path)!r}), {n_pos}, {threads})")
+    if repeats == 0:
+        return {"model": path.name, "top1": top1, "kl": kl}
     engines = ("peer", "ours", "int8")
     times: dict[str, list[float]] = {f"{e}_{kind}": [] for e in engines for kind in ("pp", "tg")}
     for _ in range(repeats):
@@ -217,6 +220,8 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--logit-scale", type=float, default=1.0, help="test models: scale of the output layer")
+    ap.add_argument("--arch", action="append", help="test models of this architecture only (repeatable)")
+    ap.add_argument("--agreement-only", action="store_true", help="logits agreement, no speed runs")
     ap.add_argument(
         "--no-extra-bufts",
         action="store_true",
@@ -231,10 +236,16 @@ def main() -> None:
     if args.no_extra_bufts:
         _no_extra_buffer_types()
     with tempfile.TemporaryDirectory() as tmp:
-        models = args.models or test_models(Path(tmp), args.logit_scale)
+        models = args.models or test_models(Path(tmp), args.logit_scale, args.arch)
         if args.f32_copy:
             models = [x for m in models for x in (m, f32_copy(m, Path(tmp)))]
-        rows = [compare(m, args.positions, args.decode, args.threads, args.repeats) for m in models]
+        repeats = 0 if args.agreement_only else args.repeats
+        rows = [compare(m, args.positions, args.decode, args.threads, repeats) for m in models]
+    if args.agreement_only:
+        print("| model | top-1 | mean KL |\n|---|---|---|")
+        for r in rows:
+            print(f"| {r['model']} | {100 * float(r['top1']):.1f}% | {float(r['kl']):.2e} |")
+        return
     head = ["model", "top-1", "mean KL", "pp t/s ours", "pp t/s llama.cpp", "ratio", "tg t/s ours",
             "tg t/s llama.cpp", "ratio"]  # fmt: skip
     print("| " + " | ".join(head) + " |")

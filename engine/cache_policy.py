@@ -82,9 +82,6 @@ class ClassLRU:
     def slot_of(self, layer: int, expert: int) -> int:
         return self.slot_map[layer][expert]
 
-    def class_of(self, key: int) -> int:
-        return _class(self.crf[key])
-
     def _victims(self, m: int, selected: set[int]) -> list[int]:
         """The slots that m misses take, in order: empty slots first, then one eviction per miss.
 

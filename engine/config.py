@@ -1,31 +1,26 @@
 """`ModelConfig`: the hyperparameters of a model, read from its GGUF metadata.
 
 Everything comes from `{arch}.*` keys (and, where the format has no key, from which tensors
-exist): never from a table of model names.
+exist): never from a table of model names. What a family's files leave implicit, its module
+under models/ gives as defaults for those keys (`Family.metadata`).
 """
 
 from __future__ import annotations
 
 import numbers
+from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from .gguf_file import GGUFError, GGUFFile
 
-# Architectures whose blocks route tokens to experts, and dense ones we also read.
-MOE_ARCHITECTURES = (
-    "qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe", "deepseek2", "qwen3next", "qwen35moe", "gemma3moe",
-)  # fmt: skip
-DENSE_ARCHITECTURES = ("llama", "qwen2", "qwen3", "gemma3")
-SUPPORTED_ARCHITECTURES = tuple(dict.fromkeys(MOE_ARCHITECTURES + DENSE_ARCHITECTURES))
-
 # How each family turns router logits into expert weights (gguf's expert_gating_func values).
 GATING_SOFTMAX = 1
 GATING_SIGMOID = 2
 GATING_SOFTMAX_SELECTED = 3  # softmax over the selected logits only (gpt-oss)
 # Our own: the router only selects, each selected expert counts with weight 1 (the MoEfied demo,
-# where all experts together are exactly the dense FFN). Implied by the architecture, never read.
+# where all experts together are exactly the dense FFN). The demo's family gives it as a default.
 GATING_SELECT = 100
 
 
@@ -156,13 +151,14 @@ def _recurrent_layers(meta: Mapping[str, Any], path: str, p: str, n_blocks: int)
     return tuple((i + 1) % interval != 0 for i in range(n_blocks))
 
 
-def model_config(gguf: GGUFFile) -> ModelConfig:
-    """Build the config of an opened file, or raise `GGUFError` naming the problem."""
-    meta, path = gguf.metadata, str(gguf.path)
-    arch = gguf.architecture
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise GGUFError(f"{path}: unsupported architecture '{arch}' (supported: {', '.join(SUPPORTED_ARCHITECTURES)})")
+def model_config(gguf: GGUFFile, defaults: Mapping[str, Any] | None = None) -> ModelConfig:
+    """Build the config of an opened file, or raise `GGUFError` naming the problem.
+
+    `defaults`: values for `{arch}.` keys the file does not hold (its family's, `models.config_for`).
+    """
+    arch, path = gguf.architecture, str(gguf.path)
     p = f"{arch}."
+    meta: Mapping[str, Any] = ChainMap(dict(gguf.metadata), {p + k: v for k, v in (defaults or {}).items()})
     n_blocks = _int(meta, path, p + "block_count")
     # Multi-token-prediction (NextN) layers trail the decoder's blocks; plain decoding never runs them.
     n_nextn = _int(meta, path, p + "nextn_predict_layers", 0)
@@ -236,30 +232,16 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         yarn_log_mul=_float(meta, path, p + "rope.scaling.yarn_log_multiplier", 0.0),
     )
 
-    # Families that the format leaves implicit: which layers slide, and the gating function.
+    # Which layers slide: every `pattern`-th layer is global (an integer), or one flag per layer.
     sliding_window = _int(meta, path, p + "attention.sliding_window", 0)
     swa_layers: tuple[bool, ...] = (False,) * n_layers
-    rope_theta_swa = 0.0
-    gating = GATING_SOFTMAX
-    weights_norm_default = False
-    if arch in ("gemma3", "gemma3moe"):
-        # Every sixth layer is global; the others slide and use a base frequency of 10k.
-        swa_layers = tuple((i + 1) % 6 != 0 for i in range(n_layers)) if sliding_window else swa_layers
-        rope_theta_swa = 10_000.0
-    elif arch == "gpt-oss":
-        swa_layers = tuple(i % 2 == 0 for i in range(n_layers)) if sliding_window else swa_layers
-        gating = GATING_SOFTMAX_SELECTED
-    elif arch in ("qwen3moe", "llama", "qwen3next", "qwen35moe"):
-        weights_norm_default = True  # Qwen3-MoE, Qwen3-Next and Mixtral renormalise the selected weights
     pattern = meta.get(p + "attention.sliding_window_pattern")
     if pattern is not None and sliding_window:
         if isinstance(pattern, (int,)) and not isinstance(pattern, bool):
             swa_layers = tuple(int(pattern) > 0 and (i + 1) % int(pattern) != 0 for i in range(n_layers))
         else:
             swa_layers = tuple(bool(v) for v in pattern)[:n_layers]
-    gating = _int(meta, path, p + "expert_gating_func", gating)
-    if arch == "gemma3moe":
-        gating = GATING_SELECT
+    gating = _int(meta, path, p + "expert_gating_func", GATING_SOFTMAX)
 
     default_eps = _float(meta, path, p + "attention.layer_norm_epsilon", 1e-5)
     return ModelConfig(
@@ -283,7 +265,7 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         n_ff_exp=_int(meta, path, p + "expert_feed_forward_length", n_ff if n_expert else 0),
         n_expert_shared=_int(meta, path, p + "expert_shared_count", 0),
         n_ff_shexp=_int(meta, path, p + "expert_shared_feed_forward_length", 0),
-        expert_weights_norm=bool(meta.get(p + "expert_weights_norm", weights_norm_default)),
+        expert_weights_norm=bool(meta.get(p + "expert_weights_norm", False)),
         expert_weights_scale=_float(meta, path, p + "expert_weights_scale", 1.0),
         expert_gating=gating,
         expert_groups=n_groups,
@@ -301,7 +283,7 @@ def model_config(gguf: GGUFFile) -> ModelConfig:
         ssm_k_heads=ssm["group_count"],
         sliding_window=sliding_window,
         swa_layers=swa_layers,
-        rope_theta_swa=rope_theta_swa,
+        rope_theta_swa=_float(meta, path, p + "rope.freq_base_swa", 0.0),
         attn_softcap=_float(meta, path, p + "attn_logit_softcapping", 0.0),
         final_softcap=_float(meta, path, p + "final_logit_softcapping", 0.0),
     )

@@ -39,7 +39,7 @@ from .fused_moe import host_arrays, run_fused
 from .jit import concurrent_calls_safe, set_kernel_threads
 from .moe import Contribution, HostExperts, LayerExperts, combine, run_experts
 from .quants import dequantize
-from .stats import GroupInfo, LayerSnapshot, LayerStats, Publisher, StatsSnapshot
+from .stats import GroupInfo, LayerCounters, LayerSnapshot, StatsSnapshot
 from .trace import TraceWriter
 
 logger = logging.getLogger(__name__)
@@ -115,12 +115,10 @@ class ExpertCache:
         self.groups: list[_Group] = []
         self.group_of: dict[int, _Group] = {}
         self._build_groups()
-        self.stats = {layer: LayerStats() for layer in host.layers}
+        self.stats = {layer: LayerCounters() for layer in host.layers}
         self.use_counts = {layer: np.zeros(lx.gate.raw.shape[0], dtype=np.int64) for layer, lx in host.layers.items()}
         self.first_layer = min(host.layers)
         self.tokens = 0
-        self.seconds = 0.0
-        self.publisher = Publisher()
         # One worker with one intra-op thread: it runs beside the main thread, which drives the
         # device (and on the CPU device computes too); two teams of intra-op threads on a small
         # machine only oversubscribe it. The setting is per thread: the main thread keeps its own.
@@ -221,7 +219,6 @@ class ExpertCache:
     # -- execution -------------------------------------------------------------------------
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        t0 = time.perf_counter()
         n_tokens = x.shape[0]
         ids = ids.cpu()  # the one host sync the routing needs
         flat = ids.reshape(-1).tolist()
@@ -261,10 +258,8 @@ class ExpertCache:
                 out = combine(x, run_experts(lx, x, ids, weights, self.host.act, uniq, fetch=self._host_fetch(lx)))
         elif self.triton[layer]:
             out = self._run_triton(layer, group, policy, lx, plan, x, ids, weights)
-            self.seconds += time.perf_counter() - t0
         elif fused:
             out = self._run_fused(layer, group, policy, lx, plan, x, ids, weights)
-            self.seconds += time.perf_counter() - t0
         else:
             future: Future[list[Contribution]] | None = None
             if plan.cpu and self._worker is not None:
@@ -281,9 +276,6 @@ class ExpertCache:
             if future is not None:
                 parts += future.result()
             out = combine(x, parts)
-            self.seconds += time.perf_counter() - t0
-        if self.publisher.due():
-            self.publisher.publish(self.snapshot())
         return out
 
     def _run_fused(
@@ -436,7 +428,7 @@ class ExpertCache:
 
     # -- statistics --------------------------------------------------------------------------
 
-    def snapshot(self, *, final: bool = False) -> StatsSnapshot:
+    def snapshot(self) -> StatsSnapshot:
         with self._lock:
             layers = []
             for layer in sorted(self.host.layers):
@@ -452,16 +444,12 @@ class ExpertCache:
                     )
                 )  # fmt: skip
             return StatsSnapshot(
-                time.time(), self.tokens, self.seconds, tuple(g.info for g in self.groups), tuple(layers),
-                self.settings.cpu_share, final,
+                time.time(), self.tokens, tuple(g.info for g in self.groups), tuple(layers), self.settings.cpu_share,
             )  # fmt: skip
-
-    def end_of_generation(self) -> None:
-        self.publisher.publish(self.snapshot(final=True))
 
     def summary_lines(self) -> list[str]:
         """The seed-style summary the log prints at exit."""
-        snap = self.snapshot(final=True)
+        snap = self.snapshot()
         lines = []
         for name in ("small", "large"):
             tot = None

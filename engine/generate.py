@@ -32,11 +32,9 @@ class ContextFull(ValueError):
 
 
 class Model(Protocol):
-    """What generation needs of a model: logits for tokens at a position, and an end-of-generation hook."""
+    """What generation needs of a model: logits for tokens at a position."""
 
     def __call__(self, tokens: torch.Tensor, pos0: int, cache: KVCache, last_only: bool = False) -> torch.Tensor: ...
-
-    def end_of_generation(self) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -73,12 +71,18 @@ class TokenEvent:
     seconds: float = 0.0  # since the previous token (the first: since the prompt was read)
 
 
+def tokens_per_second(n_tokens: int, seconds_since_first: float) -> float:
+    """Decode speed, the one formula every display uses: the tokens after the first over the time
+    since the first arrived (the first token's wait is the prompt's, counted apart)."""
+    return (n_tokens - 1) / seconds_since_first if n_tokens > 1 and seconds_since_first > 0 else 0.0
+
+
 @dataclass(frozen=True)
 class DoneEvent:
     n_prompt: int
     n_generated: int
-    prompt_seconds: float
-    gen_seconds: float
+    prompt_seconds: float  # reading the prompt, up to the first token's logits
+    gen_seconds: float  # from the first generated token to the end
     stop_reason: str  # eos | length | context | stopped
 
     @property
@@ -87,7 +91,7 @@ class DoneEvent:
 
     @property
     def gen_tps(self) -> float:
-        return self.n_generated / self.gen_seconds if self.gen_seconds > 0 else 0.0
+        return tokens_per_second(self.n_generated, self.gen_seconds)
 
 
 Event = TokenEvent | DoneEvent
@@ -184,7 +188,6 @@ def generate(
     try:
         logits = prefill(model, prompt, cache, stop=stop)
     except Stopped:  # while reading the prompt
-        model.end_of_generation()
         yield DoneEvent(len(prompt), 0, time.perf_counter() - t0, 0.0, "stopped")
         return
     t1 = time.perf_counter()
@@ -192,7 +195,7 @@ def generate(
     history = list(prompt)
     decoder = tokenizer.stream_decoder()
     reason, n = "length", 0
-    last = t1
+    last = first = t1
     while n < max_tokens:
         if stop is not None and stop.is_set():
             reason = "stopped"
@@ -203,6 +206,8 @@ def generate(
             break
         history.append(tok)
         now = time.perf_counter()
+        if n == 0:
+            first = now
         yield TokenEvent(tok, decoder.push(tok), n, now - last)
         last = now
         n += 1
@@ -215,5 +220,4 @@ def generate(
     tail = decoder.flush()
     if tail:
         yield TokenEvent(-1, tail, n)
-    model.end_of_generation()
-    yield DoneEvent(len(prompt), n, t1 - t0, time.perf_counter() - t1, reason)
+    yield DoneEvent(len(prompt), n, t1 - t0, time.perf_counter() - first if n else 0.0, reason)

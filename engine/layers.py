@@ -188,9 +188,6 @@ class KVCache:
         self.layers = [_layer_cache(cfg, i, n_ctx, dtype, device) for i in range(cfg.n_layers)]
         self.pos = 0  # tokens stored
 
-    def reset(self, pos: int = 0) -> None:
-        self.pos = pos
-
 
 def attention(
     q: torch.Tensor,

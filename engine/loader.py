@@ -15,7 +15,7 @@ from .expert_cache import CacheSettings, ExpertCache
 from .gguf_file import GGUFFile
 from .layers import KVCache, kv_cache_bytes, recurrent_state_bytes
 from .model_file import open_model
-from .models import build_model, family_for
+from .models import build_model
 from .models.decoder import MoeDecoder
 from .models.gemma3 import Gemma3
 from .qlinear import set_activation_bits
@@ -164,7 +164,6 @@ def load_model(
         raise ValueError(f"context size must be at least 16, got {n_ctx}")
     gguf, cfg = open_model(path)
     try:
-        family_for(gguf, cfg)  # refuse an unrunnable model before any other work or warning
         device = cache.device if cache is not None else "cpu"
         check_context(cfg, n_ctx, torch.device(device))
         tok = Tokenizer.from_metadata(gguf.metadata, str(gguf.path))

@@ -8,8 +8,9 @@ from collections import Counter
 from gguf import GGMLQuantizationType
 
 from . import quants
-from .config import ModelConfig, model_config
+from .config import ModelConfig
 from .gguf_file import GGUFError, GGUFFile
+from .models import config_for
 
 
 def unsupported_tensors(gguf: GGUFFile) -> list[tuple[str, GGMLQuantizationType]]:
@@ -24,7 +25,7 @@ def open_model(path: str | os.PathLike[str]) -> tuple[GGUFFile, ModelConfig]:
     """Open and validate a model: a bad file raises `GGUFError` now, never mid-generation."""
     gguf = GGUFFile(path)
     try:
-        config = model_config(gguf)
+        config = config_for(gguf)
         bad = unsupported_tensors(gguf)
         if bad:
             name, qtype = bad[0]

@@ -137,10 +137,6 @@ class ExpertExecutor(Protocol):
         """x [T, E], ids/weights [T, k] -> sum over k of weight * expert(x) [T, E]."""
         ...
 
-    def end_of_generation(self) -> None:
-        """A generation finished: publish what should be published."""
-        ...
-
 
 Contribution = tuple[int, torch.Tensor, torch.Tensor]  # (expert, token rows, weighted output rows)
 
@@ -242,9 +238,6 @@ class HostExperts:
         xc, ic, wc = x.cpu(), ids.cpu(), weights.cpu()
         parts = run_experts(self.layers[layer], xc, ic, wc, self.act, ic.unique().tolist(), fetch=self.fetcher(layer))
         return combine(x, parts)
-
-    def end_of_generation(self) -> None:
-        pass  # no statistics to publish
 
 
 def run_experts(

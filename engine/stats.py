@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from dataclasses import dataclass, field
 
 SMALL_BATCH = 8  # statistics split batches at 8 tokens, like the seed
@@ -48,7 +46,7 @@ class CountersSnapshot:
 
 
 @dataclass
-class LayerStats:
+class LayerCounters:
     small: Counters = field(default_factory=Counters)  # batches of <= 8 tokens
     large: Counters = field(default_factory=Counters)
 
@@ -89,11 +87,9 @@ class LayerSnapshot:
 class StatsSnapshot:
     time: float  # time.time() when taken
     tokens: int  # tokens through the MoE layers (per layer)
-    seconds: float  # time spent in cached expert execution
     groups: tuple[GroupInfo, ...]
     layers: tuple[LayerSnapshot, ...]
     cpu_share: float
-    final: bool = False  # taken at the end of a generation
 
     @property
     def total(self) -> CountersSnapshot:
@@ -101,20 +97,3 @@ class StatsSnapshot:
         for layer in self.layers:
             out = out + layer.total
         return out
-
-
-class Publisher:
-    """Calls subscribers with snapshots at most every `interval` seconds, and always when asked to."""
-
-    def __init__(self, interval: float = 0.25) -> None:
-        self.interval = interval
-        self._last = 0.0
-        self.subscribers: list[Callable[[StatsSnapshot], None]] = []
-
-    def due(self) -> bool:
-        return bool(self.subscribers) and time.monotonic() - self._last >= self.interval
-
-    def publish(self, snap: StatsSnapshot) -> None:
-        self._last = time.monotonic()
-        for fn in list(self.subscribers):
-            fn(snap)

@@ -6,8 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from moechat.engine.config import GATING_SIGMOID, ModelConfig, model_config
+from moechat.engine.config import GATING_SIGMOID, GATING_SOFTMAX_SELECTED, ModelConfig
 from moechat.engine.gguf_file import GGUFError, GGUFFile
+from moechat.engine.models import ARCHITECTURES, config_for
 from testkit.ggufgen import Q, write_gguf
 
 
@@ -23,7 +24,7 @@ def _config(tmp_path: Path, arch: str, **keys: object) -> ModelConfig:
     embd = {"token_embd.weight": (np.zeros((100, 256), np.float32), Q.F32)}
     path = write_gguf(tmp_path / f"{arch}.gguf", arch, meta, embd, template=None)
     with GGUFFile(path) as f:
-        return model_config(f)
+        return config_for(f)
 
 
 def test_qwen3moe(tmp_path: Path) -> None:
@@ -60,7 +61,34 @@ def test_gpt_oss(tmp_path: Path) -> None:
     )  # fmt: skip
     assert c.sliding_window == 128 and c.swa_layers == (True, False, True, False)
     assert c.rope_scaling.kind == "yarn" and c.rope_scaling.factor == 32.0 and c.rope_scaling.original_context == 4096
-    assert c.expert_gating == GATING_SIGMOID
+    assert c.expert_gating == GATING_SIGMOID  # the file's own key wins over the family's default
+
+
+@pytest.mark.parametrize(
+    ("arch", "field", "implicit", "written"),
+    [
+        ("gpt-oss", "expert_gating", GATING_SOFTMAX_SELECTED, GATING_SIGMOID),
+        ("qwen3moe", "expert_weights_norm", True, False),
+        ("qwen2moe", "expert_weights_norm", False, True),
+        ("llama", "expert_weights_norm", True, False),
+        ("qwen3next", "expert_weights_norm", True, False),
+        ("olmoe", "expert_weights_norm", False, True),
+    ],
+)
+def test_family_fills_in_what_its_files_leave_implicit(tmp_path: Path, arch: str, field: str, implicit: object,
+                                                       written: object) -> None:  # fmt: skip
+    key = {"expert_gating": "expert_gating_func", "expert_weights_norm": "expert_weights_norm"}[field]
+    moe = {"expert_count": 8, "expert_used_count": 2}
+    assert getattr(_config(tmp_path, arch, **moe), field) == implicit
+    assert getattr(_config(tmp_path, arch, **moe, **{key: written}), field) == written
+
+
+def test_config_knows_no_architecture_names() -> None:
+    """Family quirks live in the family modules: config.py reads metadata keys only."""
+    import moechat.engine.config as config_module
+
+    source = Path(config_module.__file__).read_text()
+    assert not [arch for arch in ARCHITECTURES if f'"{arch}"' in source]
 
 
 def test_deepseek2_latent_attention_and_groups(tmp_path: Path) -> None:
@@ -102,7 +130,7 @@ def test_hybrid_linear_attention_layers(tmp_path: Path, arch: str) -> None:
 
 def test_dense_gemma3_from_the_real_file(gemma_gguf: Path) -> None:
     with GGUFFile(gemma_gguf) as f:
-        c = model_config(f)
+        c = config_for(f)
     assert (c.arch, c.n_layers, c.n_embd, c.n_ff, c.n_vocab) == ("gemma3", 18, 640, 2048, 262144)
     assert not c.is_moe and c.head_dim == 256 and c.n_head_kv == (1,) * 18
     assert c.sliding_window == 512 and c.swa_layers.count(False) == 3 and not c.swa_layers[5]

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
-from moechat.engine.config import SUPPORTED_ARCHITECTURES
 from moechat.engine.gguf_file import GGUFError, GGUFFile
 from moechat.engine.model_file import open_model
+from moechat.engine.models import ARCHITECTURES
 from testkit.ggufgen import Q, random_blocks, tiny_moe, write_gguf
 
 
@@ -162,7 +162,7 @@ def test_unsupported_architecture_lists_the_supported_ones(tmp_path: Path) -> No
     path = _write_simple(tmp_path / "m.gguf", arch="mamba")
     with pytest.raises(GGUFError, match="unsupported architecture 'mamba'") as e:
         open_model(path)
-    for arch in SUPPORTED_ARCHITECTURES:
+    for arch in ARCHITECTURES:
         assert arch in str(e.value)
 
 

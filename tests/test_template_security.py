@@ -6,6 +6,7 @@ import time
 
 import pytest
 from moechat.engine.chat_template import MAX_RENDER_SECONDS, ChatTemplate, ChatTemplateError, load_chat_template
+from testkit.timing import baseline_seconds
 
 MESSAGES = [{"role": "user", "content": "hi"}]
 
@@ -66,17 +67,18 @@ def test_escapes_raise_or_leak_nothing(source: str) -> None:
 
 @pytest.mark.parametrize("source", [e for e in ESCAPES if "subclasses()" in e or ".read()" in e] + DENIALS)
 def test_hostile_templates_fail_safely_and_fall_back(source: str) -> None:
+    slack = 300 * baseline_seconds()  # the limit's own overshoot and the fallback's work, on this machine
     t = time.monotonic()
     with pytest.raises(ChatTemplateError) as info:
         ChatTemplate(source, "gguf").render(MESSAGES)
-    assert time.monotonic() - t < MAX_RENDER_SECONDS + 3.0, "the render bound did not hold"
+    assert time.monotonic() - t < MAX_RENDER_SECONDS + slack, "the render bound did not hold"
     assert "\n" not in str(info.value)
     # Loading a model with this template: a warning and the plain format, with the reason kept.
     t = time.monotonic()
     template = load_chat_template({"tokenizer.chat_template": source})
     assert template.origin == "plain fallback" and template.fallback_reason
     assert "User: hi" in template.render(MESSAGES)
-    assert time.monotonic() - t < MAX_RENDER_SECONDS + 3.0
+    assert time.monotonic() - t < MAX_RENDER_SECONDS + slack
 
 
 def test_real_templates_still_render() -> None:
@@ -89,9 +91,10 @@ def test_real_templates_still_render() -> None:
     assert t.render(MESSAGES).endswith("<|im_start|>assistant\n")
     # A big but honest conversation renders quickly under the time limit.
     many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 50} for i in range(400)]
+    unit = baseline_seconds()
     start = time.monotonic()
     assert t.render(many).count("<|im_start|>") == 401
-    assert time.monotonic() - start < 1.0
+    assert time.monotonic() - start < 50 * unit  # about 1.5 units here
 
 
 def test_a_template_that_fails_later_switches_the_session_to_plain(tmp_path: object) -> None:

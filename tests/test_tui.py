@@ -30,7 +30,7 @@ from moechat.widgets.dashboard import Dashboard
 from moechat.widgets.expert_heatmap import CACHED, ExpertHeatmap, heat_rows
 from moechat.widgets.layer_stats import LayerStats
 from moechat.widgets.rows import RowsView, plain
-from moechat.widgets.throughput import thin
+from moechat.widgets.throughput import ThroughputPlot, thin
 from testkit.fake_engine import FakeEngine
 from testkit.ggufgen import tiny_moe
 from textual.binding import Binding
@@ -222,6 +222,10 @@ async def test_dashboard_draws_the_final_snapshot(tmp_path: Path) -> None:
         for line, ls in zip(layers[1:], final.layers, strict=True):
             assert line.split()[0] == str(ls.layer)
             assert line.split()[-3:] == [f"{100 * ls.total.hit_rate:.0f}", str(ls.total.cpu), str(ls.occupancy)]
+        # One tokens/s: the chart's last point is the figure the status line and the export show.
+        rate = app.session.replies[-1]["gen_tps"]
+        assert rate > 0 and screen.query_one(ThroughputPlot).points[-1][1] == rate
+        assert f"{rate:.1f} t/s" in str(screen.query_one("#status", Static).content)
 
 
 @pytest.mark.parametrize("n_layers", [30, 18])  # the demos: SmolLM2's and Gemma's MoE layers
@@ -557,28 +561,35 @@ async def test_command_palette_has_every_chat_action(tmp_path: Path) -> None:
 
 
 def test_real_engine_end_to_end(tmp_path: Path) -> None:
-    from moechat.app.engine_api import RealEngine
-    from moechat.engine.expert_cache import CacheSettings
-    from moechat.engine.loader import load_model
+    """The app as shipped: the chat screen driving the engine process (a real model, its expert cache)."""
+    from moechat.app.engine_process import EngineSpec, ProcessEngine
+    from moechat.app.paths import AppPaths
     from testkit.ggufgen import tiny_moe
 
     path = tiny_moe(tmp_path / "m.gguf", n_expert=8, n_expert_used=2)
-    lm = load_model(path, n_ctx=256, cache=CacheSettings(mib=1.5))
-    engine = RealEngine(lm, CacheSettings(mib=0.0))
-    from moechat.app.paths import AppPaths
+    engines: list[ProcessEngine] = []
+
+    def start(progress: Callable[[str], None]) -> ProcessEngine:
+        engines.append(ProcessEngine(EngineSpec(str(path), 256, None, "cpu", 1.5, 0.0, threads=1), progress))
+        return engines[-1]
 
     paths = AppPaths(tmp_path / "config", tmp_path / "data", tmp_path / "cache", tmp_path / "log")
-    app = MoechatApp(lambda progress: engine, Settings(n_predict=12, temp=0.0), paths=paths)
+    app = MoechatApp(start, Settings(n_predict=12, temp=0.0), paths=paths)
 
     async def run() -> None:
         async with app.run_test(size=(120, 40)) as pilot:
             screen = await ready(pilot)
             await say(pilot, screen, "Hello")
-            assert screen.conv.messages[-1]["role"] == "assistant"
+            assert screen.conv.messages[-1]["role"] == "assistant" and screen.conv.messages[-1]["content"]
             snap = screen.query_one(LayerStats).snapshot
             assert snap is not None and snap.total.hits > 0
+            assert engines and engines[0].info.name == "m.gguf"
 
-    asyncio.run(run())
+    try:
+        asyncio.run(run())
+    finally:
+        for engine in engines:
+            engine.close()
 
 
 @pytest.mark.parametrize(

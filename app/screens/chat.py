@@ -12,7 +12,7 @@ import threading
 import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent
+from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, tokens_per_second
 from moechat.widgets.dashboard import Dashboard
 from textual import events, on, work
 from textual.app import ComposeResult
@@ -294,16 +294,16 @@ class ChatScreen(Screen[None]):
                     if pending:
                         self.post_message(TokenText(pending))
                         pending = ""
-                    self._post_stats(n, first, final=True)
+                    self._post_stats(n, first, final=True, tps=ev.gen_tps)  # the figure the status line shows
                     self.post_message(ReplyDone(ev, (first or time.perf_counter()) - t0))
         finally:
             if pending:  # the engine failed: what it wrote so far still reaches the screen and the save
                 self.post_message(TokenText(pending))
 
-    def _post_stats(self, n: int, first: float, final: bool = False) -> None:
+    def _post_stats(self, n: int, first: float, final: bool = False, tps: float | None = None) -> None:
         snap = self.moechat.engine.snapshot()
-        elapsed = time.perf_counter() - first if first else 0.0
-        tps = (n - 1) / elapsed if n > 1 and elapsed > 0 else 0.0
+        if tps is None:  # while streaming: the engine's formula over what this side has seen
+            tps = tokens_per_second(n, time.perf_counter() - first if first else 0.0)
         up = snap.total.uploaded_bytes / 2**20 / max(snap.tokens, 1) if snap is not None else 0.0
         self.post_message(StatsUpdate(snap, n, tps, up, final))
 

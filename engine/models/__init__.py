@@ -1,18 +1,18 @@
-"""One module per architecture family; `build_model` picks by `general.architecture`."""
+"""One module per architecture family; the one list of what moechat runs, by `general.architecture`."""
 
 from __future__ import annotations
 
-from ..config import ModelConfig
+from ..config import ModelConfig, model_config
 from ..gguf_file import GGUFError, GGUFFile
-from . import deepseek2, glm4moe, gpt_oss, llama_moe, olmoe, qwen3next, qwen_moe
+from . import deepseek2, gemma3, glm4moe, gpt_oss, llama_moe, olmoe, qwen3next, qwen_moe
 from .decoder import Family, MoeDecoder
 from .gemma3 import Gemma3
 
-_FAMILIES = {
-    "qwen3moe": qwen_moe.FAMILY,
-    "qwen2moe": qwen_moe.FAMILY,
-    "qwen3": qwen_moe.FAMILY,  # dense: the same decoder without routers
-    "qwen2": qwen_moe.FAMILY,
+ARCHITECTURES: dict[str, Family] = {
+    "qwen3moe": qwen_moe.QWEN3,
+    "qwen2moe": qwen_moe.QWEN2,
+    "qwen3": qwen_moe.QWEN3,  # dense: the same decoder without routers
+    "qwen2": qwen_moe.QWEN2,
     "llama": llama_moe.FAMILY,  # dense, or with experts (Mixtral)
     "olmoe": olmoe.FAMILY,
     "gpt-oss": gpt_oss.FAMILY,
@@ -20,24 +20,24 @@ _FAMILIES = {
     "deepseek2": deepseek2.FAMILY,
     "qwen3next": qwen3next.FAMILY,
     "qwen35moe": qwen3next.FAMILY_35,
+    "gemma3": gemma3.FAMILY,
+    "gemma3moe": gemma3.FAMILY_MOE,  # the Gemma demo's experts
 }
 
 
-# Gemma 3 has its own decoder (sandwich norms, two rotary bases); it runs dense and MoE-fied.
-_GEMMA = ("gemma3", "gemma3moe")
-
-
-def family_for(gguf: GGUFFile, cfg: ModelConfig) -> Family | None:
-    """The family that runs this model (None: Gemma's own decoder), or a one-line `GGUFError`."""
-    if cfg.arch in _GEMMA:
-        return None
-    family = _FAMILIES.get(cfg.arch)
+def family_of(gguf: GGUFFile) -> Family:
+    """The family that runs this file, or a one-line `GGUFError` naming the architecture and the supported ones."""
+    family = ARCHITECTURES.get(gguf.architecture)
     if family is None:
         raise GGUFError(
-            f"{gguf.path}: architecture '{cfg.arch}' cannot be run (moechat runs: "
-            f"{', '.join(sorted([*_FAMILIES, *_GEMMA]))})"
+            f"{gguf.path}: unsupported architecture '{gguf.architecture}' (supported: {', '.join(ARCHITECTURES)})"
         )
     return family
+
+
+def config_for(gguf: GGUFFile) -> ModelConfig:
+    """The file's config, its family filling in what the file leaves implicit."""
+    return model_config(gguf, family_of(gguf).metadata)
 
 
 def build_model(
@@ -48,7 +48,9 @@ def build_model(
 
     `kernels` and `dequant_mib`: how the host experts run (moe.HostExperts).
     """
-    family = family_for(gguf, cfg)
-    if family is None:
-        return Gemma3(gguf, cfg, n_ctx, quantized=quantized, kernels=kernels, dequant_mib=dequant_mib)
+    family = family_of(gguf)
+    if family.decoder is not None:
+        model: MoeDecoder | Gemma3 = family.decoder(gguf, cfg, n_ctx, quantized=quantized, kernels=kernels,
+                                                    dequant_mib=dequant_mib)  # fmt: skip
+        return model
     return MoeDecoder(gguf, cfg, n_ctx, family, quantized=quantized, kernels=kernels, dequant_mib=dequant_mib)

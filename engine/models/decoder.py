@@ -6,9 +6,9 @@ router bias) and by the config (sliding-window layers, gating), never by the mod
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
-from typing import Protocol
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -50,6 +50,11 @@ class Family:
     ffn_norm: str = "ffn_norm"  # tensor name of the norm before the FFN
     # The attention of a layer (default: the multi-head attention below): (gguf, cfg, layer, quantized).
     attention: Callable[[GGUFFile, ModelConfig, int, bool], SelfAttention] | None = None
+    # What the family's files leave implicit: defaults for their `{arch}.` metadata keys (a key
+    # the file holds wins), e.g. renormalised top-k weights or which layers slide.
+    metadata: Mapping[str, Any] = field(default_factory=dict)
+    # A decoder of the family's own (Gemma 3), built as decoder(gguf, cfg, n_ctx, **options); None: MoeDecoder.
+    decoder: Callable[..., Any] | None = None
 
 
 class Attention(nn.Module):
@@ -140,7 +145,7 @@ class Routed(nn.Module):
 
 
 class DecoderBase(nn.Module):
-    """What every decoder offers generation: its device, the routing of the last step, the end hook."""
+    """What every decoder offers generation: its device, and the routing of the last step."""
 
     cfg: ModelConfig
     embed: torch.Tensor | QuantRows  # [V, E]
@@ -173,9 +178,6 @@ class DecoderBase(nn.Module):
     @property
     def device(self) -> torch.device:
         return self.embed.device
-
-    def end_of_generation(self) -> None:
-        self.experts.end_of_generation()
 
     def routing(self) -> tuple[tuple[int, ...], ...]:
         """Per MoE layer, the experts selected by the last token of the latest forward pass."""
@@ -255,9 +257,6 @@ class NoExperts:
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a dense model has no experts")
-
-    def end_of_generation(self) -> None:
-        pass
 
 
 def host_experts(gguf: GGUFFile, cfg: ModelConfig, act: Activation, kernels: str,

@@ -6,23 +6,25 @@ and the FFN ("sandwich"); GELU (tanh) gating; per-head QK norms; five sliding-wi
 already added. The MoE variant (engine/demo.py) splits each FFN's neurons into a shared expert,
 always on, and routed experts chosen by a linear router; the selected experts' outputs are summed
 unweighted (GATING_SELECT), so the experts' neurons add up exactly as in the dense FFN.
+Its files leave implicit which layers slide and their rotary base: the family gives both.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..config import ModelConfig
+from ..config import GATING_SELECT, ModelConfig
 from ..cpu_kernels import ACT_GELU_TANH
 from ..fused_moe import register_activation
 from ..gguf_file import GGUFFile
 from ..layers import KVCache, LayerCache, Rope, load_weight, move_tensors, rms_norm
 from ..moe import ExpertExecutor
-from .decoder import Attention, DecoderBase, DenseFFN, ffn_for, host_experts
+from .decoder import Attention, DecoderBase, DenseFFN, Family, ffn_for, host_experts
 
 
 def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -91,3 +93,10 @@ class Gemma3(DecoderBase):
             x = block(x, pos0, cache.layers[i], self.rope, self.experts)
         cache.pos = pos0 + tokens.shape[0]
         return self.head(x[-1:] if last_only else x)  # [T or 1, V]
+
+
+FAMILY = Family(
+    neox_rope=True, act=gelu_gate, decoder=Gemma3,
+    metadata={"attention.sliding_window_pattern": 6, "rope.freq_base_swa": 10_000.0},  # five local per global
+)  # fmt: skip
+FAMILY_MOE = replace(FAMILY, metadata={**FAMILY.metadata, "expert_gating_func": GATING_SELECT})

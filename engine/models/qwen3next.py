@@ -151,5 +151,7 @@ def _tiled(gguf: GGUFFile, cfg: ModelConfig, i: int, quantized: bool) -> SelfAtt
     return GatedAttention(gguf, cfg, i, quantized)
 
 
-FAMILY = Family(neox_rope=True, act=swiglu, ffn_norm="post_attention_norm", attention=_grouped)
-FAMILY_35 = Family(neox_rope=True, act=swiglu, ffn_norm="post_attention_norm", attention=_tiled)
+_RENORMALISED = {"expert_weights_norm": True}  # the routers renormalise the top-k weights; no key says so
+FAMILY = Family(neox_rope=True, act=swiglu, ffn_norm="post_attention_norm", attention=_grouped, metadata=_RENORMALISED)
+FAMILY_35 = Family(neox_rope=True, act=swiglu, ffn_norm="post_attention_norm", attention=_tiled,
+                   metadata=_RENORMALISED)  # fmt: skip

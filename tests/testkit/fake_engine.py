@@ -71,7 +71,7 @@ class FakeEngine:
             use = tuple((t * (e + 1)) // self.n_expert for e in range(self.n_expert))
             layers.append(LayerSnapshot(layer, 0, c, CountersSnapshot(), 3, (0, 1, 2), use))
         group = GroupInfo(0, tuple(range(self.n_layers)), self.n_expert, 1000, 12, 12000)
-        return StatsSnapshot(time.time(), t, 0.0, (group,), tuple(layers), self.share)
+        return StatsSnapshot(time.time(), t, (group,), tuple(layers), self.share)
 
     def cache(self) -> tuple[float, float]:
         return self.mib, self.share

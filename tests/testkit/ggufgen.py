@@ -121,7 +121,7 @@ ARCHS = ("qwen3moe", "qwen2moe", "llama", "olmoe", "gpt-oss", "glm4moe", "deepse
 HYBRID = ("qwen3next", "qwen35moe")
 
 # Gated DeltaNet (Qwen3-Next, Qwen3.5): key heads, value heads, key (state) dim, value dim, conv taps.
-DELTA = {"k_heads": 2, "v_heads": 4, "dk": 32, "dv": 64, "taps": 4}
+DELTA = {"k_heads": 2, "v_heads": 4, "dk": 64, "dv": 64, "taps": 4}  # llama.cpp needs dk == dv
 
 # DeepSeek-style latent attention: query rank, latent rank, and per-head lengths (no-rope, rope, value).
 MLA = {"q_lora": 256, "kv_lora": 128, "nope": 64, "rope": 32, "v": 64}
@@ -290,7 +290,7 @@ def tiny_moe(
             f"{arch}.rope.scaling.original_context_length": 4096,
             f"{arch}.context_length": 131072,  # gpt-oss's real YaRN geometry: 4096 x 32
         }
-    meta |= dict(extra or {})
+    meta |= dict(extra or {})  # before the tensors: `extra` may change the layout (full_attention_interval)
     t: dict[str, tuple[np.ndarray, GGMLQuantizationType]] = {
         "token_embd.weight": (quantized((v, n_embd), ends_type, rng), ends_type),
         "output_norm.weight": norm(n_embd),
@@ -324,7 +324,7 @@ def tiny_moe(
                 joint = np.concatenate([k_b.transpose(0, 2, 1), v_b], axis=1).reshape(-1, m["kv_lora"])
                 t[b + "attn_kv_b.weight"] = (np.ascontiguousarray(joint), f32)
             t[b + "attn_output.weight"] = dense(n_embd, n_head * m["v"])
-        elif arch in HYBRID and i < n_layers and i % 2 == 0:  # linear attention
+        elif arch in HYBRID and i < n_layers and (i + 1) % meta[f"{arch}.full_attention_interval"]:  # linear attention
             t |= _delta_net(b, n_embd, arch, dense, vector, norm, rng, legacy_ssm_in)
         elif arch in HYBRID:  # gated attention: per head [query, gate]
             t[b + "attn_q.weight"] = dense(n_head * hd * 2, n_embd)
