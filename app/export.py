@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moechat.engine.stats import CountersSnapshot, StatsSnapshot
+from moechat.engine.stats import RECENT_TOKENS, CountersSnapshot, RecentWindow, StatsSnapshot
 
 from moechat import __version__
 
@@ -33,6 +33,8 @@ class Point:
     hit_rate: float
     uploaded_mib: float
     cpu_misses: int
+    recent_hit_rate: float  # over the last RECENT_TOKENS tokens or so (`recent_tokens`: the span)
+    recent_tokens: int
 
 
 @dataclass
@@ -50,6 +52,7 @@ class SessionStats:
     earlier: dict[int, tuple[CountersSnapshot, CountersSnapshot]] = field(default_factory=dict)
     earlier_tokens: int = 0
     periods: list[dict[str, Any]] = field(default_factory=list)
+    recent: RecentWindow = field(default_factory=RecentWindow, repr=False)
 
     def cache_rebuilt(self) -> None:
         """The engine's cache starts its counters again: keep what the old one counted in the session."""
@@ -67,11 +70,14 @@ class SessionStats:
         })  # fmt: skip
 
     def add(self, snap: StatsSnapshot | None, tokens: int, tps: float) -> None:
+        recent = None
         if snap is not None:
             self.snapshot = snap
+            recent = self.recent.add(snap)
         t = self.snapshot.total if self.snapshot is not None else None
         self.series.append(Point(now_iso(), tokens, tps, t.hit_rate if t else 0.0,
-                                 t.uploaded_bytes / 2**20 if t else 0.0, t.cpu if t else 0))  # fmt: skip
+                                 t.uploaded_bytes / 2**20 if t else 0.0, t.cpu if t else 0,
+                                 recent.total.hit_rate if recent else 0.0, recent.span if recent else 0))  # fmt: skip
 
     def to_dict(self) -> dict[str, Any]:
         """The whole session: each layer's counters add up over every cache the session ran."""
@@ -102,6 +108,7 @@ class SessionStats:
             "layers": layers,
             "cache_periods": self.periods,  # caches rebuilt during the session, before the current one
             "replies": self.replies,
+            "recent_window_tokens": RECENT_TOKENS,
             "series": [asdict(p) for p in self.series],
         }
 
@@ -134,6 +141,14 @@ def _chart(title: str, xs: list[float], ys: list[float], ylabel: str) -> str:
     return str(plt.uncolorize(out))
 
 
+def _recent_line(d: dict[str, Any]) -> list[str]:
+    """The latest recent hit rate, as a sentence (none before the window has two snapshots)."""
+    last = next((p for p in reversed(d["series"]) if p.get("recent_tokens")), None)
+    if last is None:
+        return []
+    return ["", f"Recent hit rate: {100 * last['recent_hit_rate']:.1f}% over the last {last['recent_tokens']} tokens."]
+
+
 def to_markdown(d: dict[str, Any]) -> str:
     m, s = d["model"], d["settings"]
     replies = d["replies"]
@@ -163,6 +178,7 @@ def to_markdown(d: dict[str, Any]) -> str:
         "",
         f"Expert cache: {d['tokens']} tokens, hit rate {100 * hit:.1f}%, {total['cpu']} misses on the CPU, "
         f"{total['uploaded_bytes'] / 2**20:.1f} MiB uploaded.",
+        *_recent_line(d),
         "",
         "| layer | lookups | hits | hit rate | cpu | uploads | uploaded MiB | slots held |",
         "| ----: | ------: | ---: | -------: | --: | ------: | -----------: | ---------: |",

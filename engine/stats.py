@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections import deque
 from dataclasses import dataclass, field
 
 SMALL_BATCH = 8  # statistics split batches at 8 tokens, like the seed
@@ -43,6 +44,9 @@ class CountersSnapshot:
 
     def __add__(self, other: CountersSnapshot) -> CountersSnapshot:
         return CountersSnapshot(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
+
+    def __sub__(self, other: CountersSnapshot) -> CountersSnapshot:
+        return CountersSnapshot(**{k: getattr(self, k) - getattr(other, k) for k in self.__dataclass_fields__})
 
 
 @dataclass
@@ -97,3 +101,50 @@ class StatsSnapshot:
         for layer in self.layers:
             out = out + layer.total
         return out
+
+
+RECENT_TOKENS = 32  # the dashboard's and the export's recent window
+
+
+@dataclass(frozen=True)
+class Recent:
+    """The counters of the most recent tokens: `span` tokens (at least the window's, as snapshots fall)."""
+
+    span: int
+    total: CountersSnapshot
+    layers: tuple[tuple[int, CountersSnapshot], ...]  # (layer, its counters over the span)
+
+    def worst(self, n: int = 2) -> list[tuple[int, float]]:
+        """The n layers with the lowest hit rate over the span, (layer, rate), among those looked up."""
+        looked = [(c.hit_rate, layer) for layer, c in self.layers if c.lookups]
+        return [(layer, rate) for rate, layer in sorted(looked)[:n]]
+
+
+class RecentWindow:
+    """Counters over the last `tokens` tokens, from the cumulative snapshots a reader receives.
+
+    Snapshots come at a bounded rate, not per token, so the window runs from the newest kept
+    snapshot at least `tokens` tokens before the latest one: its span is reported, never assumed.
+    Counters that start again (a cache rebuilt) start the window again.
+    """
+
+    def __init__(self, tokens: int = RECENT_TOKENS) -> None:
+        self.tokens = tokens
+        self._snaps: deque[StatsSnapshot] = deque()
+
+    def add(self, snap: StatsSnapshot) -> Recent | None:
+        """Take the latest snapshot; the recent counters, or None until two snapshots differ in tokens."""
+        if self._snaps and snap.tokens < self._snaps[-1].tokens:
+            self._snaps.clear()
+        self._snaps.append(snap)
+        while len(self._snaps) > 2 and self._snaps[1].tokens <= snap.tokens - self.tokens:
+            self._snaps.popleft()
+        base = self._snaps[0]
+        if base.tokens >= snap.tokens:
+            return None
+        before = {ls.layer: ls.total for ls in base.layers}
+        layers = tuple((ls.layer, ls.total - before.get(ls.layer, CountersSnapshot())) for ls in snap.layers)
+        total = CountersSnapshot()
+        for _, c in layers:
+            total = total + c
+        return Recent(snap.tokens - base.tokens, total, layers)

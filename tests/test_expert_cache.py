@@ -196,6 +196,38 @@ def test_snapshots_are_frozen_and_count_every_token(tmp_path: Path) -> None:
         after.__setattr__("tokens", 0)
 
 
+def test_recent_window_counts_the_latest_tokens_from_cumulative_snapshots(tmp_path: Path) -> None:
+    """The dashboard's "last 32 tokens": the difference of two snapshots of the real cache, per
+    layer and in total, over a span of at least the window's tokens; a restarted cache restarts it."""
+    from moechat.engine.generate import TokenEvent
+    from moechat.engine.stats import RecentWindow
+
+    lm = load_model(tiny_moe(tmp_path / "m.gguf", n_layers=3), n_ctx=256, cache=CacheSettings(mib=EXPERT_MIB / 2))
+    assert lm.cache is not None
+    window = RecentWindow(tokens=16)
+    snaps, recents = [], []
+    prompt = lm.tokenizer.encode("one")
+    for ev in generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=60, ignore_eos=True):
+        if isinstance(ev, TokenEvent) and ev.index % 5 == 0:  # snapshots every 5 tokens, as a reader gets them
+            snaps.append(lm.cache.snapshot())
+            recents.append(window.add(snaps[-1]))
+    assert recents[0] is None  # one snapshot: no span yet
+    for i in range(4, len(snaps)):
+        last, got = snaps[i], recents[i]
+        assert got is not None
+        base = max((s for s in snaps[:i] if s.tokens <= last.tokens - 16), key=lambda s: s.tokens)
+        assert got.span == last.tokens - base.tokens and 16 <= got.span < 21
+        assert got.total == last.total - base.total and got.total.lookups > 0
+        before = {ls.layer: ls.total for ls in base.layers}
+        assert dict(got.layers) == {ls.layer: ls.total - before[ls.layer] for ls in last.layers}
+        worst = got.worst(2)
+        rates = sorted(c.hit_rate for _, c in got.layers if c.lookups)
+        assert [rate for _, rate in worst] == rates[:2]
+    # The cache rebuilt: its counters start again, and so does the window.
+    lm.set_cache(CacheSettings(mib=EXPERT_MIB / 2))
+    assert window.add(lm.cache.snapshot()) is None
+
+
 def test_device_fetch_paths_agree_with_the_host(tmp_path: Path) -> None:
     """The bypass's upload-per-call path (used on CUDA) computes what the host path computes."""
     lm = load_model(tiny_moe(tmp_path / "m.gguf"), n_ctx=64, cache=CacheSettings(mib=EXPERT_MIB / 2))

@@ -106,9 +106,9 @@ def test_incremental_decode_equals_one_batch(model: LoadedModel) -> None:
         steps = [model.model(torch.tensor([t]), cache.pos, cache) for t in ids[12:]]
     inc = torch.cat([first, *steps])
     # Batched matmuls run a float GEMM, one token the kernels with int16 activations (within 1e-4
-    # per product, tests/test_cpu_kernels.py): small differences, never the O(1) of a wrong cache
-    # position or mask.
-    assert float((inc - full).abs().max()) <= 2e-4 * float(full.abs().max())
+    # per product, tests/test_cpu_kernels.py): small differences (8e-4 of the largest logit
+    # measured on a 2-core AVX-512 Xeon), never the O(1) of a wrong cache position or mask.
+    assert float((inc - full).abs().max()) <= FAST_VS_EXACT * float(full.abs().max())
 
 
 def test_greedy_continuation_matches_transformers(model: LoadedModel) -> None:

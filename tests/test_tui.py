@@ -31,7 +31,7 @@ from moechat.widgets.expert_heatmap import CACHED, ExpertHeatmap, heat_rows
 from moechat.widgets.layer_stats import LayerStats
 from moechat.widgets.rows import RowsView, plain
 from moechat.widgets.throughput import ThroughputPlot, thin
-from testkit.fake_engine import FakeEngine
+from testkit.fake_engine import FakeEngine, K
 from testkit.ggufgen import tiny_moe
 from textual.binding import Binding
 from textual.pilot import Pilot
@@ -209,9 +209,14 @@ async def test_dashboard_draws_the_final_snapshot(tmp_path: Path) -> None:
             line.rstrip() for line in heat.lines
         ]
         totals = screen.query_one("#totals", RowsView)
-        assert totals.size.height == len(totals.lines) == 4
+        assert totals.size.height == len(totals.lines) == 5
         assert totals.lines[0].startswith(f"hit rate {100 * final.total.hit_rate:.1f}%")
-        assert totals.lines[2].startswith(f"cpu misses {final.total.cpu}  |")
+        # The fake engine's hits after t tokens: t * K * 3 // 4 in every layer; the window is a difference of two.
+        span = int(totals.lines[1].split()[1])
+        t1, t0 = final.tokens, final.tokens - span
+        rate = (t1 * K * 3 // 4 - t0 * K * 3 // 4) / ((t1 - t0) * K)
+        assert span >= 32 and totals.lines[1].startswith(f"last {span} tok {100 * rate:.1f}%  |  worst 0 ")
+        assert totals.lines[3].startswith(f"cpu misses {final.total.cpu}  |")
         assert all(len(line) <= totals.size.width for line in totals.lines)  # nothing cropped
         stats = screen.query_one(LayerStats)
         layers = stats.lines
@@ -418,6 +423,12 @@ async def test_export_files_parse_and_match_the_counters(tmp_path: Path) -> None
         assert len(rows) == len(snap.layers) and int(rows[0]["lookups"]) == snap.layers[0].total.lookups
         md = by_ext[".md"].read_text()
         assert "| model |" in md and "| tg6 |" in md and "\x1b" not in md
+        # The recent window: the fake engine hits 3 of 4 lookups, whatever the span.
+        recent = [p for p in d["series"] if p["recent_tokens"]]
+        assert d["recent_window_tokens"] == 32 and recent
+        assert all(abs(p["recent_hit_rate"] - 0.75) <= 1 / (K * p["recent_tokens"]) for p in recent)
+        rate, span = recent[-1]["recent_hit_rate"], recent[-1]["recent_tokens"]
+        assert f"Recent hit rate: {100 * rate:.1f}% over the last {span} tokens." in md
         chat = next(p for p in written if p.name.startswith("chat"))
         assert "The river rose in spring." in chat.read_text()
 

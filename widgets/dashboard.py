@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moechat.engine.stats import StatsSnapshot
+from moechat.engine.stats import RecentWindow, StatsSnapshot
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
@@ -23,6 +23,7 @@ class Dashboard(VerticalScroll):
         super().__init__(**kw)  # type: ignore[arg-type]
         self.updates = 0  # snapshots shown: tests check the rate stays bounded
         self._snap: StatsSnapshot | None = None  # the latest, to fold again on a resize
+        self._recent = RecentWindow()
 
     def compose(self) -> ComposeResult:
         yield Static("expert cache", classes="title")
@@ -45,9 +46,16 @@ class Dashboard(VerticalScroll):
             totals.set_rows([[(f"no expert cache  |  {tps:.1f} t/s", "")]])
             return
         t = snap.total
+        recent = self._recent.add(snap)
+        if recent is None:
+            last = "last tokens: after the next update"
+        else:
+            worst = ", ".join(f"{layer} {100 * rate:.0f}%" for layer, rate in recent.worst(2))
+            last = f"last {recent.span} tok {100 * recent.total.hit_rate:.1f}%  |  worst {worst}"
         # Short lines that fit the panel's 43 columns: rows are cropped, never wrapped.
         totals.set_rows([
             [(f"hit rate {100 * t.hit_rate:.1f}%  |  {tps:.1f} t/s", "")],
+            [(last, "")],
             [(f"uploaded {t.uploaded_bytes / 2**20:.1f} MiB  |  {uploaded_per_token_mib:.2f} MiB/token", "")],
             [(f"cpu misses {t.cpu}  |  share {snap.cpu_share:g}", "")],
             [("slots " + ", ".join(f"{g.n_slots}" for g in snap.groups), "")],
