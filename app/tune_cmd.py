@@ -7,8 +7,12 @@ import os
 import sys
 import threading
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from .paths import app_paths
+
+if TYPE_CHECKING:
+    from moechat.tuner.simulator import Routing
 
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,7 +101,8 @@ def run_tune(args: argparse.Namespace) -> int:
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", help="a routing trace written with --moe-cache-trace")
+    p.add_argument("trace", nargs="+", help="routing traces written with --moe-cache-trace (several: one session "
+                                            "after another, of one model)")  # fmt: skip
     p.add_argument("--sizes", type=float, nargs="+", default=None, metavar="MIB",
                    help="cache sizes in MiB (default: 10%%..100%% of the experts)")  # fmt: skip
     p.add_argument("--shares", type=float, nargs="+", default=[0.0], metavar="F", help="CPU shares (default 0)")
@@ -105,6 +110,10 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
                    choices=["classlru", "lru", "lfu", "min", "min-bypass"], help="policies to compare")  # fmt: skip
     p.add_argument("--warmup", type=int, default=None, metavar="N",
                    help="first tokens not counted (default: a quarter of the trace, at most 64)")  # fmt: skip
+    p.add_argument("--holdout", type=float, default=None, metavar="F",
+                   help="score on the last F of the tokens only (the cache runs through the first part, whose "
+                        "hit rate is shown beside)")  # fmt: skip
+    p.add_argument("--reuse", action="store_true", help="also a reuse-distance histogram per layer")
     p.add_argument("--markdown", action="store_true", help="Markdown table")
 
 
@@ -116,12 +125,27 @@ def run_sim(args: argparse.Namespace) -> int:
     for s in args.shares:
         if not 0 <= s <= 1:
             raise ValueError(f"--shares: {s} is outside [0, 1]")
-    routing = load_routing(args.trace)
+    routing = load_routing(args.trace[0])
+    for path in args.trace[1:]:
+        try:
+            routing = routing.concat(load_routing(path))
+        except ValueError as e:
+            raise ValueError(f"{path}: {e} ({args.trace[0]} is another)") from None
+    n = routing.n_tokens
     # A fixed warm-up would leave a short trace almost nothing to score (64 of 67 tokens).
     if args.warmup is None:
-        args.warmup = min(64, routing.n_tokens // 4)
-    if not 0 <= args.warmup < routing.n_tokens:
-        raise ValueError(f"--warmup {args.warmup} leaves none of the trace's {routing.n_tokens} tokens to score")
+        args.warmup = min(64, n // 4)
+    if not 0 <= args.warmup < n:
+        raise ValueError(f"--warmup {args.warmup} leaves none of the trace's {n} tokens to score")
+    split = None  # held out: the tokens after `split` are scored, the first part warms the cache
+    if args.holdout is not None:
+        if not 0 < args.holdout < 1:
+            raise ValueError(f"--holdout: {args.holdout} is not a fraction in (0, 1)")
+        split = n - max(1, round(args.holdout * n))
+        if split <= args.warmup:
+            raise ValueError(f"--holdout {args.holdout:g} leaves the first part ({split} tokens) no more than the "
+                             f"warm-up ({args.warmup})")  # fmt: skip
+    scored_from = split if split is not None else args.warmup
     full = routing.full_mib()
     sizes = args.sizes or [round(f * full, 3) for f in (0.1, 0.2, 0.3, 0.5, 0.75, 1.0)]
     for s in sizes:
@@ -130,7 +154,7 @@ def run_sim(args: argparse.Namespace) -> int:
     rows = []
     for mib in sizes:
         slots = routing.slots(mib)
-        base = {p: simulate_baseline(routing, slots, p, args.warmup) for p in ("min", "min-bypass")}
+        base = {p: simulate_baseline(routing, slots, p, scored_from) for p in ("min", "min-bypass")}
 
         def ratio(misses: int, of: str, base: dict[str, BaselineResult] = base) -> str:
             m = base[of].misses
@@ -139,20 +163,45 @@ def run_sim(args: argparse.Namespace) -> int:
         for policy in args.policy:
             if policy == "classlru":
                 for share in args.shares:
-                    res = replay(routing, mib, share, warmup=args.warmup)
-                    t = res.total
-                    rows.append([f"{mib:g}", "/".join(map(str, slots)), "classlru", f"{share:g}",
-                                 f"{100 * t.hit_rate:.1f}%", str(t.misses), ratio(t.misses, "min"),
-                                 ratio(t.misses, "min-bypass"), ""])  # fmt: skip
+                    t = replay(routing, mib, share, warmup=scored_from).total
+                    row = [f"{mib:g}", "/".join(map(str, slots)), "classlru", f"{share:g}", f"{100 * t.hit_rate:.1f}%",
+                           str(t.misses), ratio(t.misses, "min"), ratio(t.misses, "min-bypass"), ""]  # fmt: skip
+                    if split is not None:
+                        first = replay(routing, mib, share, warmup=args.warmup, until=split).total
+                        row.append(f"{100 * first.hit_rate:.1f}%")
+                    rows.append(row)
                 continue
-            b = base.get(policy) or simulate_baseline(routing, slots, policy, args.warmup)
+            b = base.get(policy) or simulate_baseline(routing, slots, policy, scored_from)
             rows.append([f"{mib:g}", "/".join(map(str, slots)), policy, "-", f"{100 * b.hit_rate:.1f}%", str(b.misses),
-                         ratio(b.misses, "min"), ratio(b.misses, "min-bypass"), str(b.compulsory)])  # fmt: skip
-    print(f"{Path(args.trace).name}: {routing.n_tokens} tokens, {len(routing.records)} lookups, "
-          f"experts {full:.2f} MiB, warm-up {args.warmup} tokens, {routing.n_tokens - args.warmup} scored")  # fmt: skip
+                         ratio(b.misses, "min"), ratio(b.misses, "min-bypass"), str(b.compulsory)]
+                        + ([""] if split is not None else []))  # fmt: skip
+    names = ", ".join(Path(t).name for t in args.trace)
+    scored = f"held out: the last {n - split} scored" if split is not None else f"{n - args.warmup} scored"
+    print(f"{names}: {n} tokens, {len(routing.records)} lookups, experts {full:.2f} MiB, "
+          f"warm-up {args.warmup} tokens, {scored}")  # fmt: skip
     header = ["cache MiB", "slots", "policy", "share", "hit rate", "misses", "vs MIN", "vs MIN-bypass", "compulsory"]
+    if split is not None:
+        header.append(f"first part ({args.warmup}..{split})")
     print(table(header, rows, markdown=args.markdown))
     over = [f"{s:g}" for s in sizes if s > full]
     if over:
         print(f"note: {', '.join(over)} MiB exceed the trace's {full:.2f} MiB of experts: such a cache holds them all")
+    if args.reuse:
+        print(reuse_table(routing, markdown=args.markdown))
     return 0
+
+
+def reuse_table(routing: Routing, markdown: bool = False) -> str:
+    """Per layer, how many selections came back after how many distinct other experts (LRU stack distance)."""
+    from moechat.tuner.report import table
+    from moechat.tuner.routing_stats import distance_buckets, reuse_distances
+
+    rows, header = [], ["layer"]
+    for g in routing.groups:
+        for layer in g.layers:
+            buckets = distance_buckets(reuse_distances(routing.layer_steps(layer)), g.n_expert)
+            header = ["layer", *(f"d {name}" for name, _ in buckets)]
+            total = max(1, sum(n for _, n in buckets))
+            rows.append([str(layer), *(f"{100 * n / total:.0f}%" for _, n in buckets)])
+    return "reuse distance (distinct experts of the layer between two uses; an LRU of c slots per layer hits d < c)\n" \
+        + table(header, rows, markdown=markdown)  # fmt: skip

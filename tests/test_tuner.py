@@ -17,6 +17,7 @@ from moechat.engine.loader import load_model
 from moechat.tuner.baselines import simulate_baseline
 from moechat.tuner.recommend import recommend
 from moechat.tuner.report import cpu_speed, render, to_json
+from moechat.tuner.routing_stats import lru_hit_rate, reuse_distances
 from moechat.tuner.simulator import Group, Routing, load_routing, replay
 from moechat.tuner.sweep import (
     LARGE_FRACTION,
@@ -359,6 +360,36 @@ def test_sim_and_tune_commands(
     bad.write_bytes(trace.read_bytes()[:-3])
     assert main(["sim", str(bad)]) == 2
     assert "offset" in capsys.readouterr().err
+
+    # Held out: the last quarter is scored, the cache runs through the first part (shown beside).
+    routing = load_routing(trace)
+    split = n - round(0.25 * n)
+    assert main(["sim", str(trace), "--sizes", "1", "--shares", "0", "--warmup", "8", "--holdout", "0.25",
+                 "--policy", "classlru", "min"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    held, first = replay(routing, 1.0, 0.0, warmup=split), replay(routing, 1.0, 0.0, warmup=8, until=split)
+    whole = replay(routing, 1.0, 0.0, warmup=8)
+    assert held.tokens == n - split and held.tokens + first.tokens == whole.tokens
+    assert held.total + first.total == whole.total  # two parts of one run
+    row = next(line for line in out.splitlines() if "classlru" in line).split()
+    assert row[4] == f"{100 * held.total.hit_rate:.1f}%" and row[-1] == f"{100 * first.total.hit_rate:.1f}%"
+    assert f"held out: the last {n - split} scored" in out
+    assert main(["sim", str(trace), "--holdout", "1.5"]) == 2
+    assert "--holdout: 1.5 is not a fraction" in capsys.readouterr().err
+    # Two sessions add up; a reuse-distance histogram per layer predicts an LRU of any size.
+    assert main(["sim", str(trace), str(trace), "--sizes", "1", "--shares", "0", "--reuse"]) == 0
+    out = capsys.readouterr().out
+    assert f": {2 * n} tokens" in out and "reuse distance" in out
+    steps = routing.layer_steps(0)
+    assert len(steps) == n and all(len(ids) == 2 for ids in steps)
+    dist = reuse_distances(steps)
+    for capacity in (1, 2, 5, 16):
+        predicted = sum(c for d, c in dist.items() if 0 <= d < capacity) / sum(dist.values())
+        assert predicted == pytest.approx(lru_hit_rate(steps, capacity))
+    other = tmp_path / "other.trace"
+    _record(tiny_moe(tmp_path / "o.gguf", n_layers=2, n_expert=8), other, 0.5, 0.0)
+    assert main(["sim", str(trace), str(other)]) == 2
+    assert "traces of different models cannot be joined" in capsys.readouterr().err
 
     rc = main(["tune", str(path), "--device", "cpu", "--tokens", "40", "--warmup", "8", "-c", "256", "--json"])
     out = capsys.readouterr().out

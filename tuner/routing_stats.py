@@ -41,3 +41,34 @@ def lru_hit_rate(steps: Steps, capacity: int) -> float:
                 if len(cache) > capacity:
                     cache.popitem(last=False)
     return hits / max(total, 1)
+
+
+def reuse_distances(steps: Steps) -> Counter[int]:
+    """How many distinct other experts each selection's expert waited through since its last use
+    (its LRU stack distance; -1: first use). An LRU cache of c experts of this layer hits exactly
+    the selections at distance < c, so the histogram says how the hit rate grows with the cache."""
+    stack: OrderedDict[int, None] = OrderedDict()  # least recent first
+    out: Counter[int] = Counter()
+    for ids in steps:
+        for e in dict.fromkeys(ids):
+            if e in stack:
+                keys = list(stack)
+                out[len(keys) - 1 - keys.index(e)] += 1
+                stack.move_to_end(e)
+            else:
+                out[-1] += 1
+                stack[e] = None
+    return out
+
+
+def distance_buckets(distances: Counter[int], n_expert: int) -> list[tuple[str, int]]:
+    """The histogram in power-of-two buckets (0, 1, 2-3, 4-7, ...) up to n_expert, then first uses."""
+    buckets: list[tuple[str, int]] = []
+    lo = 0
+    while lo < n_expert:
+        hi = max(lo, 2 * lo - 1) if lo else 0
+        hi = min(hi, n_expert - 1)
+        buckets.append((str(lo) if lo == hi else f"{lo}-{hi}", sum(n for d, n in distances.items() if lo <= d <= hi)))
+        lo = hi + 1
+    buckets.append(("first", distances.get(-1, 0)))
+    return buckets

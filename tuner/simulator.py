@@ -3,7 +3,7 @@
 The replay does what `engine.expert_cache.ExpertCache` does per MoE call, minus the arithmetic:
 the same budget split into groups (`split_budget`), the same bypass rule for large batches, the
 same `ClassLRU` and `CpuShare`, the same counters. Replaying a trace at the size and share it was
-recorded with therefore reproduces the engine's counters exactly (tests/test_tuner_sim.py).
+recorded with therefore reproduces the engine's counters exactly (tests/test_tuner.py).
 """
 
 from __future__ import annotations
@@ -71,6 +71,14 @@ class Routing:
     def full_mib(self) -> float:
         """The smallest cache, in MiB, that holds every expert."""
         return self.expert_bytes / 2**20
+
+    def layer_steps(self, layer: int) -> list[list[int]]:
+        """The experts each token selected in `layer`, token by token, over the whole trace."""
+        steps: list[list[int]] = []
+        for lay, n, ids in self.records:
+            if lay == layer:
+                steps += [list(ids[i : i + n]) for i in range(0, len(ids), n)]
+        return steps
 
     def concat(self, other: Routing) -> Routing:
         if (other.groups, other.n_expert_used, other.max_batch) != (self.groups, self.n_expert_used, self.max_batch):
@@ -151,9 +159,11 @@ def replay(
     share: float = 0.0,
     *,
     warmup: int = WARMUP_TOKENS,
+    until: int | None = None,
     n_slots: Sequence[int] | None = None,
 ) -> SimResult:
-    """Counters of a cache of `mib` MiB (or explicit slots per group) with a CPU share, after `warmup` tokens."""
+    """Counters of a cache of `mib` MiB (or explicit slots per group) with a CPU share, over the
+    tokens after `warmup` and up to `until` (None: the end); the cache runs through all of them."""
     slots = list(n_slots) if n_slots is not None else routing.slots(mib)
     policies: dict[int, tuple[Group, ClassLRU | None]] = {}
     for g, n in zip(routing.groups, slots, strict=True):
@@ -169,9 +179,9 @@ def replay(
         n_tokens = len(ids) // n_used
         if layer == first:
             seen += n_tokens
-            if seen > warmup:
+            if warmup < seen and (until is None or seen <= until):
                 res.tokens += n_tokens
-        count = seen > warmup
+        count = warmup < seen and (until is None or seen <= until)
         g, policy = policies[layer]
         sl = res.layers[layer]
         c = sl.small if n_tokens <= SMALL_BATCH else sl.large
