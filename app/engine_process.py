@@ -22,6 +22,7 @@ import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
 from moechat.engine.generate import DoneEvent, Event, SamplingParams
@@ -49,6 +50,7 @@ class EngineSpec:
     cpu_dequant_mib: float = 0.0
     cpu_kernels: str = "fast"
     threads: int = 0
+    warm_start_dir: str | None = None  # where each model's saved expert use counts live (None: start cold)
 
 
 class EngineProcessError(RuntimeError):
@@ -61,18 +63,20 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
     from moechat.engine.loader import load_model, resolve_device, set_threads
 
     from .demo_model import resolve_model_quiet
-    from .engine_api import RealEngine
+    from .engine_api import RealEngine, file_identity
 
     try:
         set_threads(spec.threads)
         path = resolve_model_quiet(spec.model, lambda text: conn.send(("progress", text)))
         conn.send(("progress", f"loading {path.name}..."))
+        warm = Path(spec.warm_start_dir) / f"{file_identity(path)}.json" if spec.warm_start_dir else None
         base = CacheSettings(mib=spec.mib, cpu_share=spec.share, device=resolve_device(spec.device),
-                             emulate_link_gbps=spec.emulate_link_gbps)  # fmt: skip
+                             emulate_link_gbps=spec.emulate_link_gbps, warm_start=warm)  # fmt: skip
         base.validate()
         lm = load_model(path, n_ctx=spec.ctx_size, chat_template=spec.chat_template, cache=base,
                         cpu_dequant_mib=spec.cpu_dequant_mib, cpu_kernels=spec.cpu_kernels)  # fmt: skip
-        engine = RealEngine(lm, CacheSettings(device=base.device, emulate_link_gbps=base.emulate_link_gbps))
+        engine = RealEngine(lm, CacheSettings(device=base.device, emulate_link_gbps=base.emulate_link_gbps,
+                                              warm_start=warm))  # fmt: skip
     except Exception as e:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if type(e).__name__ == "ContextTooLarge":

@@ -104,6 +104,11 @@ class SessionStats:
             "settings": self.settings,
             "tokens": self.earlier_tokens + (self.snapshot.tokens if self.snapshot else 0),
             "cpu_share": self.snapshot.cpu_share if self.snapshot else 0.0,
+            # Experts the current cache put in its slots from the saved counts, before its first token.
+            "warm_start": {
+                "uploads": self.snapshot.warm_uploads if self.snapshot else 0,
+                "bytes": self.snapshot.warm_bytes if self.snapshot else 0,
+            },
             "groups": [asdict(g) for g in self.snapshot.groups] if self.snapshot else [],
             "layers": layers,
             "cache_periods": self.periods,  # caches rebuilt during the session, before the current one

@@ -80,7 +80,8 @@ def run_chat(args: argparse.Namespace) -> int:
         from .paths import app_paths
         from .tui import MoechatApp, real_engine_factory, run_tui
 
-        app = MoechatApp(real_engine_factory(args.model, settings, args.chat_template), settings,
+        warm_dir = app_paths().data / "warm"  # each model's expert use counts, for the next start
+        app = MoechatApp(real_engine_factory(args.model, settings, args.chat_template, warm_dir), settings,
                          config_path=config, warnings=warnings)  # fmt: skip
         return run_tui(app, app_paths().log / "moechat.log")
     for w in warnings:

@@ -82,6 +82,33 @@ class ClassLRU:
     def slot_of(self, layer: int, expert: int) -> int:
         return self.slot_map[layer][expert]
 
+    def preload(self, picks: Sequence[tuple[int, int, float]]) -> list[tuple[int, int, int]]:
+        """Warm start: put (layer, expert, CRF) into empty slots, in order, before any lookup.
+
+        Each takes the CRF it had when saved, as of clock 0; returns (layer, expert, slot) placed.
+        """
+        placed = []
+        for layer, e, c in picks:
+            if self.n_filled == self.n_slots or self.slot_map[layer][e] >= 0:
+                continue
+            s = next(s for s in self.lists[0] if self.key_of[s] < 0)  # empty slots lead class 0
+            key = self.key(layer, e)
+            self.crf[key], self.last_use[key] = c, self.clock[layer]
+            self.key_of[s], self.slot_map[layer][e] = key, s
+            cls = _class(c) if c >= 1 else 0
+            del self.lists[0][s]
+            self.lists[cls][s] = None
+            self.list_of[s] = cls
+            self.n_filled += 1
+            placed.append((layer, e, s))
+        return placed
+
+    def decayed_crf(self, layer: int) -> list[float]:
+        """Each expert's CRF of `layer` decayed to the layer's clock now (0: never used)."""
+        base, now = layer * self.n_expert, self.clock[layer]
+        return [self.crf[base + e] * 2.0 ** ((self.last_use[base + e] - now) / CRF_HALF_LIFE)
+                for e in range(self.n_expert)]  # fmt: skip
+
     def _victims(self, m: int, selected: set[int]) -> list[int]:
         """The slots that m misses take, in order: empty slots first, then one eviction per miss.
 

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from . import device_kernels
+from . import device_kernels, warm_start
 from .cache_policy import ClassLRU, CpuShare, Plan, split_budget
 from .fused_moe import combine as fused_combine
 from .fused_moe import host_arrays, run_fused
@@ -65,6 +65,9 @@ class CacheSettings:
     # them), "triton" (also on the CPU device, in Triton's interpreter: tests), "torch" (dequantize
     # each expert, eager ops).
     device_kernels: str = "auto"
+    # Warm start (engine/warm_start.py): the file of this model's saved use counts. Read when the
+    # cache is made (the hottest experts fill the slots before the first token), written at close.
+    warm_start: Path | None = None
 
     def validate(self) -> None:
         if not self.mib >= 0:
@@ -127,6 +130,13 @@ class ExpertCache:
         )
         self._link_debt = 0.0  # seconds of emulated link time not yet waited
         self._lock = threading.Lock()  # guards the counters while a snapshot is taken
+        self.warm_counts: warm_start.Counts | None = None
+        self.warm_uploads = self.warm_bytes = 0  # slots filled from the saved counts, before the first token
+        if settings.warm_start is not None:
+            n_expert = {layer: lx.gate.raw.shape[0] for layer, lx in self.host.layers.items()}
+            self.warm_counts = warm_start.read(settings.warm_start, n_expert)
+            if self.warm_counts is not None:
+                self._preload(self.warm_counts)
         self._trace = TraceWriter(settings.trace, self.trace_header()) if settings.trace else None
         self._biases: dict[int, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = {}
         self.triton = {layer: self._use_triton(layer, lx) for layer, lx in self.host.layers.items()}
@@ -197,6 +207,32 @@ class ExpertCache:
             ) from None
         return tuple(banks)
 
+    def _preload(self, counts: warm_start.Counts) -> None:
+        """Fill each group's slots with the hottest saved experts (the simulator does the same)."""
+        for group in self.groups:
+            if group.policy is None:
+                continue
+            placed = group.policy.preload(warm_start.hottest(counts, group.info.layers, group.policy.n_slots))
+            for layer in group.info.layers:
+                uploads = tuple(sorted((e, slot) for lay, e, slot in placed if lay == layer))
+                self._upload(group, self.host.layers[layer], uploads)
+            self.warm_uploads += len(placed)
+            self.warm_bytes += len(placed) * group.info.expert_bytes
+        logger.info("warm start: %d experts (%.1f MiB) in their slots before the first token", self.warm_uploads,
+                    self.warm_bytes / 2**20)  # fmt: skip
+
+    def save_warm_start(self) -> None:
+        """Write the experts' decayed use counts for the next run (layers no slot group covers keep the old)."""
+        if self.settings.warm_start is None:
+            return
+        counts = dict(self.warm_counts or {})
+        for group in self.groups:
+            if group.policy is not None:
+                for layer in group.info.layers:
+                    counts[layer] = group.policy.decayed_crf(layer)
+        if counts:
+            warm_start.write(self.settings.warm_start, counts)
+
     def trace_header(self) -> dict[str, object]:
         return {
             "version": 1,
@@ -214,6 +250,8 @@ class ExpertCache:
                 }
                 for g in self.groups
             ],
+            # The saved counts the slots were filled from: a replay fills its slots the same way.
+            "warm": {str(k): v for k, v in self.warm_counts.items()} if self.warm_counts is not None else None,
         }
 
     # -- execution -------------------------------------------------------------------------
@@ -445,6 +483,7 @@ class ExpertCache:
                 )  # fmt: skip
             return StatsSnapshot(
                 time.time(), self.tokens, tuple(g.info for g in self.groups), tuple(layers), self.settings.cpu_share,
+                self.warm_uploads, self.warm_bytes,
             )  # fmt: skip
 
     def summary_lines(self) -> list[str]:
@@ -467,6 +506,7 @@ class ExpertCache:
         return lines
 
     def close(self) -> None:
+        self.save_warm_start()
         if self._trace is not None:
             self._trace.close()
             self._trace = None

@@ -94,6 +94,8 @@ class StatsSnapshot:
     groups: tuple[GroupInfo, ...]
     layers: tuple[LayerSnapshot, ...]
     cpu_share: float
+    warm_uploads: int = 0  # experts put in slots from the saved counts before the first token (warm start)
+    warm_bytes: int = 0
 
     @property
     def total(self) -> CountersSnapshot:

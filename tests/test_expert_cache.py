@@ -228,6 +228,73 @@ def test_recent_window_counts_the_latest_tokens_from_cumulative_snapshots(tmp_pa
     assert window.add(lm.cache.snapshot()) is None
 
 
+def _greedy(lm: LoadedModel, n: int = 24) -> list[int]:
+    from moechat.engine.generate import GREEDY, TokenEvent
+
+    prompt = lm.tokenizer.encode(PROMPT)
+    events = generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=n, params=GREEDY, ignore_eos=True)
+    return [e.token for e in events if isinstance(e, TokenEvent) and e.token >= 0]
+
+
+def test_warm_start_fills_the_slots_before_the_first_token_and_changes_no_output(tmp_path: Path) -> None:
+    import json
+
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=3, n_expert=16)
+    warm = tmp_path / "warm" / "m.json"
+    settings = CacheSettings(mib=EXPERT_MIB / 2, cpu_share=0.5, warm_start=warm)
+    first = load_model(path, n_ctx=256, cache=settings)
+    assert first.cache is not None and first.cache.snapshot().warm_uploads == 0  # nothing saved yet
+    cold_tokens = _greedy(first)
+    used = {ls.layer: ls.use_counts for ls in first.cache.snapshot().layers}
+    cold_uploads = first.cache.snapshot().total.uploads
+    first.close()
+    saved = json.loads(warm.read_text())
+    assert saved["version"] == 1 and sorted(saved["layers"]) == ["0", "1", "2"]
+    for layer, counts in saved["layers"].items():
+        # Decayed counts: only experts the run used have any (not all: the prompt's batch bypassed the cache).
+        assert all(u > 0 for c, u in zip(counts, used[int(layer)], strict=True) if c > 0) and max(counts) > 0
+        assert max(range(16), key=lambda e: counts[e]) in {e for e, u in enumerate(used[int(layer)]) if u}
+    second = load_model(path, n_ctx=256, cache=settings)
+    assert second.cache is not None
+    snap = second.cache.snapshot()
+    assert snap.tokens == 0 and snap.total.lookups == 0  # before the first token...
+    n_slots = sum(g.n_slots for g in snap.groups)
+    assert snap.warm_uploads == n_slots and snap.warm_bytes == n_slots * snap.groups[0].expert_bytes
+    assert sum(ls.occupancy for ls in snap.layers) == n_slots  # ...the slots hold experts
+    for ls in snap.layers:  # the hottest of each layer among them
+        counts = saved["layers"][str(ls.layer)]
+        assert max(range(16), key=lambda e: counts[e]) in ls.cached
+    assert _greedy(second) == cold_tokens  # the cache never changes what the model computes
+    assert second.cache.snapshot().total.uploads < cold_uploads  # the same reply, fewer experts to fetch
+    second.close()
+
+
+@pytest.mark.parametrize(
+    "content",
+    [
+        "{not json",
+        '{"version": 1, "layers": {"0": [1.0, 2.0]}}',
+        '{"version": 7, "layers": {}}',
+        '{"version": 1, "layers": {"0": "x"}}',
+    ],
+)
+def test_warm_start_survives_a_corrupt_or_foreign_file(tmp_path: Path, content: str,
+                                                       caplog: pytest.LogCaptureFixture) -> None:  # fmt: skip
+    import json
+    import logging
+
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=16)
+    warm = tmp_path / "m.json"
+    warm.write_text(content)
+    with caplog.at_level(logging.WARNING, logger="moechat.engine.warm_start"):
+        lm = load_model(path, n_ctx=256, cache=CacheSettings(mib=EXPERT_MIB / 2, warm_start=warm))
+    assert lm.cache is not None and lm.cache.snapshot().warm_uploads == 0  # cold, and running
+    assert any("starting cold" in r.getMessage() for r in caplog.records)
+    assert len(_greedy(lm, 4)) == 4
+    lm.close()
+    assert sorted(json.loads(warm.read_text())["layers"]) == ["0", "1"]  # replaced by this model's counts
+
+
 def test_device_fetch_paths_agree_with_the_host(tmp_path: Path) -> None:
     """The bypass's upload-per-call path (used on CUDA) computes what the host path computes."""
     lm = load_model(tiny_moe(tmp_path / "m.gguf"), n_ctx=64, cache=CacheSettings(mib=EXPERT_MIB / 2))

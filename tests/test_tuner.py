@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -36,8 +37,9 @@ from testkit.ggufgen import ARCHS, Q, tiny_moe
 PROMPT = "The ferry crossed the river twice a day, and the children on the bank counted"
 
 
-def _record(path: Path, trace: Path, mib: float, share: float, n_tokens: int = 40) -> dict[int, tuple[object, object]]:
-    lm = load_model(path, n_ctx=256, cache=CacheSettings(mib=mib, cpu_share=share, trace=trace))
+def _record(path: Path, trace: Path, mib: float, share: float, n_tokens: int = 40,
+            warm: Path | None = None) -> dict[int, tuple[object, object]]:  # fmt: skip
+    lm = load_model(path, n_ctx=256, cache=CacheSettings(mib=mib, cpu_share=share, trace=trace, warm_start=warm))
     assert lm.cache is not None
     prompt = lm.tokenizer.encode(PROMPT)
     for _ in generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=n_tokens,
@@ -51,6 +53,23 @@ def _record(path: Path, trace: Path, mib: float, share: float, n_tokens: int = 4
     snap = lm.cache.snapshot()
     lm.close()
     return {ls.layer: (ls.small, ls.large) for ls in snap.layers}
+
+
+def test_replay_of_a_warm_started_cache_reproduces_its_counters(tmp_path: Path) -> None:
+    """Warm start: the trace carries the saved counts, and the replay fills its slots from them as the engine did."""
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=3, n_expert=16, n_expert_used=2)
+    warm = tmp_path / "warm.json"
+    _record(path, tmp_path / "first.trace", 0.8, 0.5, warm=warm)  # a first run leaves its counts
+    assert warm.exists()
+    engine = _record(path, tmp_path / "second.trace", 0.8, 0.5, warm=warm)
+    routing = load_routing(tmp_path / "second.trace")
+    assert routing.warm is not None and sorted(routing.warm) == [0, 1, 2]
+    res = replay(routing, 0.8, 0.5, warmup=0)
+    for layer, (small, large) in engine.items():
+        assert res.layers[layer].small.frozen() == small, layer
+        assert res.layers[layer].large.frozen() == large, layer
+    cold = replay(dataclasses.replace(routing, warm=None), 0.8, 0.5, warmup=0)
+    assert cold.total.uploads > res.total.uploads  # the preloaded slots spared uploads
 
 
 @pytest.mark.parametrize("share", [0.0, 0.5, 1.0])

@@ -15,6 +15,7 @@ from pathlib import Path
 from moechat.engine.cache_policy import ClassLRU, CpuShare, split_budget
 from moechat.engine.stats import SMALL_BATCH, Counters, CountersSnapshot
 from moechat.engine.trace import read_trace
+from moechat.engine.warm_start import hottest
 
 WARMUP_TOKENS = 64
 
@@ -40,6 +41,7 @@ class Routing:
     records: tuple[tuple[int, int, tuple[int, ...]], ...]  # (layer, n_used, ids token-major)
     recorded_mib: float = 0.0
     recorded_share: float = 0.0
+    warm: dict[int, list[float]] | None = None  # the saved counts a warm-started cache filled its slots from
 
     @property
     def first_layer(self) -> int:
@@ -84,7 +86,7 @@ class Routing:
         if (other.groups, other.n_expert_used, other.max_batch) != (self.groups, self.n_expert_used, self.max_batch):
             raise ValueError("traces of different models cannot be joined")
         return Routing(self.groups, self.n_expert_used, self.max_batch, self.records + other.records,
-                       self.recorded_mib, self.recorded_share)  # fmt: skip
+                       self.recorded_mib, self.recorded_share, self.warm)  # fmt: skip
 
 
 def load_routing(path: str | Path) -> Routing:
@@ -92,9 +94,11 @@ def load_routing(path: str | Path) -> Routing:
     h = tr.header
     try:
         groups = tuple(Group(tuple(g["layers"]), int(g["n_expert"]), int(g["expert_bytes"])) for g in h["groups"])
+        warm = h.get("warm")
         routing = Routing(groups, int(h["n_expert_used"]), int(h["max_batch"]),
                           tuple((r.layer, r.n_used, r.ids) for r in tr.records),
-                          float(h.get("budget_mib", 0.0)), float(h.get("cpu_share", 0.0)))  # fmt: skip
+                          float(h.get("budget_mib", 0.0)), float(h.get("cpu_share", 0.0)),
+                          {int(k): [float(c) for c in v] for k, v in warm.items()} if warm else None)  # fmt: skip
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: trace header lacks or garbles {e}") from None
     known = {layer for g in groups for layer in g.layers}
@@ -168,6 +172,8 @@ def replay(
     policies: dict[int, tuple[Group, ClassLRU | None]] = {}
     for g, n in zip(routing.groups, slots, strict=True):
         policy = ClassLRU(g.layers, g.n_expert, n) if n > 0 else None
+        if policy is not None and routing.warm is not None:  # as the engine's warm start did
+            policy.preload(hottest(routing.warm, g.layers, n))
         for layer in g.layers:
             policies[layer] = (g, policy)
     cpu_share = CpuShare(share)

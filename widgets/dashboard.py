@@ -58,7 +58,8 @@ class Dashboard(VerticalScroll):
             [(last, "")],
             [(f"uploaded {t.uploaded_bytes / 2**20:.1f} MiB  |  {uploaded_per_token_mib:.2f} MiB/token", "")],
             [(f"cpu misses {t.cpu}  |  share {snap.cpu_share:g}", "")],
-            [("slots " + ", ".join(f"{g.n_slots}" for g in snap.groups), "")],
+            [("slots " + ", ".join(f"{g.n_slots}" for g in snap.groups)
+              + (f"  |  warm start {snap.warm_uploads}" if snap.warm_uploads else ""), "")],
         ])  # fmt: skip
         self._show_layers(snap, final)
 
