@@ -20,10 +20,8 @@ from .settings import MODEL_HELP, SPEC, Settings, for_demo, resolve
 
 if TYPE_CHECKING:  # the engine (torch) loads when a chat starts, not for --help
     from moechat.engine.generate import SamplingParams
-    from moechat.engine.loader import LoadedModel
 
-# A base model continuing the plain format writes the user's next line itself: stop there.
-PLAIN_STOPS = ("\nUser:", "\nuser:")
+    from .engine_api import RealEngine
 
 
 def add_chat_arguments(p: argparse.ArgumentParser) -> None:
@@ -97,7 +95,11 @@ def run_chat(args: argparse.Namespace) -> int:
                         cpu_kernels=settings.cpu_kernels)  # fmt: skip
     except ContextTooLarge as e:
         raise ValueError(f"ctx_size from {settings.source('ctx_size')}: {e}") from None
-    plain = lm.template.origin == "plain fallback"
+    from .engine_api import RealEngine
+
+    # The app's engine in this process: the same prompt fitting (oldest turns dropped when the
+    # context is full, the plain format when the template fails) and the same stop strings.
+    engine = RealEngine(lm, cache)
     messages: list[dict[str, str]] = [{"role": "system", "content": settings.system}] if settings.system else []
     interactive = sys.stdin.isatty()
     if interactive:
@@ -111,44 +113,31 @@ def run_chat(args: argparse.Namespace) -> int:
             if not line.strip():
                 continue
             messages.append({"role": "user", "content": line})
-            prompt = lm.tokenizer.encode(lm.template.render(messages), parse_special=True)
-            if len(prompt) >= lm.n_ctx:
-                print("moechat: the conversation no longer fits the context; start a new chat", file=sys.stderr)
-                messages.pop()
-                continue
-            reply = _reply(lm, prompt, settings.n_predict, params, plain)
-            messages.append({"role": "assistant", "content": reply})
+            prompt, dropped, note = engine.fit_messages(messages)
+            if note:
+                print(f"moechat: warning: {note}", file=sys.stderr)
+            if dropped:
+                print(f"moechat: the {dropped} oldest messages no longer fit the context and are left out",
+                      file=sys.stderr)  # fmt: skip
+            messages.append({"role": "assistant", "content": _reply(engine, prompt, settings.n_predict, params)})
     finally:
         lm.close()
     return 0
 
 
-def _reply(lm: LoadedModel, prompt: list[int], n: int, params: SamplingParams, plain: bool) -> str:
-    from moechat.engine.generate import DoneEvent, TokenEvent, generate
+def _reply(engine: RealEngine, prompt: list[int], n: int, params: SamplingParams) -> str:
+    from moechat.engine.generate import TokenEvent
 
     stop = threading.Event()
     text = ""
-    shown = 0
-    max_tokens = min(n, lm.n_ctx - len(prompt))
     try:
-        for ev in generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=max_tokens, params=params,
-                           stop=stop):  # fmt: skip
-            if isinstance(ev, TokenEvent):
+        for ev in engine.reply(prompt, params, n, stop):
+            if isinstance(ev, TokenEvent) and ev.text:
                 text += ev.text
-                cut = min((text.find(s) for s in PLAIN_STOPS if plain and s in text), default=-1)
-                if cut >= 0:
-                    text = text[:cut]
-                    stop.set()
-                # Hold back what could be the start of a stop string.
-                safe = len(text) - (max(len(s) for s in PLAIN_STOPS) if plain and not stop.is_set() else 0)
-                if safe > shown:
-                    sys.stdout.write(text[shown:safe])
-                    sys.stdout.flush()
-                    shown = safe
-            elif isinstance(ev, DoneEvent) and shown < len(text):
-                sys.stdout.write(text[shown:])
+                sys.stdout.write(ev.text)
+                sys.stdout.flush()
     except KeyboardInterrupt:
-        sys.stdout.write(text[shown:] + " [stopped]")
+        sys.stdout.write(" [stopped]")
     sys.stdout.write("\n")
     sys.stdout.flush()
     return text.strip()

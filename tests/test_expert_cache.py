@@ -8,6 +8,7 @@ import sys
 from collections import defaultdict
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from moechat.engine.cache_policy import ClassLRU, CpuShare
@@ -295,20 +296,34 @@ def test_warm_start_survives_a_corrupt_or_foreign_file(tmp_path: Path, content: 
     assert sorted(json.loads(warm.read_text())["layers"]) == ["0", "1"]  # replaced by this model's counts
 
 
-def test_device_fetch_paths_agree_with_the_host(tmp_path: Path) -> None:
-    """The bypass's upload-per-call path (used on CUDA) computes what the host path computes."""
-    lm = load_model(tiny_moe(tmp_path / "m.gguf"), n_ctx=64, cache=CacheSettings(mib=EXPERT_MIB / 2))
-    assert lm.cache is not None
-    from moechat.engine.moe import combine, run_experts
+def test_device_fetch_paths_read_each_experts_own_weights(tmp_path: Path) -> None:
+    """The bypass's per-call upload and the slots' reads (the device paths) give each expert the
+    weights gguf-py reads for it from the file: right expert, right slot, bytes intact."""
+    from gguf import GGUFReader
+    from gguf.quants import dequantize as gguf_dequantize
 
+    path = tiny_moe(tmp_path / "m.gguf", n_expert=8)
+    lm = load_model(path, n_ctx=64, cache=CacheSettings(mib=EXPERT_MIB / 2))
+    assert lm.cache is not None
+    _tokens(lm, lm.tokenizer.encode(PROMPT)[:4])  # some decode steps: slots fill
+    reader = GGUFReader(path)
+    ref = {}
+    for kind in ("gate", "up", "down"):
+        t = next(t for t in reader.tensors if t.name == f"blk.0.ffn_{kind}_exps.weight")
+        ref[kind] = torch.from_numpy(np.asarray(gguf_dequantize(t.data, t.tensor_type), dtype=np.float32))  # [E, R, C]
     lx = lm.model.host_experts.layers[0]
-    x = torch.randn(3, 256)
-    ids = torch.tensor([[0, 5], [5, 7], [2, 0]])
-    w = torch.rand(3, 2)
-    host = combine(x, run_experts(lx, x, ids, w, lm.model.host_experts.act, [0, 2, 5, 7]))
-    dev = combine(x, run_experts(lx, x, ids, w, lm.model.host_experts.act, [0, 2, 5, 7],
-                                 fetch=lm.cache._host_fetch(lx)))  # fmt: skip
-    assert torch.equal(host, dev)
+    group = lm.cache.group_of[0]
+    assert group.policy is not None
+    cached = [e for e, s in enumerate(group.policy.slot_map[0]) if s >= 0]
+    assert cached and len(set(group.policy.slot_map[0][e] for e in cached)) == len(cached)
+    upload = lm.cache._host_fetch(lx)
+    slot = lm.cache._slot_fetch(group.policy, group.banks, lx, 0)
+    for e in range(8):
+        for kind, got in zip(("gate", "up", "down"), upload(e), strict=True):
+            assert torch.equal(got, ref[kind][e]), (e, kind)
+    for e in cached:
+        for kind, got in zip(("gate", "up", "down"), slot(e), strict=True):
+            assert torch.equal(got, ref[kind][e]), (e, kind)
 
 
 def test_dequant_cache_is_exact_and_bounded(tmp_path: Path) -> None:

@@ -21,6 +21,30 @@ QWEN_PATTERN = (
 QWEN_SPECIALS = ("<|endoftext|>", "<|im_start|>", "<|im_end|>")
 
 
+def published_patterns() -> dict[str, str]:
+    """tiktoken's own pre-tokenizer regexes for GPT-2 (r50k), cl100k (llama 3's) and o200k (gpt-4o),
+    read from tiktoken's source, not from the module under test (the encodings' files are not needed)."""
+    import ast
+    import inspect
+
+    import tiktoken_ext.openai_public as openai_public
+
+    tree = ast.parse(inspect.getsource(openai_public))
+    found: dict[str, str] = {"default": openai_public.r50k_pat_str}
+    for fn in (n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name in ("cl100k_base", "o200k_base")):
+        key = "llama-bpe" if fn.name == "cl100k_base" else "gpt-4o"
+        for node in ast.walk(fn):
+            if isinstance(node, ast.Dict):  # {"pat_str": "..."}
+                for k, v in zip(node.keys, node.values, strict=True):
+                    if isinstance(k, ast.Constant) and k.value == "pat_str" and isinstance(v, ast.Constant):
+                        found[key] = str(v.value)
+            if isinstance(node, ast.Assign) and isinstance(node.value, ast.Call) and node.targets:
+                target = node.targets[0]
+                if isinstance(target, ast.Name) and target.id == "pat_str":  # "|".join([...])
+                    found[key] = "|".join(ast.literal_eval(node.value.args[0]))
+    return found
+
+
 @dataclass(frozen=True)
 class Vocab:
     tokens: list[str]
