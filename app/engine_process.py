@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import sys
 import threading
 import time
@@ -69,7 +70,9 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
         set_threads(spec.threads)
         path = resolve_model_quiet(spec.model, lambda text: conn.send(("progress", text)))
         conn.send(("progress", f"loading {path.name}..."))
-        warm = Path(spec.warm_start_dir) / f"{file_identity(path)}.json" if spec.warm_start_dir else None
+        # (A missing or unreadable file: no warm start; loading it says what is wrong in one line.)
+        readable = path.is_file() and os.access(path, os.R_OK)
+        warm = Path(spec.warm_start_dir) / f"{file_identity(path)}.json" if spec.warm_start_dir and readable else None
         base = CacheSettings(mib=spec.mib, cpu_share=spec.share, device=resolve_device(spec.device),
                              emulate_link_gbps=spec.emulate_link_gbps, warm_start=warm)  # fmt: skip
         base.validate()

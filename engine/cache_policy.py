@@ -26,6 +26,8 @@ from collections.abc import Sequence
 from itertools import islice
 from typing import NamedTuple, Protocol
 
+from .stats import Counters
+
 N_CLASS = 8
 CRF_HALF_LIFE = 128.0  # tokens of the layer's clock
 SHARE_ONE = 1 << 16  # the CPU share is kept in 1/65536
@@ -44,6 +46,32 @@ class Plan(NamedTuple):
     uploads: tuple[tuple[int, int], ...]  # (expert, slot) to fill from the host copy, in expert order
     cpu: tuple[int, ...]  # misses computed on the CPU from the host copy, not cached
     evicted: tuple[tuple[int, int], ...]  # (layer, expert) that lost their slot
+
+
+def bypasses(n_tokens: int, n_used: int, n_expert: int, n_slots: int, max_batch: int) -> bool:
+    """Whether a lookup goes around the cache (its experts read from the host for this call only):
+    no slots, a batch larger than `max_batch` (prefill), or more distinct experts than it could
+    select than there are slots. The engine, its replay and the baseline policies all ask this."""
+    return n_slots == 0 or n_tokens > max_batch or min(n_tokens * n_used, n_expert) > n_slots
+
+
+def count(c: Counters, n_tokens: int, plan: Plan | None, n_distinct: int, expert_bytes: int) -> None:
+    """Add one lookup to `c`: a plan's hits, uploads and CPU misses, or, for a lookup that
+    bypassed the cache (plan None), its `n_distinct` experts. The engine and its replay count
+    through this one function, so their counters can only agree."""
+    c.calls += 1
+    c.tokens += n_tokens
+    if plan is None:
+        c.bypassed += n_distinct
+        c.bypassed_bytes += n_distinct * expert_bytes
+        return
+    n_up = len(plan.uploads)
+    c.lookups += len(plan.hits) + n_up + len(plan.cpu)
+    c.hits += len(plan.hits)
+    c.misses += n_up + len(plan.cpu)
+    c.cpu += len(plan.cpu)
+    c.uploads += n_up
+    c.uploaded_bytes += n_up * expert_bytes
 
 
 class MissSplit(Protocol):

@@ -33,7 +33,7 @@ import numpy as np
 import torch
 
 from . import device_kernels, warm_start
-from .cache_policy import ClassLRU, CpuShare, Plan, split_budget
+from .cache_policy import ClassLRU, CpuShare, Plan, bypasses, count, split_budget
 from .fused_moe import combine as fused_combine
 from .fused_moe import host_arrays, run_fused
 from .jit import concurrent_calls_safe, set_kernel_threads
@@ -270,24 +270,12 @@ class ExpertCache:
         counters = self.stats[layer].of(n_tokens)
         uniq = sorted(set(flat))
         policy = group.policy
-        bound = min(n_tokens * ids.shape[1], group.info.n_expert)
-        if policy is not None and (n_tokens > self.settings.max_batch or bound > policy.n_slots):
-            policy = None  # this batch bypasses the cache
+        if policy is not None and bypasses(n_tokens, ids.shape[1], group.info.n_expert, policy.n_slots,
+                                           self.settings.max_batch):  # fmt: skip
+            policy = None
         with self._lock:
-            counters.calls += 1
-            counters.tokens += n_tokens
-            if policy is None:
-                counters.bypassed += len(uniq)
-                counters.bypassed_bytes += len(uniq) * group.info.expert_bytes
-                plan = None
-            else:
-                plan = policy.plan(layer, flat, n_tokens, self.share.active())
-                counters.lookups += len(uniq)
-                counters.hits += len(plan.hits)
-                counters.misses += len(plan.uploads) + len(plan.cpu)
-                counters.cpu += len(plan.cpu)
-                counters.uploads += len(plan.uploads)
-                counters.uploaded_bytes += len(plan.uploads) * group.info.expert_bytes
+            plan = policy.plan(layer, flat, n_tokens, self.share.active()) if policy is not None else None
+            count(counters, n_tokens, plan, len(uniq), group.info.expert_bytes)
         fused = self.device.type == "cpu" and self.host.fused[layer]
         if plan is None or policy is None:
             if self.device.type == "cpu":

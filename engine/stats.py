@@ -57,6 +57,10 @@ class LayerCounters:
     def of(self, n_tokens: int) -> Counters:
         return self.small if n_tokens <= SMALL_BATCH else self.large
 
+    @property
+    def total(self) -> CountersSnapshot:
+        return self.small.frozen() + self.large.frozen()
+
 
 @dataclass(frozen=True)
 class GroupInfo:

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from moechat.engine.cache_policy import ClassLRU, CpuShare
+from moechat.engine.cache_policy import ClassLRU, CpuShare, bypasses
 from moechat.engine.expert_cache import CacheError, CacheSettings
 from moechat.engine.generate import GREEDY, TokenEvent, generate
 from moechat.engine.loader import LoadedModel, load_model
@@ -100,7 +100,7 @@ def test_statistics_add_up_and_the_trace_replays_them(tmp_path: Path) -> None:
     share = CpuShare(tr.header["cpu_share"])
     got: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
     for rec in tr:
-        if rec.n_tokens > tr.header["max_batch"] or min(len(rec.ids), g["n_expert"]) > g["n_slots"]:
+        if bypasses(rec.n_tokens, rec.n_used, g["n_expert"], g["n_slots"], tr.header["max_batch"]):
             got[rec.layer]["bypassed"] += len(set(rec.ids))
             continue
         plan = policy.plan(rec.layer, rec.ids, rec.n_tokens, share.active())

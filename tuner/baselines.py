@@ -14,6 +14,8 @@ from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass
 
+from moechat.engine.cache_policy import bypasses
+
 from .simulator import WARMUP_TOKENS, Routing
 
 POLICIES = ("lru", "lfu", "min", "min-bypass")
@@ -40,8 +42,8 @@ def _events(routing: Routing, n_slots: list[int], warmup: int) -> Iterator[tuple
         gi, g = group_of[layer]
         n_tokens = len(ids) // n_used
         n = n_slots[gi]
-        if n == 0 or n_tokens > routing.max_batch or min(n_tokens * n_used, g.n_expert) > n:
-            continue  # bypasses the cache, like the engine
+        if bypasses(n_tokens, n_used, g.n_expert, n, routing.max_batch):
+            continue
         base = layer * g.n_expert
         yield gi, tuple(base + e for e in dict.fromkeys(ids)), seen > warmup
 

@@ -9,11 +9,11 @@ recorded with therefore reproduces the engine's counters exactly (tests/test_tun
 from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-from moechat.engine.cache_policy import ClassLRU, CpuShare, split_budget
-from moechat.engine.stats import SMALL_BATCH, Counters, CountersSnapshot
+from moechat.engine.cache_policy import ClassLRU, CpuShare, bypasses, count, split_budget
+from moechat.engine.stats import CountersSnapshot, LayerCounters
 from moechat.engine.trace import read_trace
 from moechat.engine.warm_start import hottest
 
@@ -112,22 +112,12 @@ def load_routing(path: str | Path) -> Routing:
 
 
 @dataclass
-class SimLayer:
-    small: Counters = field(default_factory=Counters)
-    large: Counters = field(default_factory=Counters)
-
-    @property
-    def total(self) -> CountersSnapshot:
-        return self.small.frozen() + self.large.frozen()
-
-
-@dataclass
 class SimResult:
     mib: float
     share: float
     n_slots: tuple[int, ...]  # per group
     tokens: int  # tokens counted (after the warm-up)
-    layers: dict[int, SimLayer]
+    layers: dict[int, LayerCounters]
     cpu_bytes: int = 0  # misses computed on the CPU
     upload_bytes: int = 0  # misses uploaded into slots
     bypass_bytes: int = 0  # experts of bypassing lookups (read from the host for that call only)
@@ -178,7 +168,7 @@ def replay(
             policies[layer] = (g, policy)
     cpu_share = CpuShare(share)
     active = cpu_share.active()
-    res = SimResult(mib, share, tuple(slots), 0, {layer: SimLayer() for layer in policies})
+    res = SimResult(mib, share, tuple(slots), 0, {layer: LayerCounters() for layer in policies})
     max_batch, first = routing.max_batch, routing.first_layer
     seen = 0
     for layer, n_used, ids in routing.records:
@@ -187,30 +177,18 @@ def replay(
             seen += n_tokens
             if warmup < seen and (until is None or seen <= until):
                 res.tokens += n_tokens
-        count = warmup < seen and (until is None or seen <= until)
+        count_now = warmup < seen and (until is None or seen <= until)
         g, policy = policies[layer]
-        sl = res.layers[layer]
-        c = sl.small if n_tokens <= SMALL_BATCH else sl.large
-        if policy is None or n_tokens > max_batch or min(n_tokens * n_used, g.n_expert) > policy.n_slots:
-            if count:
+        c = res.layers[layer].of(n_tokens)
+        if policy is None or bypasses(n_tokens, n_used, g.n_expert, policy.n_slots, max_batch):
+            if count_now:
                 n = len(set(ids))
-                c.calls += 1
-                c.tokens += n_tokens
-                c.bypassed += n
-                c.bypassed_bytes += n * g.expert_bytes
+                count(c, n_tokens, None, n, g.expert_bytes)
                 res.bypass_bytes += n * g.expert_bytes
             continue
         plan = policy.plan(layer, ids, n_tokens, active)
-        if count:
-            n_hit, n_up, n_cpu = len(plan.hits), len(plan.uploads), len(plan.cpu)
-            c.calls += 1
-            c.tokens += n_tokens
-            c.lookups += n_hit + n_up + n_cpu
-            c.hits += n_hit
-            c.misses += n_up + n_cpu
-            c.cpu += n_cpu
-            c.uploads += n_up
-            c.uploaded_bytes += n_up * g.expert_bytes
-            res.upload_bytes += n_up * g.expert_bytes
-            res.cpu_bytes += n_cpu * g.expert_bytes
+        if count_now:
+            count(c, n_tokens, plan, 0, g.expert_bytes)
+            res.upload_bytes += len(plan.uploads) * g.expert_bytes
+            res.cpu_bytes += len(plan.cpu) * g.expert_bytes
     return res
