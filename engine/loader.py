@@ -185,12 +185,10 @@ def load_model(
         if not on_cpu:
             model.to_device(torch.device(device))
         check_fit(gguf, cfg, model, tok)
-        expert_cache = None
-        if cache is not None and cache.mib > 0 and cfg.is_moe:
-            expert_cache = ExpertCache(model.host_experts, cfg.n_expert_used, cache)
-            model.experts = expert_cache
+        lm = LoadedModel(gguf, cfg, model, tok, template, n_ctx, None, cpu_dequant_mib, cpu_kernels)
+        lm.set_cache(cache)  # the one place the executor is swapped for the cache
     except BaseException:
         gguf.close()
         raise
     logger.info("loaded %s: %s, %d layers, context %d", gguf.path.name, cfg.arch, cfg.n_layers, n_ctx)
-    return LoadedModel(gguf, cfg, model, tok, template, n_ctx, expert_cache, cpu_dequant_mib, cpu_kernels)
+    return lm

@@ -40,7 +40,7 @@ from textual.widgets import DataTable, Markdown, Static
 WORDS = ["The", " river", " rose", " in", " spring", "."]
 
 
-async def until(pilot: Pilot[int], cond: Callable[[], bool], timeout: float = 20.0) -> None:
+async def until(pilot: Pilot[Any], cond: Callable[[], bool], timeout: float = 20.0) -> None:
     """Poll the condition between UI cycles; fail after `timeout` seconds."""
     end = time.monotonic() + timeout
     while not cond():
@@ -105,6 +105,15 @@ async def test_send_streams_a_reply_and_saves_the_conversation(tmp_path: Path) -
         assert screen.query_one("#input").text == "hi"
         assert gc.get_freeze_count() > 0  # the app's long-lived heap is out of the collector's way
     assert gc.get_freeze_count() == 0  # ... until the app ends
+
+
+def test_markdown_still_builds_paragraphs_from_the_private_class_the_chat_subclasses() -> None:
+    """The chat's StreamedParagraph extends Textual's unexported MarkdownParagraph and swaps it into
+    Markdown.BLOCKS: if Textual renames or stops using it, this fails here, not on a user's screen."""
+    from moechat.app.screens.chat import MarkdownParagraph
+
+    assert Markdown.BLOCKS["paragraph_open"] is MarkdownParagraph
+    assert issubclass(StreamedParagraph, MarkdownParagraph)
 
 
 async def test_a_streamed_reply_relays_out_only_as_it_grows_and_is_drawn_whole(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -575,9 +584,13 @@ def test_real_engine_end_to_end(tmp_path: Path) -> None:
     """The app as shipped: the chat screen driving the engine process (a real model, its expert cache)."""
     from moechat.app.engine_process import EngineSpec, ProcessEngine
     from moechat.app.paths import AppPaths
+    from moechat.engine.loader import load_model
     from testkit.ggufgen import tiny_moe
 
     path = tiny_moe(tmp_path / "m.gguf", n_expert=8, n_expert_used=2)
+    # Compile its kernels here first (numba caches them on disk): a cold compile inside the engine
+    # process can outlast the screen's wait for the engine.
+    load_model(path, n_ctx=256).close()
     engines: list[ProcessEngine] = []
 
     def start(progress: Callable[[str], None]) -> ProcessEngine:

@@ -24,8 +24,10 @@ from textual.screen import Screen
 from textual.visual import VisualType
 from textual.widgets import Footer, Markdown, Static, TextArea
 
-# MarkdownParagraph is not exported; pyproject keeps textual to the major version it is tested with.
-from textual.widgets._markdown import MarkdownParagraph, MarkdownStream
+# MarkdownParagraph is not exported: tests/test_tui.py checks that Markdown still builds its
+# paragraphs from this class, so a Textual that changes it fails there, not on a user's screen.
+from textual.widgets._markdown import MarkdownParagraph
+from textual.widgets.markdown import MarkdownStream
 
 from ..conversations import Conversation
 from ..engine_api import ChatEngine
