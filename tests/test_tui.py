@@ -581,24 +581,17 @@ async def test_command_palette_has_every_chat_action(tmp_path: Path) -> None:
 
 
 def test_real_engine_end_to_end(tmp_path: Path) -> None:
-    """The app as shipped: the chat screen driving the engine process (a real model, its expert cache)."""
-    from moechat.app.engine_process import EngineSpec, ProcessEngine
+    from moechat.app.engine_api import RealEngine
     from moechat.app.paths import AppPaths
+    from moechat.engine.expert_cache import CacheSettings
     from moechat.engine.loader import load_model
     from testkit.ggufgen import tiny_moe
 
     path = tiny_moe(tmp_path / "m.gguf", n_expert=8, n_expert_used=2)
-    # Compile its kernels here first (numba caches them on disk): a cold compile inside the engine
-    # process can outlast the screen's wait for the engine.
-    load_model(path, n_ctx=256).close()
-    engines: list[ProcessEngine] = []
-
-    def start(progress: Callable[[str], None]) -> ProcessEngine:
-        engines.append(ProcessEngine(EngineSpec(str(path), 256, None, "cpu", 1.5, 0.0, threads=1), progress))
-        return engines[-1]
-
+    lm = load_model(path, n_ctx=256, cache=CacheSettings(mib=1.5))
+    engine = RealEngine(lm, CacheSettings(mib=0.0))
     paths = AppPaths(tmp_path / "config", tmp_path / "data", tmp_path / "cache", tmp_path / "log")
-    app = MoechatApp(start, Settings(n_predict=12, temp=0.0), paths=paths)
+    app = MoechatApp(lambda progress: engine, Settings(n_predict=12, temp=0.0), paths=paths)
 
     async def run() -> None:
         async with app.run_test(size=(120, 40)) as pilot:
@@ -607,13 +600,8 @@ def test_real_engine_end_to_end(tmp_path: Path) -> None:
             assert screen.conv.messages[-1]["role"] == "assistant" and screen.conv.messages[-1]["content"]
             snap = screen.query_one(LayerStats).snapshot
             assert snap is not None and snap.total.hits > 0
-            assert engines and engines[0].info.name == "m.gguf"
 
-    try:
-        asyncio.run(run())
-    finally:
-        for engine in engines:
-            engine.close()
+    asyncio.run(run())
 
 
 @pytest.mark.parametrize(
