@@ -118,14 +118,16 @@ def file_identity(path: Path) -> str:
 
 
 class RealEngine:
-    def __init__(self, lm: LoadedModel, base: CacheSettings) -> None:
+    def __init__(self, lm: LoadedModel, base: CacheSettings, identity: str | None = None) -> None:
+        """`identity`: the file's `file_identity` when the caller has it already (it reads 16 MiB)."""
         self.lm = lm
         self.base = base  # device, link, load mode: what a cache change keeps
         cfg = lm.config
         dev = base.device
         hw = torch.cuda.get_device_name() if dev == "cuda" else (platform.processor() or platform.machine())
         self.info = ModelInfo(
-            name=lm.gguf.path.name, path=str(lm.gguf.path), sha256_head=file_identity(lm.gguf.path), arch=cfg.arch,
+            name=lm.gguf.path.name, path=str(lm.gguf.path), sha256_head=identity or file_identity(lm.gguf.path),
+            arch=cfg.arch,
             n_layers=cfg.n_layers, n_expert=cfg.n_expert, n_expert_used=cfg.n_expert_used, n_ctx=lm.n_ctx,
             device=dev, hardware=f"{hw}, {torch.get_num_threads()} threads", template=lm.template.origin,
             template_note=lm.template.fallback_reason,

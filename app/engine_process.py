@@ -71,15 +71,15 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
         path = resolve_model_quiet(spec.model, lambda text: conn.send(("progress", text)))
         conn.send(("progress", f"loading {path.name}..."))
         # (A missing or unreadable file: no warm start; loading it says what is wrong in one line.)
-        readable = path.is_file() and os.access(path, os.R_OK)
-        warm = Path(spec.warm_start_dir) / f"{file_identity(path)}.json" if spec.warm_start_dir and readable else None
+        identity = file_identity(path) if path.is_file() and os.access(path, os.R_OK) else None
+        warm = Path(spec.warm_start_dir) / f"{identity}.json" if spec.warm_start_dir and identity else None
         base = CacheSettings(mib=spec.mib, cpu_share=spec.share, device=resolve_device(spec.device),
                              emulate_link_gbps=spec.emulate_link_gbps, warm_start=warm)  # fmt: skip
         base.validate()
         lm = load_model(path, n_ctx=spec.ctx_size, chat_template=spec.chat_template, cache=base,
                         cpu_dequant_mib=spec.cpu_dequant_mib, cpu_kernels=spec.cpu_kernels)  # fmt: skip
         engine = RealEngine(lm, CacheSettings(device=base.device, emulate_link_gbps=base.emulate_link_gbps,
-                                              warm_start=warm))  # fmt: skip
+                                              warm_start=warm), identity)  # fmt: skip
     except Exception as e:
         text = str(e).splitlines()[0] if str(e) else type(e).__name__
         if type(e).__name__ == "ContextTooLarge":

@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moechat.engine.stats import RECENT_TOKENS, CountersSnapshot, RecentWindow, StatsSnapshot
+from moechat.engine.stats import RECENT_TOKENS, CountersSnapshot, Recent, RecentWindow, StatsSnapshot
 
 from moechat import __version__
 
@@ -69,7 +69,8 @@ class SessionStats:
             "tokens": snap.tokens, "hits": t.hits, "lookups": t.lookups, "cpu": t.cpu, "uploads": t.uploads,
         })  # fmt: skip
 
-    def add(self, snap: StatsSnapshot | None, tokens: int, tps: float) -> None:
+    def add(self, snap: StatsSnapshot | None, tokens: int, tps: float) -> Recent | None:
+        """Record a stats update; returns the counters over the recent tokens (the dashboard shows them)."""
         recent = None
         if snap is not None:
             self.snapshot = snap
@@ -78,6 +79,7 @@ class SessionStats:
         self.series.append(Point(now_iso(), tokens, tps, t.hit_rate if t else 0.0,
                                  t.uploaded_bytes / 2**20 if t else 0.0, t.cpu if t else 0,
                                  recent.total.hit_rate if recent else 0.0, recent.span if recent else 0))  # fmt: skip
+        return recent
 
     def to_dict(self) -> dict[str, Any]:
         """The whole session: each layer's counters add up over every cache the session ran."""

@@ -175,9 +175,9 @@ def replay(
         n_tokens = len(ids) // n_used
         if layer == first:
             seen += n_tokens
-            if warmup < seen and (until is None or seen <= until):
-                res.tokens += n_tokens
         count_now = warmup < seen and (until is None or seen <= until)
+        if count_now and layer == first:
+            res.tokens += n_tokens
         g, policy = policies[layer]
         c = res.layers[layer].of(n_tokens)
         if policy is None or bypasses(n_tokens, n_used, g.n_expert, policy.n_slots, max_batch):

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moechat.engine.stats import RecentWindow, StatsSnapshot
+from moechat.engine.stats import Recent, StatsSnapshot
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
@@ -23,7 +23,6 @@ class Dashboard(VerticalScroll):
         super().__init__(**kw)  # type: ignore[arg-type]
         self.updates = 0  # snapshots shown: tests check the rate stays bounded
         self._snap: StatsSnapshot | None = None  # the latest, to fold again on a resize
-        self._recent = RecentWindow()
 
     def compose(self) -> ComposeResult:
         yield Static("expert cache", classes="title")
@@ -35,8 +34,10 @@ class Dashboard(VerticalScroll):
         yield ExpertHeatmap(id="heatmap")
 
     def show(
-        self, snap: StatsSnapshot | None, tokens: int, tps: float, uploaded_per_token_mib: float, final: bool = False
-    ) -> None:
+        self, snap: StatsSnapshot | None, tokens: int, tps: float, uploaded_per_token_mib: float, final: bool = False,
+        recent: Recent | None = None,
+    ) -> None:  # fmt: skip
+        """`recent`: the counters over the last tokens (the session's RecentWindow), None until it has a span."""
         self.updates += 1
         self._snap = snap
         if tps > 0:
@@ -46,7 +47,6 @@ class Dashboard(VerticalScroll):
             totals.set_rows([[(f"no expert cache  |  {tps:.1f} t/s", "")]])
             return
         t = snap.total
-        recent = self._recent.add(snap)
         if recent is None:
             last = "last tokens: after the next update"
         else:

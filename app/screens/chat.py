@@ -316,8 +316,8 @@ class ChatScreen(Screen[None]):
 
     def on_stats_update(self, msg: StatsUpdate) -> None:
         self.stats_updates += 1
-        self.moechat.session.add(msg.snapshot, msg.tokens, msg.tps)
-        self.query_one(Dashboard).show(msg.snapshot, msg.tokens, msg.tps, msg.upload_mib_per_token, msg.final)
+        recent = self.moechat.session.add(msg.snapshot, msg.tokens, msg.tps)  # the window is computed once, there
+        self.query_one(Dashboard).show(msg.snapshot, msg.tokens, msg.tps, msg.upload_mib_per_token, msg.final, recent)
         if self.generating and msg.tps:
             self.query_one("#status", Static).update(f"writing... {msg.tokens} tokens, {msg.tps:.1f} t/s", layout=False)
 

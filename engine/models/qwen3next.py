@@ -71,10 +71,10 @@ class GatedDeltaNet(nn.Module):
             self.w_z = z.reshape(-1, e).contiguous()
         if p + "ssm_ba.weight" in gguf.tensors:  # per key head [beta x ratio, alpha x ratio]
             ba = load_weight(gguf, p + "ssm_ba.weight").view(hk, 2 * r, e)
-            self.w_beta, self.w_alpha = ba[:, :r].reshape(hv, e), ba[:, r:].reshape(hv, e)  # [Hv, E] each
+            beta, alpha = ba[:, :r].reshape(hv, e), ba[:, r:].reshape(hv, e)
         else:
-            self.w_beta = load_weight(gguf, p + "ssm_beta.weight")
-            self.w_alpha = load_weight(gguf, p + "ssm_alpha.weight")
+            beta, alpha = load_weight(gguf, p + "ssm_beta.weight"), load_weight(gguf, p + "ssm_alpha.weight")
+        self.w_ba = torch.cat([beta, alpha])  # [2*Hv, E]: both in one matmul
         self.conv = load_weight(gguf, p + "ssm_conv1d.weight")  # [C, taps]
         channels = 2 * hk * dk + hv * dv
         if tuple(self.conv.shape) != (channels, cfg.ssm_conv_kernel):
@@ -95,8 +95,9 @@ class GatedDeltaNet(nn.Module):
         (hk, hv, dk, dv), t = self.dims, h.shape[0]
         assert cache.conv is not None and cache.state is not None  # a recurrent layer's cache has both
         qkv, z = linears(h, (self.w_qkv, self.w_z), (None, None))  # [T, C], [T, Hv*Dv]
-        beta = torch.sigmoid(F.linear(h, self.w_beta))  # [T, Hv]
-        decay = torch.exp(self.a * F.softplus(F.linear(h, self.w_alpha) + self.dt_bias))  # [T, Hv]
+        b, a = F.linear(h, self.w_ba).split(hv, dim=-1)  # [T, Hv] each
+        beta = torch.sigmoid(b)
+        decay = torch.exp(self.a * F.softplus(a + self.dt_bias))
         x = torch.cat([cache.conv, qkv])  # [taps - 1 + T, C]: the earlier tokens' inputs first
         taps = self.conv.shape[1]
         mixed = x[:t] * self.conv[:, 0]
