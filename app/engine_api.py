@@ -19,12 +19,13 @@ import torch
 from moechat.engine.chat_template import ChatTemplateError, plain_template
 from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import Event, SamplingParams, TokenEvent, generate
-from moechat.engine.loader import LoadedModel
+from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
 from moechat.engine.stats import StatsSnapshot
 from moechat.tuner.recommend import TuneReport, recommend
 from moechat.tuner.sweep import SweepDone, SweepEvent, SweepSettings, calibrate, forget_runs
 
 from .paths import app_paths
+from .settings import Settings
 
 logger = logging.getLogger(__name__)
 
@@ -107,6 +108,18 @@ class StopStrings:
     def flush(self) -> str:
         out, self.shown = self.text[self.shown :], len(self.text)
         return out
+
+
+def load_for(path: Path, settings: Settings, cache: CacheSettings) -> LoadedModel:
+    """The model as `settings` say (threads, context, template, CPU kernels), with `cache`.
+
+    A context that cannot fit names where its size was set."""
+    set_threads(settings.threads)
+    try:
+        return load_model(path, n_ctx=settings.ctx_size, chat_template=settings.chat_template or None, cache=cache,
+                          cpu_dequant_mib=settings.cpu_dequant_mib, cpu_kernels=settings.cpu_kernels)  # fmt: skip
+    except ContextTooLarge as e:
+        raise ValueError(f"ctx_size from {settings.source('ctx_size')}: {e}") from None
 
 
 def file_identity(path: Path) -> str:

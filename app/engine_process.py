@@ -21,7 +21,7 @@ import threading
 import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
@@ -32,6 +32,7 @@ from moechat.tuner.recommend import TuneReport
 from moechat.tuner.sweep import Cancelled, SweepDone, SweepEvent
 
 from .engine_api import Message, ModelInfo
+from .settings import Settings, cache_settings
 
 logger = logging.getLogger(__name__)
 
@@ -41,16 +42,7 @@ SNAPSHOT_EVERY = 0.1  # seconds between snapshots sent along a reply
 @dataclass(frozen=True)
 class EngineSpec:
     model: str | None  # None: the built-in demo
-    ctx_size: int
-    chat_template: str | None
-    device: str
-    mib: float
-    share: float
-    emulate_link_gbps: float = 0.0
-    ctx_source: str = "default"  # where ctx_size came from, for the error if it does not fit
-    cpu_dequant_mib: float = 0.0
-    cpu_kernels: str = "fast"
-    threads: int = 0
+    settings: Settings  # resolved in the parent: the child reads the engine's settings from it
     warm_start_dir: str | None = None  # where each model's saved expert use counts live (None: start cold)
 
 
@@ -60,31 +52,20 @@ class EngineProcessError(RuntimeError):
 
 def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
     """The child: load the model, then answer calls until "close" or the pipe closes."""
-    from moechat.engine.expert_cache import CacheSettings
-    from moechat.engine.loader import load_model, resolve_device, set_threads
-
     from .demo_model import resolve_model_quiet
-    from .engine_api import RealEngine, file_identity
+    from .engine_api import RealEngine, file_identity, load_for
 
     try:
-        set_threads(spec.threads)
         path = resolve_model_quiet(spec.model, lambda text: conn.send(("progress", text)))
         conn.send(("progress", f"loading {path.name}..."))
         # (A missing or unreadable file: no warm start; loading it says what is wrong in one line.)
         identity = file_identity(path) if path.is_file() and os.access(path, os.R_OK) else None
         warm = Path(spec.warm_start_dir) / f"{identity}.json" if spec.warm_start_dir and identity else None
-        base = CacheSettings(mib=spec.mib, cpu_share=spec.share, device=resolve_device(spec.device),
-                             emulate_link_gbps=spec.emulate_link_gbps, warm_start=warm)  # fmt: skip
-        base.validate()
-        lm = load_model(path, n_ctx=spec.ctx_size, chat_template=spec.chat_template, cache=base,
-                        cpu_dequant_mib=spec.cpu_dequant_mib, cpu_kernels=spec.cpu_kernels)  # fmt: skip
-        engine = RealEngine(lm, CacheSettings(device=base.device, emulate_link_gbps=base.emulate_link_gbps,
-                                              warm_start=warm), identity)  # fmt: skip
+        base = cache_settings(spec.settings, warm)
+        lm = load_for(path, spec.settings, base)
+        engine = RealEngine(lm, replace(base, mib=0.0, cpu_share=0.0, trace=None), identity)
     except Exception as e:
-        text = str(e).splitlines()[0] if str(e) else type(e).__name__
-        if type(e).__name__ == "ContextTooLarge":
-            text = f"ctx_size from {spec.ctx_source}: {text}"
-        conn.send(("error", type(e).__name__, text))
+        conn.send(("error", type(e).__name__, str(e).splitlines()[0] if str(e) else type(e).__name__))
         return
     conn.send(("ready", engine.info))
     calls: dict[str, Callable[..., Any]] = {

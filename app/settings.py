@@ -1,4 +1,10 @@
-"""Settings from four layers: flag > MOECHAT_* env > config.toml > defaults, each value knowing its source.
+"""Every setting, declared once: its flag, MOECHAT_* variable, config.toml key, default, check and help.
+
+A value comes from the highest of four layers: flag > MOECHAT_* env > config.toml > default, and
+knows its source. `moechat chat`, `run` and `tune`, the full-screen app and the engine process
+all read settings through this module: the flags are made from the declaration (`add_flags`),
+resolved by `from_args`, and turned into the engine's objects by `cache_settings` and
+`sampling_params`.
 
 A bad value names the setting and where it came from. A config.toml that is not valid TOML
 gives a warning and the defaults; the file is left untouched, and set aside (renamed, never
@@ -7,25 +13,63 @@ deleted) only when the app saves a new one over it.
 
 from __future__ import annotations
 
+import argparse
 import logging
 import math
 import os
 import time
-from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import tomllib
 from moechat.engine.kernel_modes import KERNEL_MODES
+from moechat.engine.kernel_modes import describe as describe_kernel_modes
 
 from .atomic import write_atomic
+
+if TYPE_CHECKING:  # the engine (torch) loads when a command runs, not for --help
+    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.generate import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class SettingError(ValueError):
     """A setting with a value that cannot work; the message names the setting and its source."""
+
+
+@dataclass(frozen=True)
+class Settings:
+    # the engine
+    device: str = "auto"
+    moe_cache_mib: float = 0.0
+    moe_cache_cpu_share: float = 0.0
+    moe_cache_trace: str = ""
+    load_mode: str = "mmap"
+    emulate_link_gbps: float = 0.0
+    cpu_dequant_mib: float = 0.0
+    cpu_kernels: str = "fast"
+    threads: int = 0  # the engine's CPU threads; 0: one per core
+    ctx_size: int = 4096
+    chat_template: str = ""
+    # each reply
+    n_predict: int = 512
+    temp: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    seed: int = -1
+    system: str = ""
+    # the full-screen app
+    refresh_ms: int = 250
+    theme: str = "textual-dark"
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, "default")
 
 
 def _nonneg(x: float) -> bool:
@@ -36,51 +80,101 @@ def _unit(x: float) -> bool:
     return 0 <= x <= 1
 
 
-# name: (type, check, what a good value is)
-SPEC: dict[str, tuple[type, Callable[[Any], bool], str]] = {
-    "device": (str, lambda v: v in ("auto", "cpu", "cuda"), "auto, cpu or cuda"),
-    "moe_cache_mib": (float, _nonneg, ">= 0"),
-    "moe_cache_cpu_share": (float, _unit, "in [0, 1]"),
-    "emulate_link_gbps": (float, _nonneg, ">= 0"),
-    "cpu_dequant_mib": (float, _nonneg, ">= 0"),
-    "cpu_kernels": (str, lambda v: v in KERNEL_MODES, " or ".join(KERNEL_MODES)),
-    "threads": (int, lambda v: 0 <= v <= 1024, "in 0..1024 (0: one per core)"),
-    "ctx_size": (int, lambda v: 16 <= v <= 1 << 20, "in 16..1048576"),
-    "n_predict": (int, lambda v: v > 0, "> 0"),
-    "temp": (float, _nonneg, ">= 0"),
-    "top_k": (int, lambda v: v >= 0, ">= 0"),
-    "top_p": (float, lambda v: 0 < v <= 1, "in (0, 1]"),
-    "min_p": (float, lambda v: 0 <= v < 1, "in [0, 1)"),
-    "repeat_penalty": (float, lambda v: v > 0, "> 0 (1 = off)"),
-    "system": (str, lambda v: True, "text"),
-    "refresh_ms": (int, lambda v: 50 <= v <= 10_000, "in 50..10000"),
-    "theme": (str, lambda v: bool(v), "a theme name"),
-}
+def _any(_: object) -> bool:
+    return True
 
 
 @dataclass(frozen=True)
-class Settings:
-    device: str = "auto"
-    moe_cache_mib: float = 0.0
-    moe_cache_cpu_share: float = 0.0
-    emulate_link_gbps: float = 0.0
-    cpu_dequant_mib: float = 0.0
-    cpu_kernels: str = "fast"
-    threads: int = 0  # torch's intra-op threads for the engine; 0: torch's default
-    ctx_size: int = 4096
-    n_predict: int = 512
-    temp: float = 0.7
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    system: str = ""
-    refresh_ms: int = 250
-    theme: str = "textual-dark"
-    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+class Spec:
+    """One setting's declaration: its type and check (`want`: what a good value is) and its flag."""
 
-    def source(self, name: str) -> str:
-        return self.sources.get(name, "default")
+    kind: type
+    check: Callable[[Any], bool]
+    want: str
+    help: str
+    short: str | None = None  # e.g. "-n"
+    metavar: str | None = None
+    choices: tuple[str, ...] | None = None
+
+
+SPEC: dict[str, Spec] = {
+    "device": Spec(
+        str,
+        lambda v: v in ("auto", "cpu", "cuda"),
+        "auto, cpu or cuda",
+        "where the model runs",
+        choices=("auto", "cpu", "cuda"),
+    ),
+    "moe_cache_mib": Spec(
+        float, _nonneg, ">= 0", "device expert cache in MiB, fractions allowed; 0 = off", metavar="N"
+    ),
+    "moe_cache_cpu_share": Spec(
+        float, _unit, "in [0, 1]", "share of the misses computed on the CPU once the cache is full", metavar="F"
+    ),
+    "moe_cache_trace": Spec(str, _any, "a file path", "write every expert lookup to this file", metavar="PATH"),
+    "load_mode": Spec(
+        str,
+        lambda v: v in ("mmap", "pinned"),
+        "mmap or pinned",
+        "CUDA: keep the host experts memory-mapped (fast start) or copy them to pinned memory "
+        "(uploads at full link speed, slower start, locked RAM)",
+        choices=("mmap", "pinned"),
+    ),
+    "emulate_link_gbps": Spec(
+        float,
+        _nonneg,
+        ">= 0",
+        "CPU device: make each upload also cost bytes / X GB/s, like a PCIe link; 0 = off",
+        metavar="X",
+    ),
+    "cpu_dequant_mib": Spec(
+        float, _nonneg, ">= 0", "with --cpu-kernels exact: keep up to N MiB of dequantized experts", metavar="N"
+    ),
+    "cpu_kernels": Spec(
+        str,
+        lambda v: v in KERNEL_MODES,
+        " or ".join(KERNEL_MODES),
+        "CPU matmuls. " + describe_kernel_modes(),
+        choices=tuple(KERNEL_MODES),
+    ),
+    "threads": Spec(
+        int,
+        lambda v: 0 <= v <= 1024,
+        "in 0..1024 (0: one per core)",
+        "CPU threads for the engine; 0 = one per core",
+        short="-t",
+        metavar="N",
+    ),
+    "ctx_size": Spec(
+        int, lambda v: 16 <= v <= 1 << 20, "in 16..1048576", "context size in tokens", short="-c", metavar="N"
+    ),
+    "chat_template": Spec(str, _any, "a file path", "Jinja chat template overriding the GGUF's", metavar="FILE"),
+    "n_predict": Spec(int, lambda v: v > 0, "> 0", "most tokens per reply", short="-n", metavar="N"),
+    "temp": Spec(float, _nonneg, ">= 0", "temperature; 0 = greedy", metavar="T"),
+    "top_k": Spec(int, lambda v: v >= 0, ">= 0", "sample from the K likeliest tokens; 0 = all", metavar="K"),
+    "top_p": Spec(float, lambda v: 0 < v <= 1, "in (0, 1]", "nucleus sampling", metavar="P"),
+    "min_p": Spec(float, lambda v: 0 <= v < 1, "in [0, 1)", "drop tokens below P x the likeliest", metavar="P"),
+    "repeat_penalty": Spec(
+        float, lambda v: v > 0, "> 0 (1 = off)", "penalty on the last 64 tokens; 1 = off", metavar="X"
+    ),
+    "seed": Spec(
+        int,
+        lambda v: v >= -1,
+        ">= -1 (-1: a new one each reply)",
+        "same seed, same reply; -1 = a new one each reply",
+        metavar="N",
+    ),
+    "system": Spec(str, _any, "text", "system prompt", metavar="TEXT"),
+    "refresh_ms": Spec(
+        int, lambda v: 50 <= v <= 10_000, "in 50..10000", "dashboard refresh interval in ms", metavar="MS"
+    ),
+    "theme": Spec(str, bool, "a theme name", "Textual theme (remembered in config.toml)"),
+}
+
+ENGINE = ("device", "moe_cache_mib", "moe_cache_cpu_share", "moe_cache_trace", "load_mode", "emulate_link_gbps",
+          "cpu_dequant_mib", "cpu_kernels", "threads", "ctx_size", "chat_template")  # fmt: skip
+SAMPLING = ("n_predict", "temp", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
+APP = ("system", "refresh_ms", "theme")
 
 
 # Half of each demo's routed experts, so hits, uploads and CPU-computed misses all show on the
@@ -122,8 +216,10 @@ def flag_name(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
-def _coerce(name: str, raw: Any, source: str) -> Any:
-    kind, check, want = SPEC[name]
+def coerce(name: str, raw: Any, source: str) -> Any:
+    """`raw` (text from a flag, variable or dialog, or a TOML value) as the setting's type, checked."""
+    spec = SPEC[name]
+    kind, check, want = spec.kind, spec.check, spec.want
     try:
         if (kind is float and isinstance(raw, bool)) or (kind is int and isinstance(raw, bool)):
             raise TypeError
@@ -170,23 +266,23 @@ def resolve(
             warnings.append(warning)
         for name, raw in config.items():
             src = f"{config_path}"
-            values[name], sources[name] = _coerce(name, raw, src), src
+            values[name], sources[name] = coerce(name, raw, src), src
     for name in SPEC:
         raw = env.get(env_name(name))
         if raw is not None and raw != "":
             src = f"env {env_name(name)}"
-            values[name], sources[name] = _coerce(name, raw, src), src
+            values[name], sources[name] = coerce(name, raw, src), src
     for name, raw in (flags or {}).items():
         if raw is not None and name in SPEC:
             src = f"flag {flag_name(name)}"
-            values[name], sources[name] = _coerce(name, raw, src), src
+            values[name], sources[name] = coerce(name, raw, src), src
     return replace(Settings(), **values, sources=sources), warnings
 
 
 def save_config(path: Path, updates: Mapping[str, Any]) -> Path:
     """Merge `updates` into config.toml atomically. A corrupt file is renamed aside, never overwritten."""
     for name, value in updates.items():
-        _coerce(name, value, "the value to save")
+        coerce(name, value, "the value to save")
     current: dict[str, Any] = {}
     if path.is_file():
         current, warning = read_config(path)
@@ -211,5 +307,56 @@ def _toml_value(v: Any) -> str:
     return f'"{s}"'
 
 
-def names() -> list[str]:
-    return [f.name for f in fields(Settings) if f.name != "sources"]
+def add_flags(p: argparse.ArgumentParser, names: Iterable[str]) -> None:
+    """A flag for each named setting, from its declaration; flags default to None (the next layer)."""
+    for name in names:
+        spec = SPEC[name]
+        default = getattr(Settings(), name)
+        shown = (default or "none") if spec.kind is str else f"{default:g}" if spec.kind is float else str(default)
+        flags = (spec.short, flag_name(name)) if spec.short else (flag_name(name),)
+        typed: dict[str, Any] = {} if spec.kind is str else {"type": spec.kind}
+        p.add_argument(*flags, dest=name, default=None, metavar=spec.metavar, choices=spec.choices,
+                       help=f"{spec.help} (default {shown}; env {env_name(name)})", **typed)  # fmt: skip
+
+
+def from_args(args: argparse.Namespace, names: Iterable[str]) -> tuple[Settings, list[str], Path]:
+    """The settings a command runs with: its flags over env, config.toml (`--config` or the config
+    dir's) and the defaults, a built-in demo's own defaults where nothing else set a value.
+
+    Returns (settings, warnings, the config.toml path)."""
+    from .paths import app_paths
+
+    given = getattr(args, "config", None)
+    config = Path(given) if given else app_paths().config / "config.toml"
+    if given and not config.is_file():
+        raise ValueError(f"--config {config}: no such file")
+    settings, warnings = resolve({n: getattr(args, n, None) for n in names}, config_path=config)
+    return for_demo(settings, getattr(args, "model", None)), warnings, config
+
+
+def cache_settings(settings: Settings, warm_start: Path | None = None) -> CacheSettings:
+    """The expert cache's settings, checked; an unusable device names where it was set."""
+    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.loader import resolve_device
+
+    try:
+        device = resolve_device(settings.device)
+    except ValueError as e:
+        raise ValueError(f"device from {settings.source('device')}: {e}") from None
+    cache = CacheSettings(
+        mib=settings.moe_cache_mib, cpu_share=settings.moe_cache_cpu_share, device=device,
+        emulate_link_gbps=settings.emulate_link_gbps, trace=Path(settings.moe_cache_trace) if settings.moe_cache_trace
+        else None, load_mode=settings.load_mode, warm_start=warm_start,
+    )  # fmt: skip
+    cache.validate()
+    return cache
+
+
+def sampling_params(settings: Settings) -> SamplingParams:
+    from moechat.engine.generate import SamplingParams
+
+    params = SamplingParams(temperature=settings.temp, top_k=settings.top_k, top_p=settings.top_p,
+                            min_p=settings.min_p, repeat_penalty=settings.repeat_penalty,
+                            seed=settings.seed if settings.seed >= 0 else None)  # fmt: skip
+    params.validate()
+    return params

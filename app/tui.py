@@ -213,22 +213,15 @@ class MoechatApp(App[int]):
             self.engine.close()
 
 
-def real_engine_factory(model: str | None, settings: Settings, chat_template: str | None,
-                        warm_dir: Path | None = None) -> EngineFactory:  # fmt: skip
+def real_engine_factory(model: str | None, settings: Settings, warm_dir: Path | None = None) -> EngineFactory:
     """The engine for the app: the model in a child process (see engine_process.py).
 
     `warm_dir`: where the expert cache keeps each model's use counts between runs (warm start)."""
 
     def build(progress: Callable[[str], None]) -> ChatEngine:
-        from moechat.engine.loader import resolve_device
-
         from .engine_process import EngineSpec, ProcessEngine
 
-        spec = EngineSpec(model, settings.ctx_size, chat_template, resolve_device(settings.device),
-                          settings.moe_cache_mib, settings.moe_cache_cpu_share, settings.emulate_link_gbps,
-                          settings.source("ctx_size"), settings.cpu_dequant_mib, settings.cpu_kernels,
-                          settings.threads, str(warm_dir) if warm_dir else None)  # fmt: skip
-        return ProcessEngine(spec, progress)
+        return ProcessEngine(EngineSpec(model, settings, str(warm_dir) if warm_dir else None), progress)
 
     return build
 

@@ -10,14 +10,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from .paths import app_paths
+from .settings import ENGINE
 
 if TYPE_CHECKING:
     from moechat.tuner.simulator import Routing
 
 
+# The engine's settings a sweep runs with; it picks cache sizes and shares itself, and traces none.
+TUNE_SETTINGS = tuple(n for n in ENGINE if n not in ("moe_cache_mib", "moe_cache_cpu_share", "moe_cache_trace"))
+
+
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
-    from .run_cmd import add_cache_arguments
-    from .settings import MODEL_HELP
+    from .run_cmd import add_config_flag
+    from .settings import MODEL_HELP, add_flags
 
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--max-mib", type=float, default=None, metavar="N", help="largest cache to consider, in MiB")
@@ -25,12 +30,12 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--warmup", type=int, default=32, metavar="N", help="first tokens of a run left untimed (default 32)"
     )
-    p.add_argument("-c", "--ctx-size", type=int, default=2048, help="context size (default 2048)")
     p.add_argument("--fresh", action="store_true", help="measure again instead of reusing earlier runs")
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--markdown", action="store_true", help="Markdown tables")
     fmt.add_argument("--json", action="store_true", help="JSON")
-    add_cache_arguments(p, sweep=True)
+    add_flags(p, TUNE_SETTINGS)
+    add_config_flag(p)
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -51,7 +56,7 @@ def run_tune(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from .demo_model import resolve_model
-    from .run_cmd import layered_settings
+    from .settings import cache_settings, from_args
 
     if args.tokens < args.warmup + 8:
         raise ValueError(f"--tokens must be at least --warmup + 8 = {args.warmup + 8}, got {args.tokens}")
@@ -59,12 +64,15 @@ def run_tune(args: argparse.Namespace) -> int:
         raise ValueError(f"--max-mib must be > 0, got {args.max_mib}")
     # The same layering as `moechat run` (flag > env > config.toml > default), so the arms run
     # the engine as the user's sessions do; the sweep picks its own cache sizes and shares.
-    opts = layered_settings(args)
-    set_threads(opts.threads)  # the arms run in this process: their timings use these threads
+    layered, warnings, _ = from_args(args, TUNE_SETTINGS)
+    for w in warnings:
+        print(f"moechat: warning: {w}", file=sys.stderr)
+    base = cache_settings(layered)
+    set_threads(layered.threads)  # the arms run in this process: their timings use these threads
     model = Path(resolve_model(args.model))
     settings = SweepSettings(
-        model=model, device=opts.cache.device, n_ctx=args.ctx_size, emulate_link_gbps=opts.cache.emulate_link_gbps,
-        load_mode=args.load_mode, cpu_dequant_mib=opts.cpu_dequant_mib, cpu_kernels=opts.cpu_kernels,
+        model=model, device=base.device, n_ctx=layered.ctx_size, emulate_link_gbps=base.emulate_link_gbps,
+        load_mode=base.load_mode, cpu_dequant_mib=layered.cpu_dequant_mib, cpu_kernels=layered.cpu_kernels,
         max_mib=args.max_mib, tokens=args.tokens, warmup=args.warmup,
     )  # fmt: skip
     cache_dir = app_paths().cache

@@ -113,10 +113,10 @@ def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
         assert r.returncode == 2 and r.stderr.count("\n") == 1 and msg in r.stderr, r.stderr
     model = tiny_moe(tmp_path / "m.gguf", n_vocab=300)
     for args, msg in [
-        (("--temp", "-1"), "temperature must be >= 0"),
-        (("--top-p", "1.5"), "top-p must be in (0, 1]"),
-        (("-n", "-3"), "-n/--n-predict must be >= 0"),
-        (("-c", "4"), "context size must be at least 16"),
+        (("--temp", "-1"), "temp from flag --temp: -1.0 must be >= 0"),
+        (("--top-p", "1.5"), "top_p from flag --top-p: 1.5 must be in (0, 1]"),
+        (("-n", "-3"), "n_predict from flag --n-predict: -3 must be > 0"),
+        (("-c", "4"), "ctx_size from flag --ctx-size: 4 must be in 16..1048576"),
         (("--chat-template", str(tmp_path / "none.jinja")), "cannot read chat template"),
         (("--threads", "-1"), "threads from flag --threads: -1 must be in 0..1024"),
     ]:

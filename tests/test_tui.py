@@ -733,7 +733,12 @@ def test_process_engine_streams_stops_and_reports_errors(tmp_path: Path) -> None
 
     path = tiny_moe(tmp_path / "m.gguf")
     progress: list[str] = []
-    engine = ProcessEngine(EngineSpec(str(path), 256, None, "cpu", 1.0, 0.5, threads=1), progress.append)
+    engine = ProcessEngine(
+        EngineSpec(
+            str(path), Settings(ctx_size=256, device="cpu", moe_cache_mib=1.0, moe_cache_cpu_share=0.5, threads=1)
+        ),
+        progress.append,
+    )
     try:
         assert engine.info.name == "m.gguf" and any("loading" in p for p in progress)
         assert engine.info.hardware.endswith(", 1 threads")  # --threads reaches the engine process
@@ -762,7 +767,7 @@ def test_process_engine_streams_stops_and_reports_errors(tmp_path: Path) -> None
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"GGUF" + bytes(10))
     with pytest.raises(ValueError, match="bad.gguf"):
-        ProcessEngine(EngineSpec(str(bad), 256, None, "cpu", 0.0, 0.0))
+        ProcessEngine(EngineSpec(str(bad), Settings(ctx_size=256, device="cpu")))
 
 
 async def test_a_failing_save_is_reported_and_the_old_file_kept(

@@ -32,6 +32,7 @@ from textual.widgets.markdown import MarkdownStream
 from ..conversations import Conversation
 from ..engine_api import ChatEngine
 from ..messages import ContextTrimmed, ReplyDone, ReplyFailed, StatsUpdate, TokenText
+from ..settings import sampling_params
 
 if TYPE_CHECKING:
     from ..tui import MoechatApp
@@ -250,9 +251,7 @@ class ChatScreen(Screen[None]):
         self.query_one("#status", Static).update("reading the prompt...")
         s = self.moechat.settings
         self._reply_settings = {k: v for k, v in self.moechat.settings_dict().items() if k in REPLY_SETTINGS}
-        params = SamplingParams(temperature=s.temp, top_k=s.top_k, top_p=s.top_p, min_p=s.min_p,
-                                repeat_penalty=s.repeat_penalty)  # fmt: skip
-        self.generate(self.conv.chat_messages(), params, s.n_predict, s.refresh_ms / 1000)
+        self.generate(self.conv.chat_messages(), sampling_params(s), s.n_predict, s.refresh_ms / 1000)
 
     @work(thread=True, exclusive=True, group="engine")
     def generate(self, messages: list[dict[str, str]], params: SamplingParams, n_predict: int, every: float) -> None:

@@ -15,7 +15,7 @@ from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
 
 from ..conversations import Conversation
-from ..settings import SettingError, Settings, _coerce
+from ..settings import SettingError, Settings, coerce
 
 if TYPE_CHECKING:
     from ..tui import MoechatApp
@@ -46,7 +46,7 @@ class OpenChat(ModalScreen[Conversation | None]):
         self.dismiss(next(c for c in self.conversations if c.id == event.option.id))
 
 
-EDITABLE = ("system", "temp", "top_k", "top_p", "min_p", "repeat_penalty", "n_predict")
+EDITABLE = ("system", "temp", "top_k", "top_p", "min_p", "repeat_penalty", "seed", "n_predict")
 
 
 class SettingsDialog(ModalScreen[bool]):
@@ -77,7 +77,7 @@ class SettingsDialog(ModalScreen[bool]):
         try:
             for name in EDITABLE:
                 raw = self.query_one(f"#set-{name}", Input).value
-                values[name] = _coerce(name, raw, "the settings dialog")
+                values[name] = coerce(name, raw, "the settings dialog")
         except SettingError as e:
             self.query_one("#error", Static).update(str(e))
             return

@@ -34,6 +34,7 @@ class FakeEngine:
         self.tokens = 0
         self.set_cache_calls: list[tuple[float, float]] = []
         self.replies = 0
+        self.params: list[SamplingParams] = []  # what each reply was asked with
         self.closed = False
 
     def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
@@ -44,6 +45,7 @@ class FakeEngine:
         self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
     ) -> Iterator[Event]:
         self.replies += 1
+        self.params.append(params)
         t0 = time.perf_counter()
         n = 0
         reason = "eos"

@@ -1,0 +1,110 @@
+"""Every setting is declared once (app/settings.py) and every command reads it through that declaration."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+from pathlib import Path
+from typing import Any
+
+import pytest
+from moechat.app.cli import build_parser
+from moechat.app.repl import SETTINGS as CHAT
+from moechat.app.settings import ENGINE, SAMPLING, SPEC, Settings, env_name, flag_name, from_args, sampling_params
+from moechat.app.tune_cmd import TUNE_SETTINGS
+
+# A valid value other than the default for every setting, as text (what a flag or variable holds).
+OTHER = {
+    "device": "cpu", "moe_cache_mib": "3.5", "moe_cache_cpu_share": "0.25", "moe_cache_trace": "t.jsonl",
+    "load_mode": "pinned", "emulate_link_gbps": "16", "cpu_dequant_mib": "64", "cpu_kernels": "exact", "threads": "1",
+    "ctx_size": "512", "chat_template": "t.jinja", "n_predict": "7", "temp": "0.2", "top_k": "5", "top_p": "0.5",
+    "min_p": "0.1", "repeat_penalty": "1.2", "seed": "11", "system": "Be brief.", "refresh_ms": "500",
+    "theme": "nord",
+}  # fmt: skip
+COMMANDS = {"chat": CHAT, "run": (*SAMPLING, *ENGINE), "tune": TUNE_SETTINGS}
+
+
+def test_the_declaration_covers_every_setting_and_each_value_differs_from_its_default() -> None:
+    names = [f.name for f in dataclasses.fields(Settings) if f.name != "sources"]
+    assert sorted(SPEC) == sorted(names) == sorted(OTHER)
+    for name, raw in OTHER.items():
+        value = SPEC[name].kind(raw)
+        assert SPEC[name].check(value) and value != getattr(Settings(), name), name
+
+
+def _argv(command: str, names: tuple[str, ...], values: dict[str, str]) -> list[str]:
+    argv = [command, "m.gguf"] + (["-p", "hi"] if command == "run" else [])
+    for name in names:
+        argv += [flag_name(name), values[name]]
+    return argv
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_each_command_takes_its_settings_from_flag_env_and_config_alike(
+    command: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    names = COMMANDS[command]
+    parser = build_parser()
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    for name in SPEC:
+        monkeypatch.delenv(env_name(name), raising=False)
+    # Flags: every setting the command takes, under the declared flag name.
+    args = parser.parse_args([*_argv(command, names, OTHER), "--config", str(config)])
+    s, _, _ = from_args(args, names)
+    for name in names:
+        assert getattr(s, name) == SPEC[name].kind(OTHER[name]), (command, name)
+        assert s.source(name) == f"flag {flag_name(name)}"
+    # The same values from MOECHAT_* variables, and from config.toml, with no flags.
+    for name in names:
+        monkeypatch.setenv(env_name(name), OTHER[name])
+    s, _, _ = from_args(parser.parse_args([*_argv(command, (), OTHER), "--config", str(config)]), names)
+    assert all(getattr(s, n) == SPEC[n].kind(OTHER[n]) and s.source(n) == f"env {env_name(n)}" for n in names)
+    for name in names:
+        monkeypatch.delenv(env_name(name))
+    lines = [f"{n} = {OTHER[n]!r}" if SPEC[n].kind is str else f"{n} = {OTHER[n]}" for n in names]
+    config.write_text("\n".join(lines) + "\n")
+    s, _, _ = from_args(parser.parse_args([*_argv(command, (), OTHER), "--config", str(config)]), names)
+    assert all(getattr(s, n) == SPEC[n].kind(OTHER[n]) and s.source(n) == str(config) for n in names)
+
+
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_a_bad_flag_value_is_one_line_naming_the_setting_and_flag(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moechat.app.cli import main
+
+    config = tmp_path / "config.toml"
+    config.write_text("")
+    assert main([*_argv(command, ("ctx_size",), {"ctx_size": "8"}), "--config", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err == "moechat: error: ctx_size from flag --ctx-size: 8 must be in 16..1048576\n"
+
+
+def test_seed_reaches_the_sampler() -> None:
+    assert sampling_params(Settings(seed=11)).seed == 11
+    assert sampling_params(Settings()).seed is None  # -1: a new seed each reply
+    with pytest.raises(ValueError, match="seed"):
+        from moechat.app.settings import resolve
+
+        resolve({"seed": -5}, {}, None)
+
+
+def test_the_app_replies_with_the_settings_seed_and_sampling(tmp_path: Path) -> None:
+    from moechat.app.paths import AppPaths
+    from moechat.app.tui import MoechatApp
+    from test_tui import ready, say
+    from testkit.fake_engine import FakeEngine
+
+    engine = FakeEngine(["The", " sea", "."])
+    paths = AppPaths(tmp_path / "config", tmp_path / "data", tmp_path / "cache", tmp_path / "log")
+    settings = Settings(seed=11, temp=0.2, top_k=5)
+    app = MoechatApp(lambda progress: engine, settings, paths=paths)
+
+    async def run() -> None:
+        async with app.run_test(size=(100, 30)) as pilot:
+            await say(pilot, await ready(pilot), "hi")
+
+    asyncio.run(run())
+    got: Any = engine.params[-1]
+    assert (got.seed, got.temperature, got.top_k) == (11, 0.2, 5)
