@@ -16,8 +16,8 @@ from pathlib import Path
 from typing import Protocol
 
 import torch
+from moechat.engine.cache_settings import CacheSettings
 from moechat.engine.chat_template import ChatTemplateError, plain_template
-from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import Event, SamplingParams, TokenEvent, generate
 from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
 from moechat.engine.stats import StatsSnapshot

@@ -27,6 +27,7 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from moechat.engine.generate import DoneEvent, TokenEvent, generate
+    from moechat.engine.stats import summary_lines
 
     from .demo_model import resolve_model
     from .engine_api import load_for
@@ -54,7 +55,7 @@ def run(args: argparse.Namespace) -> int:
                     file=sys.stderr,
                 )
                 if lm.cache is not None:
-                    for line in lm.cache.summary_lines():
+                    for line in summary_lines(lm.cache.snapshot()):
                         print(line, file=sys.stderr)
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, as other command-line tools do.

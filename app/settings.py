@@ -30,7 +30,7 @@ from moechat.engine.kernel_modes import describe as describe_kernel_modes
 from .atomic import write_atomic
 
 if TYPE_CHECKING:  # the engine (torch) loads when a command runs, not for --help
-    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.cache_settings import CacheSettings
     from moechat.engine.generate import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -315,7 +315,9 @@ def add_flags(p: argparse.ArgumentParser, names: Iterable[str]) -> None:
         shown = (default or "none") if spec.kind is str else f"{default:g}" if spec.kind is float else str(default)
         flags = (spec.short, flag_name(name)) if spec.short else (flag_name(name),)
         typed: dict[str, Any] = {} if spec.kind is str else {"type": spec.kind}
-        p.add_argument(*flags, dest=name, default=None, metavar=spec.metavar, choices=spec.choices,
+        # A value outside the choices gets the one-line error of any bad value (`coerce`), not argparse's usage.
+        metavar = "{" + ",".join(spec.choices) + "}" if spec.choices else spec.metavar
+        p.add_argument(*flags, dest=name, default=None, metavar=metavar,
                        help=f"{spec.help} (default {shown}; env {env_name(name)})", **typed)  # fmt: skip
 
 
@@ -336,7 +338,7 @@ def from_args(args: argparse.Namespace, names: Iterable[str]) -> tuple[Settings,
 
 def cache_settings(settings: Settings, warm_start: Path | None = None) -> CacheSettings:
     """The expert cache's settings, checked; an unusable device names where it was set."""
-    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.cache_settings import CacheSettings
     from moechat.engine.loader import resolve_device
 
     try:

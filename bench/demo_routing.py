@@ -18,8 +18,8 @@ import time
 from pathlib import Path
 
 from moechat.app.paths import app_paths
+from moechat.engine.cache_settings import CacheSettings
 from moechat.engine.demo import ensure_demo
-from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import SamplingParams, TokenEvent, generate
 from moechat.engine.loader import load_model
 from moechat.engine.trace import read_trace

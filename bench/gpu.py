@@ -28,7 +28,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from moechat.engine.expert_cache import CacheSettings
+from moechat.engine.cache_settings import CacheSettings
 from moechat.engine.generate import GREEDY, TokenEvent, decode_one, generate, prefill
 from moechat.engine.loader import LoadedModel, load_model
 from moechat.engine.moe import run_experts

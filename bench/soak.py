@@ -21,7 +21,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from moechat.app.engine_api import RealEngine
 from moechat.app.export import SERIES_MAX, SessionStats
-from moechat.engine.expert_cache import CacheSettings
+from moechat.engine.cache_settings import CacheSettings
 from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent
 from moechat.engine.loader import load_model
 

@@ -36,7 +36,7 @@ from moechat.app.paths import AppPaths
 from moechat.app.screens.chat import ChatScreen
 from moechat.app.settings import Settings, for_demo
 from moechat.app.tui import MoechatApp, real_engine_factory
-from moechat.engine.expert_cache import CacheSettings
+from moechat.engine.cache_settings import CacheSettings
 from moechat.engine.generate import GREEDY, DoneEvent
 from moechat.engine.loader import load_model, set_threads
 

@@ -32,7 +32,7 @@ def main() -> None:
     ap.add_argument("--links", type=float, nargs="+", default=[0.5, 1.5], help="GB/s")
     ap.add_argument("--tokens", type=int, default=160)
     args = ap.parse_args()
-    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.cache_settings import CacheSettings
     from moechat.engine.loader import load_model
 
     with tempfile.TemporaryDirectory() as tmp:

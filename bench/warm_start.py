@@ -25,8 +25,8 @@ from pathlib import Path
 
 from moechat.app.paths import app_paths
 from moechat.app.settings import DEMO_DEFAULTS
+from moechat.engine.cache_settings import CacheSettings
 from moechat.engine.demo import DEFAULT_DEMO, DEMOS, ensure_demo
-from moechat.engine.expert_cache import CacheSettings
 from moechat.engine.generate import SamplingParams, TokenEvent, generate
 from moechat.engine.loader import load_model
 from moechat.engine.stats import CountersSnapshot

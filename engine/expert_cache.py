@@ -19,88 +19,30 @@ cache state as it was.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 import threading
 import time
-import weakref
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 import torch
 
 from . import device_kernels, warm_start
-from .cache_policy import ClassLRU, CpuShare, Plan, bypasses, count, split_budget
+from .cache_policy import ClassLRU, CpuShare, Plan, bypasses, count
+from .cache_settings import CacheSettings
+from .device_memory import pinned
 from .fused_moe import combine as fused_combine
 from .fused_moe import host_arrays, run_fused
 from .jit import concurrent_calls_safe, set_kernel_threads
 from .moe import Contribution, HostExperts, LayerExperts, combine, run_experts
 from .quants import dequantize
-from .stats import GroupInfo, LayerCounters, LayerSnapshot, StatsSnapshot
+from .slot_groups import SlotGroup, build_groups
+from .stats import LayerCounters, LayerSnapshot, StatsSnapshot
 from .trace import TraceWriter
+from .uploads import Uploader
 
 logger = logging.getLogger(__name__)
-
-MAX_BATCH = 32
-LINK_MIN_SLEEP = 2e-3  # seconds
-
-
-class CacheError(ValueError):
-    """Cache settings that cannot work, with the setting named."""
-
-
-@dataclass(frozen=True)
-class CacheSettings:
-    mib: float = 0.0  # 0: no cache
-    cpu_share: float = 0.0
-    device: str = "cpu"
-    emulate_link_gbps: float = 0.0  # CPU device only: uploads also wait bytes / speed
-    trace: Path | None = None
-    max_batch: int = MAX_BATCH
-    load_mode: str = "mmap"  # mmap: experts stay in the file map; pinned: copied to pinned memory (CUDA)
-    # How the device computes its experts: "auto" (the Triton kernels on CUDA where the types have
-    # them), "triton" (also on the CPU device, in Triton's interpreter: tests), "torch" (dequantize
-    # each expert, eager ops).
-    device_kernels: str = "auto"
-    # Warm start (engine/warm_start.py): the file of this model's saved use counts. Read when the
-    # cache is made (the hottest experts fill the slots before the first token), written at close.
-    warm_start: Path | None = None
-
-    def validate(self) -> None:
-        if not self.mib >= 0:
-            raise CacheError(f"--moe-cache-mib must be >= 0, got {self.mib}")
-        if not 0.0 <= self.cpu_share <= 1.0:
-            raise CacheError(f"--moe-cache-cpu-share must be in [0, 1], got {self.cpu_share}")
-        if not self.emulate_link_gbps >= 0:
-            raise CacheError(f"--emulate-link-gbps must be >= 0, got {self.emulate_link_gbps}")
-        if self.emulate_link_gbps and self.device != "cpu":
-            raise CacheError("--emulate-link-gbps only applies to the CPU device")
-        if self.load_mode not in ("mmap", "pinned"):
-            raise CacheError(f"--load-mode must be mmap or pinned, got '{self.load_mode}'")
-        if self.device_kernels not in ("auto", "triton", "torch"):
-            raise CacheError(f"device kernels must be auto, triton or torch, got '{self.device_kernels}'")
-
-
-@dataclass
-class _Group:
-    info: GroupInfo
-    policy: ClassLRU | None
-    banks: tuple[torch.Tensor, ...]  # gate, up, down slots: [n_slots, rows, row_bytes] uint8 on the device
-
-
-def _geometry(lx: LayerExperts) -> tuple[object, ...]:
-    return tuple((tuple(t.raw.shape), t.qtype) for t in (lx.gate, lx.up, lx.down))
-
-
-def layer_groups(host: HostExperts) -> list[list[int]]:
-    """Layers whose expert tensors have the same shapes and types, in layer order: one bank of slots each."""
-    by_geometry: dict[tuple[object, ...], list[int]] = {}
-    for layer, lx in sorted(host.layers.items()):
-        by_geometry.setdefault(_geometry(lx), []).append(layer)
-    return list(by_geometry.values())
 
 
 class ExpertCache:
@@ -108,16 +50,14 @@ class ExpertCache:
         settings.validate()
         self.settings = settings
         self.device = torch.device(settings.device)
-        self.host = _pinned(host) if settings.load_mode == "pinned" and self.device.type == "cuda" else host
+        self.host = pinned(host) if settings.load_mode == "pinned" and self.device.type == "cuda" else host
         if settings.load_mode == "pinned" and self.device.type != "cuda":
             logger.info("--load-mode pinned only matters with a CUDA device; experts stay memory-mapped")
-        # CUDA: uploads go on their own stream, ordered against the compute stream by events.
-        self._copy_stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.uploader = Uploader(self.device, settings.emulate_link_gbps)
         self.n_expert_used = n_expert_used
         self.share = CpuShare(settings.cpu_share)
-        self.groups: list[_Group] = []
-        self.group_of: dict[int, _Group] = {}
-        self._build_groups()
+        self.groups = build_groups(self.host, n_expert_used, settings.mib, settings.cpu_share, self.device)
+        self.group_of = {layer: g for g in self.groups for layer in g.info.layers}
         self.stats = {layer: LayerCounters() for layer in host.layers}
         self.use_counts = {layer: np.zeros(lx.gate.raw.shape[0], dtype=np.int64) for layer, lx in host.layers.items()}
         self.first_layer = min(host.layers)
@@ -128,7 +68,6 @@ class ExpertCache:
         self._worker = (
             ThreadPoolExecutor(1, thread_name_prefix="moechat-cpu", initializer=_one_thread) if self.share.q else None
         )
-        self._link_debt = 0.0  # seconds of emulated link time not yet waited
         self._lock = threading.Lock()  # guards the counters while a snapshot is taken
         self.warm_counts: warm_start.Counts | None = None
         self.warm_uploads = self.warm_bytes = 0  # slots filled from the saved counts, before the first token
@@ -137,7 +76,7 @@ class ExpertCache:
             self.warm_counts = warm_start.read(settings.warm_start, n_expert)
             if self.warm_counts is not None:
                 self._preload(self.warm_counts)
-        self._trace = TraceWriter(settings.trace, self.trace_header()) if settings.trace else None
+        self._trace = TraceWriter(settings.trace, self._trace_header()) if settings.trace else None
         self._biases: dict[int, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = {}
         self.triton = {layer: self._use_triton(layer, lx) for layer, lx in self.host.layers.items()}
 
@@ -155,58 +94,6 @@ class ExpertCache:
 
     # -- set-up --------------------------------------------------------------------------
 
-    def _build_groups(self) -> None:
-        sizes = []
-        for layers in layer_groups(self.host):
-            lx = self.host.layers[layers[0]]
-            n_expert = lx.gate.raw.shape[0]
-            sizes.append((layers, n_expert, lx.bytes_per_expert))
-        budget = int(self.settings.mib * 2**20)
-        split = split_budget([(len(ls), n, b) for ls, n, b in sizes], budget, self.n_expert_used)
-        for index, ((layers, n_expert, expert_bytes), (n_slots, share)) in enumerate(zip(sizes, split, strict=True)):
-            if n_slots == 0 and share >= expert_bytes:
-                logger.warning(
-                    "MoE cache group %d (layers %s): %d slots cannot hold one token's %d experts: not cached",
-                    index, _span(layers), share // expert_bytes, self.n_expert_used,
-                )  # fmt: skip
-            info = GroupInfo(index, tuple(layers), n_expert, expert_bytes, int(n_slots), int(share))
-            group = _Group(info, None, ())
-            if n_slots:
-                group.policy = ClassLRU(layers, n_expert, int(n_slots))
-                group.banks = self._allocate(self.host.layers[layers[0]], int(n_slots))
-                logger.info(
-                    "MoE cache group %d: layers %s, %d experts of %.2f MiB: %d slots (%.1f%% of the experts, "
-                    "%.1f tokens worth), %.1f MiB on %s, CPU share %g",
-                    index, _span(layers), n_expert, expert_bytes / 2**20, n_slots, 100 * info.fraction,
-                    n_slots / (len(layers) * self.n_expert_used), n_slots * expert_bytes / 2**20, self.device,
-                    self.settings.cpu_share,
-                )  # fmt: skip
-            self.groups.append(group)
-            for layer in layers:
-                self.group_of[layer] = group
-
-    def _allocate(self, lx: LayerExperts, n_slots: int) -> tuple[torch.Tensor, ...]:
-        need = n_slots * lx.bytes_per_expert
-        free = device_free_bytes(self.device)
-        if need > free:
-            # Say so before the allocator fails somewhere less clear, and propose what fits.
-            # Every group takes the same fraction of the budget, so scaling the budget scales this group.
-            fits = self.settings.mib * 0.9 * free / need
-            raise CacheError(
-                f"--moe-cache-mib {self.settings.mib:g}: the slots need {need / 2**20:.0f} MiB but {self.device} "
-                f"has {free / 2**20:.0f} MiB free; try --moe-cache-mib {int(fits)}"
-            )
-        banks = []
-        try:
-            for t in (lx.gate, lx.up, lx.down):
-                banks.append(torch.empty((n_slots, *t.raw.shape[1:]), dtype=torch.uint8, device=self.device))
-        except (RuntimeError, MemoryError) as e:  # torch.OutOfMemoryError is a RuntimeError
-            raise CacheError(
-                f"--moe-cache-mib {self.settings.mib:g}: cannot allocate {need / 2**20:.0f} MiB of expert slots on "
-                f"{self.device} ({str(e).splitlines()[0]}); try --moe-cache-mib {int(self.settings.mib / 2)}"
-            ) from None
-        return tuple(banks)
-
     def _preload(self, counts: warm_start.Counts) -> None:
         """Fill each group's slots with the hottest saved experts (the simulator does the same)."""
         for group in self.groups:
@@ -215,7 +102,7 @@ class ExpertCache:
             placed = group.policy.preload(warm_start.hottest(counts, group.info.layers, group.policy.n_slots))
             for layer in group.info.layers:
                 uploads = tuple(sorted((e, slot) for lay, e, slot in placed if lay == layer))
-                self._upload(group, self.host.layers[layer], uploads)
+                self.uploader.upload(group, self.host.layers[layer], uploads)
             self.warm_uploads += len(placed)
             self.warm_bytes += len(placed) * group.info.expert_bytes
         logger.info("warm start: %d experts (%.1f MiB) in their slots before the first token", self.warm_uploads,
@@ -233,7 +120,7 @@ class ExpertCache:
         if counts:
             warm_start.write(self.settings.warm_start, counts)
 
-    def trace_header(self) -> dict[str, object]:
+    def _trace_header(self) -> dict[str, object]:
         return {
             "version": 1,
             "max_batch": self.settings.max_batch,
@@ -292,7 +179,7 @@ class ExpertCache:
                 xh, wh = x.cpu(), weights.cpu()  # the CPU part reads host copies
                 future = self._worker.submit(run_experts, lx, xh, ids, wh, self.host.act, list(plan.cpu),
                                              fetch=self.host.fetcher(layer))  # fmt: skip
-            self._upload(group, lx, plan.uploads)
+            self.uploader.upload(group, lx, plan.uploads)
             on_device = sorted([*plan.hits, *(e for e, _ in plan.uploads)])
             # On the CPU device a slot holds the host expert's very bytes: the dequant cache, when
             # there is one, serves both.
@@ -305,7 +192,7 @@ class ExpertCache:
         return out
 
     def _run_fused(
-        self, layer: int, group: _Group, policy: ClassLRU, lx: LayerExperts, plan: Plan, x: torch.Tensor,
+        self, layer: int, group: SlotGroup, policy: ClassLRU, lx: LayerExperts, plan: Plan, x: torch.Tensor,
         ids: torch.Tensor, weights: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """CPU device, fused kernels: hits and uploads from the slots, the CPU share from the host copy.
@@ -322,7 +209,7 @@ class ExpertCache:
                 future = self._worker.submit(self.host.run_host_part, layer, xh, ih, wh, list(plan.cpu), contrib)
             else:
                 self.host.run_host_part(layer, xh, ih, wh, list(plan.cpu), contrib)
-        self._upload(group, lx, plan.uploads)
+        self.uploader.upload(group, lx, plan.uploads)
         if on_device:
             banks = tuple(b.numpy() for b in group.banks)
             slots = np.asarray(policy.slot_map[layer], dtype=np.int64)
@@ -333,13 +220,13 @@ class ExpertCache:
         return fused_combine(contrib, ih)
 
     def _run_triton(
-        self, layer: int, group: _Group, policy: ClassLRU, lx: LayerExperts, plan: Plan, x: torch.Tensor,
+        self, layer: int, group: SlotGroup, policy: ClassLRU, lx: LayerExperts, plan: Plan, x: torch.Tensor,
         ids: torch.Tensor, weights: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """The device's experts in three launches (device_kernels), the CPU share from the host copy meanwhile."""
         # The CPU share's inputs cross now, while the device is idle after the routing's sync.
         host_in = host_arrays(x, ids, weights) if plan.cpu else None
-        self._upload(group, lx, plan.uploads)
+        self.uploader.upload(group, lx, plan.uploads)
         on_device = np.zeros(group.info.n_expert, dtype=bool)
         on_device[[*plan.hits, *(e for e, _ in plan.uploads)]] = True
         ih = ids.cpu().numpy()  # the routing's one sync: the policy has read these ids already
@@ -416,42 +303,6 @@ class ExpertCache:
 
         return fetch
 
-    def _upload(self, group: _Group, lx: LayerExperts, uploads: tuple[tuple[int, int], ...]) -> None:
-        if not uploads:
-            return
-        # Runs of consecutive experts into consecutive slots go in one copy.
-        runs: list[tuple[int, int, int]] = []
-        for e, s in uploads:
-            if runs and runs[-1][0] + runs[-1][2] == e and runs[-1][1] + runs[-1][2] == s:
-                runs[-1] = (runs[-1][0], runs[-1][1], runs[-1][2] + 1)
-            else:
-                runs.append((e, s, 1))
-        if self._copy_stream is not None:
-            compute = torch.cuda.current_stream(self.device)
-            self._copy_stream.wait_stream(compute)  # a slot is overwritten only after its last reader ran
-            with torch.cuda.stream(self._copy_stream):
-                self._copy_runs(group, lx, runs)
-            done = torch.cuda.Event()
-            done.record(self._copy_stream)
-            compute.wait_event(done)  # the device computes with the new experts once they are in
-            return
-        self._copy_runs(group, lx, runs)
-        if self.settings.emulate_link_gbps:
-            # The device waits for its experts: each upload costs bytes / link speed, serially.
-            # Sleeps of well under a millisecond overshoot by tens of microseconds, so small costs
-            # add up to a debt first, and what a sleep overshoots is paid back from the next.
-            self._link_debt += len(uploads) * group.info.expert_bytes / (self.settings.emulate_link_gbps * 1e9)
-            if self._link_debt > LINK_MIN_SLEEP:
-                t = time.perf_counter()
-                time.sleep(self._link_debt)
-                self._link_debt -= time.perf_counter() - t
-
-    @staticmethod
-    def _copy_runs(group: _Group, lx: LayerExperts, runs: list[tuple[int, int, int]]) -> None:
-        for e, s, n in runs:
-            for bank, t in zip(group.banks, (lx.gate, lx.up, lx.down), strict=True):
-                bank[s : s + n].copy_(t.raw[e : e + n], non_blocking=True)
-
     # -- statistics --------------------------------------------------------------------------
 
     def snapshot(self) -> StatsSnapshot:
@@ -474,25 +325,6 @@ class ExpertCache:
                 self.warm_uploads, self.warm_bytes,
             )  # fmt: skip
 
-    def summary_lines(self) -> list[str]:
-        """The seed-style summary the log prints at exit."""
-        snap = self.snapshot()
-        lines = []
-        for name in ("small", "large"):
-            tot = None
-            for layer in snap.layers:
-                c = getattr(layer, name)
-                tot = c if tot is None else tot + c
-            if tot is None or not (tot.lookups or tot.bypassed):
-                continue
-            label = "<= 8" if name == "small" else " > 8"
-            lines.append(
-                f"MoE cache: batch {label}: hits = {tot.hits}, misses = {tot.misses} ({tot.cpu} on the CPU), "
-                f"hit rate = {100 * tot.hit_rate:.1f}%, uploaded = {tot.uploaded_bytes / 2**20:.1f} MiB, "
-                f"bypassed = {tot.bypassed}"
-            )
-        return lines
-
     def close(self) -> None:
         self.save_warm_start()
         if self._trace is not None:
@@ -503,49 +335,6 @@ class ExpertCache:
             self._worker = None
 
 
-def device_free_bytes(device: torch.device) -> int:
-    """Memory the device can still give: CUDA's free memory, or the host's available RAM."""
-    if device.type == "cuda":
-        free, _ = torch.cuda.mem_get_info(device)
-        return int(free)
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except (OSError, ValueError, IndexError):
-        pass
-    return 1 << 62  # unknown: let the allocator decide
-
-
 def _one_thread() -> None:
     torch.set_num_threads(1)
     set_kernel_threads(1)
-
-
-_PINNED: weakref.WeakKeyDictionary[HostExperts, HostExperts] = weakref.WeakKeyDictionary()
-
-
-def _pinned(host: HostExperts) -> HostExperts:
-    """A copy of the host experts in pinned (page-locked) memory: uploads then run at link speed.
-
-    Made once per model and kept while the model lives: each cache made for it (the tuner's arms)
-    reuses it. The copy keeps the CPU execution options (kernels, dequant budget).
-    """
-    if host in _PINNED:
-        return _PINNED[host]
-    layers = {}
-    for layer, lx in host.layers.items():
-        tensors = []
-        for t in (lx.gate, lx.up, lx.down):
-            pinned = torch.empty(t.raw.shape, dtype=torch.uint8, pin_memory=True)
-            pinned.copy_(t.raw)
-            tensors.append(dataclasses.replace(t, raw=pinned))
-        layers[layer] = LayerExperts(*tensors)
-    logger.info("experts copied to pinned memory")
-    copy = _PINNED[host] = host.with_layers(layers)
-    return copy
-
-
-def _span(layers: list[int] | tuple[int, ...]) -> str:
-    return f"{layers[0]}-{layers[-1]}" if len(layers) > 1 else str(layers[0])

@@ -9,9 +9,10 @@ from pathlib import Path
 
 import torch
 
+from .cache_settings import CacheSettings
 from .chat_template import ChatTemplate, load_chat_template
 from .config import ModelConfig
-from .expert_cache import CacheSettings, ExpertCache
+from .expert_cache import ExpertCache
 from .gguf_file import GGUFFile
 from .layers import KVCache, kv_cache_bytes, recurrent_state_bytes
 from .model_file import open_model
@@ -19,6 +20,7 @@ from .models import build_model
 from .models.decoder import MoeDecoder
 from .models.gemma3 import Gemma3
 from .qlinear import set_activation_bits
+from .stats import summary_lines
 from .tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -38,7 +40,7 @@ class LoadedModel:
 
     def close(self) -> None:
         if self.cache is not None:
-            for line in self.cache.summary_lines():
+            for line in summary_lines(self.cache.snapshot()):
                 logger.info("%s", line)
             self.cache.close()
         self.gguf.close()
@@ -108,7 +110,7 @@ class ContextTooLarge(ValueError):
 
 
 def check_context(cfg: ModelConfig, n_ctx: int, device: torch.device) -> None:
-    from .expert_cache import device_free_bytes
+    from .device_memory import device_free_bytes
 
     need = kv_cache_bytes(cfg, n_ctx) + recurrent_state_bytes(cfg)
     free = device_free_bytes(device)

@@ -154,3 +154,22 @@ class RecentWindow:
         for _, c in layers:
             total = total + c
         return Recent(snap.tokens - base.tokens, total, layers)
+
+
+def summary_lines(snap: StatsSnapshot) -> list[str]:
+    """The seed-style summary printed at exit: hits, misses, uploads per batch class."""
+    lines = []
+    for name in ("small", "large"):
+        tot = None
+        for layer in snap.layers:
+            c = getattr(layer, name)
+            tot = c if tot is None else tot + c
+        if tot is None or not (tot.lookups or tot.bypassed):
+            continue
+        label = "<= 8" if name == "small" else " > 8"
+        lines.append(
+            f"MoE cache: batch {label}: hits = {tot.hits}, misses = {tot.misses} ({tot.cpu} on the CPU), "
+            f"hit rate = {100 * tot.hit_rate:.1f}%, uploaded = {tot.uploaded_bytes / 2**20:.1f} MiB, "
+            f"bypassed = {tot.bypassed}"
+        )
+    return lines

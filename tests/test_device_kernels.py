@@ -18,7 +18,8 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 from moechat.engine import device_kernels
-from moechat.engine.expert_cache import CacheSettings, ExpertCache
+from moechat.engine.cache_settings import CacheSettings
+from moechat.engine.expert_cache import ExpertCache
 from moechat.engine.generate import GREEDY, TokenEvent, generate
 from moechat.engine.loader import LoadedModel, load_model
 from testkit.ggufgen import Q, quantized, tiny_moe

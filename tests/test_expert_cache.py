@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 import torch
 from moechat.engine.cache_policy import ClassLRU, CpuShare, bypasses
-from moechat.engine.expert_cache import CacheError, CacheSettings
+from moechat.engine.cache_settings import CacheError, CacheSettings
 from moechat.engine.generate import GREEDY, TokenEvent, generate
 from moechat.engine.loader import LoadedModel, load_model
 from moechat.engine.trace import read_trace

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 from moechat.app.engine_api import RealEngine
-from moechat.engine.expert_cache import CacheError, CacheSettings
+from moechat.engine.cache_settings import CacheError, CacheSettings
 from moechat.engine.generate import GREEDY, DoneEvent, TokenEvent
 from moechat.engine.loader import load_model
 from moechat.tuner.sweep import ArmProgress, ArmStarted, Cancelled, SweepDone
@@ -107,9 +107,9 @@ def test_stop_in_every_calibration_arm_keeps_the_session(model: Path, reference:
 def test_a_cache_larger_than_the_device_allows_proposes_one_that_fits(
     model: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import moechat.engine.expert_cache as ec
+    import moechat.engine.device_memory as memory
 
-    monkeypatch.setattr(ec, "device_free_bytes", lambda device: 2 * 2**20)
+    monkeypatch.setattr(memory, "device_free_bytes", lambda device: 2 * 2**20)
     with pytest.raises(CacheError, match=r"has 2 MiB free; try --moe-cache-mib (\d+)") as info:
         load_model(model, n_ctx=64, cache=CacheSettings(mib=3.0))
     proposed = int(str(info.value).rsplit(" ", 1)[1])

@@ -166,7 +166,7 @@ def test_dense_models_match_transformers(tmp_path: Path, arch: str, qtype: Q) ->
 def test_dense_lead_layers_stay_out_of_the_expert_cache(tmp_path: Path) -> None:
     # Layer 0 has a dense FFN, layers 1-2 route: the cache, its statistics and its trace see only
     # the MoE layers, by their real index, and the cache still changes nothing the model computes.
-    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.cache_settings import CacheSettings
     from moechat.engine.trace import read_trace
 
     path = tiny_moe(tmp_path / "lead.gguf", n_layers=3, dense_layers=1)

@@ -102,7 +102,7 @@ def test_a_template_that_fails_later_switches_the_session_to_plain(tmp_path: obj
     from pathlib import Path
 
     from moechat.app.engine_api import RealEngine
-    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.cache_settings import CacheSettings
     from moechat.engine.loader import load_model
     from testkit.ggufgen import tiny_moe
 

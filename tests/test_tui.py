@@ -583,7 +583,7 @@ async def test_command_palette_has_every_chat_action(tmp_path: Path) -> None:
 def test_real_engine_end_to_end(tmp_path: Path) -> None:
     from moechat.app.engine_api import RealEngine
     from moechat.app.paths import AppPaths
-    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.cache_settings import CacheSettings
     from moechat.engine.loader import load_model
     from testkit.ggufgen import tiny_moe
 
@@ -842,7 +842,7 @@ def test_the_session_export_adds_up_every_cache_the_session_ran(tmp_path: Path) 
     # The wizard and a settings change rebuild the engine's cache, whose counters start again:
     # the session's export still counts everything since the session began.
     from moechat.app.export import SessionStats
-    from moechat.engine.expert_cache import CacheSettings
+    from moechat.engine.cache_settings import CacheSettings
     from moechat.engine.generate import GREEDY, generate
     from moechat.engine.loader import load_model
     from moechat.engine.stats import StatsSnapshot

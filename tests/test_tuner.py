@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from moechat.app.cli import main
-from moechat.engine.expert_cache import CacheSettings
+from moechat.engine.cache_settings import CacheSettings
 from moechat.engine.generate import SamplingParams, generate
 from moechat.engine.loader import load_model
 from moechat.tuner.baselines import simulate_baseline

@@ -26,9 +26,11 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from moechat.engine.expert_cache import CacheSettings, device_free_bytes, layer_groups
+from moechat.engine.cache_settings import CacheSettings
+from moechat.engine.device_memory import device_free_bytes
 from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
 from moechat.engine.loader import LoadedModel, load_model
+from moechat.engine.slot_groups import layer_groups
 
 from moechat import __version__
 

@@ -1,0 +1,44 @@
+"""What an expert cache is asked to be: its size, CPU share, device, link, trace and warm-start file."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+MAX_BATCH = 32
+
+
+class CacheError(ValueError):
+    """Cache settings that cannot work, with the setting named."""
+
+
+@dataclass(frozen=True)
+class CacheSettings:
+    mib: float = 0.0  # 0: no cache
+    cpu_share: float = 0.0
+    device: str = "cpu"
+    emulate_link_gbps: float = 0.0  # CPU device only: uploads also wait bytes / speed
+    trace: Path | None = None
+    max_batch: int = MAX_BATCH
+    load_mode: str = "mmap"  # mmap: experts stay in the file map; pinned: copied to pinned memory (CUDA)
+    # How the device computes its experts: "auto" (the Triton kernels on CUDA where the types have
+    # them), "triton" (also on the CPU device, in Triton's interpreter: tests), "torch" (dequantize
+    # each expert, eager ops).
+    device_kernels: str = "auto"
+    # Warm start (engine/warm_start.py): the file of this model's saved use counts. Read when the
+    # cache is made (the hottest experts fill the slots before the first token), written at close.
+    warm_start: Path | None = None
+
+    def validate(self) -> None:
+        if not self.mib >= 0:
+            raise CacheError(f"--moe-cache-mib must be >= 0, got {self.mib}")
+        if not 0.0 <= self.cpu_share <= 1.0:
+            raise CacheError(f"--moe-cache-cpu-share must be in [0, 1], got {self.cpu_share}")
+        if not self.emulate_link_gbps >= 0:
+            raise CacheError(f"--emulate-link-gbps must be >= 0, got {self.emulate_link_gbps}")
+        if self.emulate_link_gbps and self.device != "cpu":
+            raise CacheError("--emulate-link-gbps only applies to the CPU device")
+        if self.load_mode not in ("mmap", "pinned"):
+            raise CacheError(f"--load-mode must be mmap or pinned, got '{self.load_mode}'")
+        if self.device_kernels not in ("auto", "triton", "torch"):
+            raise CacheError(f"device kernels must be auto, triton or torch, got '{self.device_kernels}'")
