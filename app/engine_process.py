@@ -18,7 +18,6 @@ import multiprocessing as mp
 import os
 import sys
 import threading
-import time
 import traceback
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
@@ -27,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from moechat.engine.generate import DoneEvent, Event, SamplingParams
-from moechat.engine.stats import StatsSnapshot
+from moechat.engine.stats import Cadence, StatsSnapshot
 from moechat.tuner.recommend import TuneReport
 from moechat.tuner.sweep import Cancelled, SweepDone, SweepEvent
 
@@ -35,8 +34,6 @@ from .engine_api import Message, ModelInfo
 from .settings import Settings, cache_settings
 
 logger = logging.getLogger(__name__)
-
-SNAPSHOT_EVERY = 0.1  # seconds between snapshots sent along a reply
 
 
 @dataclass(frozen=True)
@@ -82,15 +79,13 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
                 break
             try:
                 if name == "reply":
-                    last = 0.0
                     prompt, params, max_tokens = args
+                    # Snapshots ride along with the tokens (the parent cannot ask mid-stream) at the
+                    # screen's cadence, and the last one comes before the end of the reply.
+                    cadence = Cadence(spec.settings.refresh_ms / 1000)
                     for ev in engine.reply(prompt, params, max_tokens, stop):
-                        now = time.monotonic()
-                        # Snapshots ride along with the tokens (the parent cannot ask mid-stream),
-                        # and the last one comes before the end of the reply.
-                        if now - last >= SNAPSHOT_EVERY or isinstance(ev, DoneEvent):
+                        if cadence.due(last=isinstance(ev, DoneEvent))[0]:
                             conn.send(("snap", engine.snapshot()))
-                            last = now
                         conn.send(("event", ev))
                     conn.send(("end", None))
                 elif name == "sweep":

@@ -18,12 +18,12 @@ class TokenText(Message):
 class StatsUpdate(Message):
     """The latest numbers; a newer one waiting in the queue replaces an older one."""
 
-    def __init__(
-        self, snapshot: StatsSnapshot | None, tokens: int, tps: float, upload_mib_per_token: float, final: bool = False
-    ) -> None:
+    def __init__(self, snapshot: StatsSnapshot | None, tokens: int, tps: float, upload_mib_per_token: float,
+                 final: bool = False, full: bool = True) -> None:  # fmt: skip
         super().__init__()
         self.snapshot, self.tokens, self.tps, self.upload_mib_per_token = snapshot, tokens, tps, upload_mib_per_token
         self.final = final  # the last update of a reply
+        self.full = full  # the dashboard's costly views redraw (the publisher's Cadence says when)
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, StatsUpdate)

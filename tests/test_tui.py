@@ -13,19 +13,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from moechat.app.screens.chat import (
-    SHOWN_TURNS,
-    ChatInput,
-    ChatScreen,
-    EarlierMarker,
-    ReplyMarkdown,
-    StreamedParagraph,
-    Turn,
-)
+from moechat.app.reply_stream import FULL_EVERY
+from moechat.app.screens.chat import SHOWN_TURNS, ChatScreen
 from moechat.app.screens.wizard import TuneWizard
 from moechat.app.settings import Settings, resolve
 from moechat.app.tui import MoechatApp
 from moechat.engine.generate import Event
+from moechat.widgets.chat_log import ChatInput, EarlierMarker, ReplyMarkdown, StreamedParagraph, Turn
 from moechat.widgets.dashboard import Dashboard
 from moechat.widgets.expert_heatmap import CACHED, ExpertHeatmap, heat_rows
 from moechat.widgets.layer_stats import LayerStats
@@ -110,7 +104,7 @@ async def test_send_streams_a_reply_and_saves_the_conversation(tmp_path: Path) -
 def test_markdown_still_builds_paragraphs_from_the_private_class_the_chat_subclasses() -> None:
     """The chat's StreamedParagraph extends Textual's unexported MarkdownParagraph and swaps it into
     Markdown.BLOCKS: if Textual renames or stops using it, this fails here, not on a user's screen."""
-    from moechat.app.screens.chat import MarkdownParagraph
+    from moechat.widgets.chat_log import MarkdownParagraph
 
     assert Markdown.BLOCKS["paragraph_open"] is MarkdownParagraph
     assert issubclass(StreamedParagraph, MarkdownParagraph)
@@ -198,8 +192,28 @@ async def test_dashboard_updates_at_a_bounded_rate(tmp_path: Path) -> None:
         dash = screen.query_one(Dashboard)
         assert dash.updates >= 2
         assert dash.updates <= elapsed / 0.25 + 3, (dash.updates, elapsed)
+        # The costly views redraw with the publisher's full updates only: about once a second.
+        plot = screen.query_one(ThroughputPlot)
+        assert 1 <= plot.draws <= elapsed / FULL_EVERY + 2, (plot.draws, elapsed)
         layers = screen.query_one(LayerStats)
         assert layers.snapshot is not None and layers.snapshot.total.hits > 0
+
+
+def test_the_cadence_sends_at_most_once_a_period_and_always_the_last() -> None:
+    from moechat.engine.stats import Cadence
+
+    cadence = Cadence(0.02, 0.1)
+    sends = fulls = 0
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < 0.3:
+        send, full = cadence.due()
+        sends += send
+        fulls += full
+        assert send or not full  # a full update is a sent one
+    elapsed = time.monotonic() - t0
+    assert 2 <= sends <= elapsed / 0.02 + 1 and 1 <= fulls <= elapsed / 0.1 + 1, (sends, fulls)
+    assert fulls < sends
+    assert cadence.due(last=True) == (True, True)  # right after a send: the last one still goes, full
 
 
 async def test_dashboard_draws_the_final_snapshot(tmp_path: Path) -> None:

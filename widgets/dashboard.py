@@ -34,14 +34,16 @@ class Dashboard(VerticalScroll):
         yield ExpertHeatmap(id="heatmap")
 
     def show(
-        self, snap: StatsSnapshot | None, tokens: int, tps: float, uploaded_per_token_mib: float, final: bool = False,
+        self, snap: StatsSnapshot | None, tokens: int, tps: float, uploaded_per_token_mib: float, full: bool = True,
         recent: Recent | None = None,
     ) -> None:  # fmt: skip
-        """`recent`: the counters over the last tokens (the session's RecentWindow), None until it has a span."""
+        """`full`: the plot and the heat map redraw too (the publisher decides how often).
+
+        `recent`: the counters over the last tokens (the session's RecentWindow), None until it has a span."""
         self.updates += 1
         self._snap = snap
         if tps > 0:
-            self.query_one(ThroughputPlot).add(tokens, tps, final=final)
+            self.query_one(ThroughputPlot).add(tokens, tps, redraw=full)
         totals = self.query_one("#totals", RowsView)
         if snap is None:
             totals.set_rows([[(f"no expert cache  |  {tps:.1f} t/s", "")]])
@@ -61,19 +63,19 @@ class Dashboard(VerticalScroll):
             [("slots " + ", ".join(f"{g.n_slots}" for g in snap.groups)
               + (f"  |  warm start {snap.warm_uploads}" if snap.warm_uploads else ""), "")],
         ])  # fmt: skip
-        self._show_layers(snap, final)
+        self._show_layers(snap, full)
 
     def on_resize(self) -> None:
         # A new panel height can change how many layers share a row: fold again, without a new point.
         if self._snap is not None:
-            self._show_layers(self._snap, final=True)
+            self._show_layers(self._snap, full=True)
 
-    def _show_layers(self, snap: StatsSnapshot, final: bool) -> None:
+    def _show_layers(self, snap: StatsSnapshot, full: bool) -> None:
         if not self.display:
             return  # hidden: the totals stay current, the costlier parts wait
         fold = self.layer_fold(len(snap.layers))
         self.query_one(LayerStats).show(snap, fold)
-        self.query_one(ExpertHeatmap).show(snap, final=final, fold=fold)
+        self.query_one(ExpertHeatmap).show(snap, redraw=full, fold=fold)
 
     def layer_fold(self, n_layers: int) -> int:
         """Layers per row, so that the per-layer rows and the heat map fit the panel without scrolling.

@@ -9,12 +9,10 @@ from operator import itemgetter
 from moechat.engine.stats import StatsSnapshot
 
 from .layer_stats import fold_layers
-from .redraw import Throttle
 from .rows import Row, RowsView
 
 SHADES = " .:-=+*#%@"
 MAX_COLUMNS = 64  # wider layers are folded: a column then shows the busiest of its experts
-REDRAW_EVERY = 1.0  # seconds: use counts move slowly
 CACHED = "reverse cyan"
 
 
@@ -50,12 +48,11 @@ class ExpertHeatmap(RowsView):
     def __init__(self, **kw: object) -> None:
         super().__init__("", **kw)
         self.snapshot: StatsSnapshot | None = None
-        self._redraw = Throttle(REDRAW_EVERY)
         self._fold = 1
 
-    def show(self, snap: StatsSnapshot, *, final: bool = False, fold: int = 1) -> None:
-        """Keep the snapshot; redraw at most once a second, and always for the final one (or a new fold)."""
+    def show(self, snap: StatsSnapshot, *, redraw: bool = True, fold: int = 1) -> None:
+        """Keep the snapshot; draw it when told (and for a new fold)."""
         self.snapshot = snap
-        if self._redraw.due(force=final or fold != self._fold):
+        if redraw or fold != self._fold:
             self._fold = fold
             self.set_rows(heat_rows(snap, fold_rows=fold) or [[("", "")]])

@@ -7,10 +7,7 @@ from collections.abc import Sequence
 
 from textual_plotext import PlotextPlot
 
-from .redraw import Throttle
-
 POINTS = 300
-REDRAW_EVERY = 1.0  # seconds
 
 
 def thin(points: Sequence[tuple[int, float]], n: int) -> tuple[list[float], list[float]]:
@@ -36,14 +33,15 @@ class ThroughputPlot(PlotextPlot):
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.points: deque[tuple[int, float]] = deque(maxlen=POINTS)
-        self._redraw = Throttle(REDRAW_EVERY)
+        self.draws = 0  # plots drawn: tests check the publisher keeps them to about one a second
 
     def on_mount(self) -> None:
         self.plt.title("tokens/s, this reply")
         self.plt.xlabel("tokens of the reply")
 
-    def add(self, tokens: int, tps: float, *, final: bool = False) -> None:
-        """Record a point; redraw at most once a second (plotext drawing is the dashboard's costliest part).
+    def add(self, tokens: int, tps: float, *, redraw: bool = True) -> None:
+        """Record a point; draw when told (plotext drawing is the dashboard's costliest part: the
+        publisher asks for it once a second).
 
         A reply's token count starts again from zero: the chart then shows the new reply only,
         never the earlier ones drawn over it.
@@ -51,8 +49,9 @@ class ThroughputPlot(PlotextPlot):
         if self.points and tokens < self.points[-1][0]:
             self.points.clear()
         self.points.append((tokens, tps))
-        if not self._redraw.due(force=final):
+        if not redraw:
             return
+        self.draws += 1
         self.plt.clear_data()
         if len(self.points) >= 2:
             xs, ys = thin(list(self.points), self.size.width)  # one a column

@@ -1,44 +1,35 @@
-"""The chat screen: conversation, input, status line and the live dashboard.
+"""The chat screen: it composes the conversation, input, status line and dashboard, and owns their state.
 
-The engine runs in a thread worker. The worker never touches widgets: it posts messages
-(token text, coalescing stats snapshots at most every `refresh_ms`, the end of a reply) and
-the handlers here own all UI state.
+A reply runs in a thread worker (`reply_stream.stream_reply`) that never touches widgets: it
+posts messages, and the handlers here update the screen and save the conversation.
 """
 
 from __future__ import annotations
 
 import gc
 import threading
-import time
 from typing import TYPE_CHECKING, Any, ClassVar
 
-from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, tokens_per_second
+from moechat.engine.generate import SamplingParams
+from moechat.widgets.chat_log import ChatInput, EarlierMarker, Turn, turn_for
 from moechat.widgets.dashboard import Dashboard
-from textual import events, on, work
+from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Horizontal, Vertical, VerticalScroll
-from textual.content import Content
-from textual.message import Message
 from textual.screen import Screen
-from textual.visual import VisualType
-from textual.widgets import Footer, Markdown, Static, TextArea
-
-# MarkdownParagraph is not exported: tests/test_tui.py checks that Markdown still builds its
-# paragraphs from this class, so a Textual that changes it fails there, not on a user's screen.
-from textual.widgets._markdown import MarkdownParagraph
+from textual.widgets import Footer, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from ..conversations import Conversation
-from ..engine_api import ChatEngine
 from ..messages import ContextTrimmed, ReplyDone, ReplyFailed, StatsUpdate, TokenText
+from ..reply_stream import stream_reply
 from ..settings import sampling_params
 
 if TYPE_CHECKING:
     from ..tui import MoechatApp
 
 
-TEXT_EVERY = 0.25  # seconds: streamed text reaches the screen in pieces, at most 4 a second
 # Turns the log holds as widgets; earlier ones come back on request. Every text update relays out
 # the screen, at a cost for each widget in it: with 50 turns shown the UI took 18-20% of a core
 # while streaming, twice what a fresh chat takes (bench/ui_long_chat.py).
@@ -48,104 +39,6 @@ REPLY_SETTINGS = (
     "temp", "top_k", "top_p", "min_p", "repeat_penalty", "n_predict", "system", "moe_cache_mib", "moe_cache_cpu_share",
 )  # fmt: skip
 REVEAL_TURNS = 10  # turns brought back at a time
-
-
-class ChatInput(TextArea):
-    """Enter sends; Shift+Enter or Ctrl+J adds a newline; Up on the first line recalls earlier prompts."""
-
-    class Submitted(Message):
-        def __init__(self, text: str) -> None:
-            super().__init__()
-            self.text = text
-
-    def __init__(self, **kw: Any) -> None:
-        super().__init__(soft_wrap=True, show_line_numbers=False, **kw)
-        self.prompt_history: list[str] = []
-        self.recall = -1
-
-    async def _on_key(self, event: events.Key) -> None:
-        if event.key == "enter":
-            event.stop()
-            event.prevent_default()
-            text = self.text.strip()
-            if text:
-                self.prompt_history.append(text)
-                self.recall = -1
-                self.post_message(self.Submitted(text))
-                self.clear()
-            return
-        if event.key in ("shift+enter", "ctrl+j"):
-            event.stop()
-            event.prevent_default()
-            self.insert("\n")
-            return
-        if event.key == "up" and self.cursor_location[0] == 0 and self.prompt_history:
-            event.stop()
-            event.prevent_default()
-            self.recall = len(self.prompt_history) - 1 if self.recall < 0 else max(0, self.recall - 1)
-            self.load_text(self.prompt_history[self.recall])
-            return
-        await super()._on_key(event)
-
-
-class StreamedParagraph(MarkdownParagraph):
-    """A paragraph that relays out the screen only when its height changes.
-
-    Each streamed append updates the reply's last paragraph, and an update relays out the whole
-    screen (2.5 ms here) though most appends only add words to its last line: skipping those
-    took the UI from 9.3-9.5% to 8.1-8.6% of a core while streaming (scripted engine, A/B).
-    """
-
-    def update(self, content: VisualType = "", *, layout: bool = True) -> None:
-        width, height = self.content_region.size
-        if layout and width > 0 and isinstance(content, Content):
-            # As Textual's Widget measures a visual: with its styles as the rules.
-            layout = content.get_height(self.styles, width) != height  # type: ignore[arg-type]
-        super().update(content, layout=layout)
-
-
-class ReplyMarkdown(Markdown):
-    """A turn's Markdown, whose paragraphs are StreamedParagraphs (Markdown builds blocks from BLOCKS)."""
-
-    def __init__(self, markdown: str | None = None) -> None:
-        super().__init__(markdown)
-        self.BLOCKS = {**Markdown.BLOCKS, "paragraph_open": StreamedParagraph}
-
-
-class Turn(Vertical):
-    DEFAULT_CSS = """
-    Turn { height: auto; margin: 0 0 1 0; }
-    Turn > .role { text-style: bold; color: $accent; }
-    Turn.user > .role { color: $success; }
-    Turn > Markdown { margin: 0; padding: 0 1; }
-    """
-
-    def __init__(self, role: str, content: str, note: str = "") -> None:
-        super().__init__(classes=role)
-        self.role, self.content, self.note = role, content, note
-
-    def compose(self) -> ComposeResult:
-        yield Static(self.role + (f"  [{self.note}]" if self.note else ""), classes="role", markup=False)
-        yield ReplyMarkdown(self.content)
-
-    def set_note(self, note: str) -> None:
-        self.note = note
-        self.query_one(".role", Static).update(self.role + (f"  [{note}]" if note else ""))
-
-
-def turn_for(message: dict[str, Any]) -> Turn:
-    return Turn(message["role"], message["content"], "stopped" if message.get("stopped") else "")
-
-
-class EarlierMarker(Static):
-    """Above the oldest turn shown: how many earlier ones there are; a click brings some back."""
-
-    DEFAULT_CSS = "EarlierMarker { color: $text-muted; text-align: center; }"
-
-    async def on_click(self) -> None:
-        screen = self.screen
-        if isinstance(screen, ChatScreen):
-            await screen.show_earlier()
 
 
 class ChatScreen(Screen[None]):
@@ -255,58 +148,12 @@ class ChatScreen(Screen[None]):
 
     @work(thread=True, exclusive=True, group="engine")
     def generate(self, messages: list[dict[str, str]], params: SamplingParams, n_predict: int, every: float) -> None:
-        engine = self.moechat.engine
         try:
             with self.moechat.engine_lock:
-                self._generate(engine, messages, params, n_predict, every)
+                stream_reply(self.moechat.engine, messages, params, n_predict, self.stop_event, every,
+                             self.post_message)  # fmt: skip
         except Exception as e:  # the UI shows it; the conversation so far is saved
             self.post_message(ReplyFailed(f"{type(e).__name__}: {e}"))
-
-    def _generate(
-        self, engine: ChatEngine, messages: list[dict[str, str]], params: SamplingParams, n_predict: int, every: float
-    ) -> None:
-        prompt, dropped, note = engine.fit_messages(messages)
-        if dropped or note:
-            self.post_message(ContextTrimmed(dropped, note))
-        t0 = time.perf_counter()
-        first = last_post = last_text = 0.0
-        n = 0
-        pending = ""  # text not yet posted: the UI gets it in pieces at most TEXT_EVERY apart
-        text_every = min(every, TEXT_EVERY)
-        try:
-            for ev in engine.reply(prompt, params, n_predict, self.stop_event):
-                if isinstance(ev, TokenEvent):
-                    if ev.token >= 0:
-                        n += 1
-                        if n == 1:
-                            first = time.perf_counter()
-                    pending += ev.text
-                    now = time.monotonic()
-                    # Text and stats leave together when both are due, so the screen draws them in
-                    # one pass: each pass relays out the screen, the UI's main cost while streaming.
-                    stats_due = now - last_post >= every
-                    if pending and (stats_due or now - last_text >= text_every):
-                        self.post_message(TokenText(pending))
-                        pending, last_text = "", now
-                    if stats_due:
-                        last_post = now
-                        self._post_stats(n, first)
-                elif isinstance(ev, DoneEvent):
-                    if pending:
-                        self.post_message(TokenText(pending))
-                        pending = ""
-                    self._post_stats(n, first, final=True, tps=ev.gen_tps)  # the figure the status line shows
-                    self.post_message(ReplyDone(ev, (first or time.perf_counter()) - t0))
-        finally:
-            if pending:  # the engine failed: what it wrote so far still reaches the screen and the save
-                self.post_message(TokenText(pending))
-
-    def _post_stats(self, n: int, first: float, final: bool = False, tps: float | None = None) -> None:
-        snap = self.moechat.engine.snapshot()
-        if tps is None:  # while streaming: the engine's formula over what this side has seen
-            tps = tokens_per_second(n, time.perf_counter() - first if first else 0.0)
-        up = snap.total.uploaded_bytes / 2**20 / max(snap.tokens, 1) if snap is not None else 0.0
-        self.post_message(StatsUpdate(snap, n, tps, up, final))
 
     async def on_token_text(self, msg: TokenText) -> None:
         self._reply_text += msg.text
@@ -316,7 +163,7 @@ class ChatScreen(Screen[None]):
     def on_stats_update(self, msg: StatsUpdate) -> None:
         self.stats_updates += 1
         recent = self.moechat.session.add(msg.snapshot, msg.tokens, msg.tps)  # the window is computed once, there
-        self.query_one(Dashboard).show(msg.snapshot, msg.tokens, msg.tps, msg.upload_mib_per_token, msg.final, recent)
+        self.query_one(Dashboard).show(msg.snapshot, msg.tokens, msg.tps, msg.upload_mib_per_token, msg.full, recent)
         if self.generating and msg.tps:
             self.query_one("#status", Static).update(f"writing... {msg.tokens} tokens, {msg.tps:.1f} t/s", layout=False)
 
@@ -412,6 +259,9 @@ class ChatScreen(Screen[None]):
         marker.display = self.first_shown > 0
         n = self.first_shown
         marker.update(f"▲ {n} earlier message{'s' if n != 1 else ''}: scroll up or click to show")
+
+    async def on_earlier_marker_clicked(self) -> None:
+        await self.show_earlier()
 
     def _scrolled(self, y: float) -> None:
         if y <= 0 and self.first_shown > 0 and not self.generating:
