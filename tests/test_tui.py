@@ -50,9 +50,12 @@ def make_app(tmp_path: Path, engine: FakeEngine, settings: Settings | None = Non
     return MoechatApp(lambda progress: engine, settings or Settings(), paths=paths)
 
 
-async def ready(pilot: Pilot[int]) -> ChatScreen:
+async def ready(pilot: Pilot[int], timeout: float = 20.0) -> ChatScreen:
     app = pilot.app
-    await until(pilot, lambda: isinstance(app.screen, ChatScreen) and app.focused is app.screen.query_one("#input"))
+    # The screen is on the stack before its widgets are: its input having the focus says both.
+    # (Asking for the input with query_one then raised when the check ran in between.)
+    await until(pilot, lambda: isinstance(app.screen, ChatScreen) and isinstance(app.focused, ChatInput)
+                and app.focused.screen is app.screen, timeout)  # fmt: skip
     return app.screen
 
 
@@ -594,28 +597,30 @@ async def test_command_palette_has_every_chat_action(tmp_path: Path) -> None:
         assert shown(screen) == [f"m{i}" for i in range(20)]
 
 
-def test_real_engine_end_to_end(tmp_path: Path) -> None:
-    from moechat.app.engine_api import RealEngine
+def test_the_shipped_app_chats_through_its_engine_process(tmp_path: Path) -> None:
+    """The app as `moechat` runs it: real_engine_factory starts the engine process (a real model,
+    its expert cache); the chat screen streams a reply from it and shows the cache's counters."""
     from moechat.app.paths import AppPaths
-    from moechat.engine.cache_settings import CacheSettings
+    from moechat.app.tui import real_engine_factory
     from moechat.engine.loader import load_model
     from testkit.ggufgen import tiny_moe
 
     path = tiny_moe(tmp_path / "m.gguf", n_expert=8, n_expert_used=2)
-    lm = load_model(path, n_ctx=256, cache=CacheSettings(mib=1.5))
-    engine = RealEngine(lm, CacheSettings(mib=0.0))
+    load_model(path, n_ctx=256).close()  # its kernels compile here, into numba's disk cache
+    settings = Settings(n_predict=12, temp=0.0, ctx_size=256, device="cpu", moe_cache_mib=1.5, threads=1)
     paths = AppPaths(tmp_path / "config", tmp_path / "data", tmp_path / "cache", tmp_path / "log")
-    app = MoechatApp(lambda progress: engine, Settings(n_predict=12, temp=0.0), paths=paths)
+    app = MoechatApp(real_engine_factory(str(path), settings, tmp_path / "warm"), settings, paths=paths)
 
     async def run() -> None:
         async with app.run_test(size=(120, 40)) as pilot:
-            screen = await ready(pilot)
+            screen = await ready(pilot, timeout=120)  # a fresh interpreter imports torch and loads the model
             await say(pilot, screen, "Hello")
             assert screen.conv.messages[-1]["role"] == "assistant" and screen.conv.messages[-1]["content"]
             snap = screen.query_one(LayerStats).snapshot
-            assert snap is not None and snap.total.hits > 0
+            assert snap is not None and snap.total.hits > 0 and app.engine.info.name == "m.gguf"
 
     asyncio.run(run())
+    assert list((tmp_path / "warm").glob("*.json"))  # the engine process saved the use counts at exit
 
 
 @pytest.mark.parametrize(
