@@ -11,9 +11,13 @@ import numbers
 from collections import ChainMap
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
-from .gguf_file import GGUFError, GGUFFile
+from .gguf_file import GGUFError
+
+if TYPE_CHECKING:
+    from .weights import ModelFile
 
 # How each family turns router logits into expert weights (gguf's expert_gating_func values).
 GATING_SOFTMAX = 1
@@ -151,7 +155,7 @@ def _recurrent_layers(meta: Mapping[str, Any], path: str, p: str, n_blocks: int)
     return tuple((i + 1) % interval != 0 for i in range(n_blocks))
 
 
-def model_config(gguf: GGUFFile, defaults: Mapping[str, Any] | None = None) -> ModelConfig:
+def model_config(gguf: ModelFile, defaults: Mapping[str, Any] | None = None) -> ModelConfig:
     """Build the config of an opened file, or raise `GGUFError` naming the problem.
 
     `defaults`: values for `{arch}.` keys the file does not hold (its family's, `models.config_for`).
@@ -246,7 +250,7 @@ def model_config(gguf: GGUFFile, defaults: Mapping[str, Any] | None = None) -> M
     default_eps = _float(meta, path, p + "attention.layer_norm_epsilon", 1e-5)
     return ModelConfig(
         arch=arch,
-        name=str(meta.get("general.name", gguf.path.stem)),
+        name=str(meta.get("general.name", Path(gguf.path).stem)),
         n_layers=n_layers,
         n_embd=n_embd,
         n_vocab=n_vocab,

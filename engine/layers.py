@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -11,24 +12,27 @@ import torch.nn.functional as F
 
 from .config import ModelConfig
 from .cpu_blocks import FEW_ROWS, rms_rows
-from .gguf_file import GGUFError, GGUFFile
+from .gguf_file import GGUFError
 from .quants import dequantize
 
+if TYPE_CHECKING:
+    from .weights import Source
 
-def load_weight(gguf: GGUFFile, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """A dense tensor from the file, dequantized (used for everything but the experts)."""
-    if name not in gguf.tensors:
-        raise GGUFError(f"{gguf.path}: tensor '{name}' is missing")
-    t = gguf.tensors[name]
-    return dequantize(gguf.tensor_data(name), t.qtype).reshape(t.shape).to(dtype)
+
+def load_weight(source: Source, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A dense tensor from the file (or another source), dequantized (used for everything but the experts)."""
+    if name not in source.tensors:
+        raise GGUFError(f"{source.path}: tensor '{name}' is missing")
+    t = source.tensors[name]
+    return dequantize(source.tensor_data(name), t.qtype).reshape(t.shape).to(dtype)
 
 
 class QuantRows:
     """A quantized [rows, cols] matrix looked up row by row (an embedding without a float copy)."""
 
-    def __init__(self, gguf: GGUFFile, name: str) -> None:
-        t = gguf.tensors[name]
-        self.raw = torch.from_numpy(gguf.tensor_data(name))  # [rows, row bytes], a view of the map
+    def __init__(self, source: Source, name: str) -> None:
+        t = source.tensors[name]
+        self.raw = torch.from_numpy(source.tensor_data(name))  # [rows, row bytes], a view of the map
         self.qtype = t.qtype
         self.shape = tuple(t.shape)
         self.device = torch.device("cpu")
@@ -43,8 +47,8 @@ class QuantRows:
         return self
 
 
-def maybe_weight(gguf: GGUFFile, name: str) -> torch.Tensor | None:
-    return load_weight(gguf, name) if name in gguf.tensors else None
+def maybe_weight(source: Source, name: str) -> torch.Tensor | None:
+    return load_weight(source, name) if name in source.tensors else None
 
 
 def move_tensors(module: torch.nn.Module, device: torch.device) -> None:

@@ -22,6 +22,7 @@ from .models.gemma3 import Gemma3
 from .qlinear import set_activation_bits
 from .stats import summary_lines
 from .tokenizer import Tokenizer
+from .weights import load_weights
 
 logger = logging.getLogger(__name__)
 
@@ -182,6 +183,7 @@ def load_model(
         on_gpu_kernels = not on_cpu and cache is not None and cache.device_kernels != "torch"
         model = build_model(gguf, cfg, n_ctx, quantized=(on_cpu or on_gpu_kernels) and cpu_kernels != "exact",
                             kernels=cpu_kernels, dequant_mib=cpu_dequant_mib)  # fmt: skip
+        load_weights(model, gguf)
         if cpu_kernels == "int8":
             set_activation_bits(model, 8)
         if not on_cpu:

@@ -14,7 +14,7 @@ import threading
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 import torch
@@ -25,9 +25,12 @@ from .config import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX_SELECTED, Mode
 from .cpu_kernels import ACT_SILU
 from .fused_moe import activation_code, fusable, host_arrays, register_activation, run_fused
 from .fused_moe import combine as fused_combine
-from .gguf_file import GGUFError, GGUFFile
+from .gguf_file import GGUFError
 from .kernel_modes import KERNEL_MODES
 from .quants import dequantize
+
+if TYPE_CHECKING:
+    from .weights import Source
 
 Activation = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
@@ -103,18 +106,18 @@ class LayerExperts:
         return self.gate.bytes_per_expert + self.up.bytes_per_expert + self.down.bytes_per_expert
 
 
-def load_layer_experts(gguf: GGUFFile, layer: int) -> LayerExperts:
+def load_layer_experts(source: Source, layer: int) -> LayerExperts:
     def one(kind: str) -> ExpertTensor:
         name = f"blk.{layer}.ffn_{kind}_exps.weight"
-        if name not in gguf.tensors:
-            raise GGUFError(f"{gguf.path}: tensor '{name}' is missing")
-        info = gguf.tensors[name]
-        raw = torch.from_numpy(gguf.tensor_data(name))  # zero-copy view of the map
+        if name not in source.tensors:
+            raise GGUFError(f"{source.path}: tensor '{name}' is missing")
+        info = source.tensors[name]
+        raw = torch.from_numpy(source.tensor_data(name))  # zero-copy view of the map
         bias_name = f"blk.{layer}.ffn_{kind}_exps.bias"
         bias = None
-        if bias_name in gguf.tensors:
-            b = gguf.tensors[bias_name]
-            bias = dequantize(gguf.tensor_data(bias_name), b.qtype).reshape(b.shape)
+        if bias_name in source.tensors:
+            b = source.tensors[bias_name]
+            bias = dequantize(source.tensor_data(bias_name), b.qtype).reshape(b.shape)
         return ExpertTensor(raw, info.qtype, bias)
 
     return LayerExperts(one("gate"), one("up"), one("down"))

@@ -20,7 +20,6 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from . import cpu_kernels, device_kernels
 from .cpu_blocks import ffn_block
 from .fused_moe import activation_code
-from .gguf_file import GGUFFile
 from .layers import host_rows
 from .qblocks import has_kernel
 from .quants import dequantize
@@ -146,17 +145,3 @@ def set_activation_bits(model: torch.nn.Module, bits: int) -> None:
         for value in vars(module).values():
             if isinstance(value, QLinear):
                 value.bits = bits
-
-
-def load_linear(gguf: GGUFFile, name: str, quantized: bool) -> Weight:
-    """A matrix from the file: kept quantized when asked and a kernel reads its type, else float32."""
-    from .layers import load_weight
-
-    t = gguf.tensors.get(name)
-    if quantized and t is not None and has_kernel(t.qtype) and len(t.shape) == 2:
-        return QLinear(gguf.tensor_data(name), t.qtype)
-    return load_weight(gguf, name)  # names a missing tensor
-
-
-def maybe_linear(gguf: GGUFFile, name: str, quantized: bool) -> Weight | None:
-    return load_linear(gguf, name, quantized) if name in gguf.tensors else None

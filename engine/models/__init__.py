@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 from ..config import ModelConfig, model_config
-from ..gguf_file import GGUFError, GGUFFile
+from ..gguf_file import GGUFError
+from ..weights import Layout, ModelFile
 from . import deepseek2, gemma3, glm4moe, gpt_oss, llama_moe, olmoe, qwen3next, qwen_moe
 from .decoder import Family, MoeDecoder
 from .gemma3 import Gemma3
@@ -25,32 +26,36 @@ ARCHITECTURES: dict[str, Family] = {
 }
 
 
-def family_of(gguf: GGUFFile) -> Family:
+def family_of(gguf: ModelFile) -> Family:
     """The family that runs this file, or a one-line `GGUFError` naming the architecture and the supported ones."""
-    family = ARCHITECTURES.get(gguf.architecture)
-    if family is None:
-        raise GGUFError(
-            f"{gguf.path}: unsupported architecture '{gguf.architecture}' (supported: {', '.join(ARCHITECTURES)})"
-        )
-    return family
+    return _family(gguf.architecture, gguf.path)
 
 
-def config_for(gguf: GGUFFile) -> ModelConfig:
+def config_for(gguf: ModelFile) -> ModelConfig:
     """The file's config, its family filling in what the file leaves implicit."""
     return model_config(gguf, family_of(gguf).metadata)
 
 
 def build_model(
-    gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, *, quantized: bool = False, kernels: str = "fast",
+    layout: Layout, cfg: ModelConfig, n_ctx: int, *, quantized: bool = False, kernels: str = "fast",
     dequant_mib: float = 0.0,
 ) -> MoeDecoder | Gemma3:  # fmt: skip
-    """`quantized`: dense matrices stay the file's bytes and run through the CPU kernels (CPU device only).
+    """Step one of two: the modules of `cfg`'s family over `layout` (tensor names, types and shapes),
+    every weight a slot that `weights.load_weights` fills (step two) from the file or another source.
 
+    `quantized`: dense matrices stay the file's bytes and run through the CPU kernels (CPU device only).
     `kernels` and `dequant_mib`: how the host experts run (moe.HostExperts).
     """
-    family = family_of(gguf)
+    family = _family(cfg.arch, layout.path)
     if family.decoder is not None:
-        model: MoeDecoder | Gemma3 = family.decoder(gguf, cfg, n_ctx, quantized=quantized, kernels=kernels,
+        model: MoeDecoder | Gemma3 = family.decoder(layout, cfg, n_ctx, quantized=quantized, kernels=kernels,
                                                     dequant_mib=dequant_mib)  # fmt: skip
         return model
-    return MoeDecoder(gguf, cfg, n_ctx, family, quantized=quantized, kernels=kernels, dequant_mib=dequant_mib)
+    return MoeDecoder(layout, cfg, n_ctx, family, quantized=quantized, kernels=kernels, dequant_mib=dequant_mib)
+
+
+def _family(arch: str, path: object) -> Family:
+    family = ARCHITECTURES.get(arch)
+    if family is None:
+        raise GGUFError(f"{path}: unsupported architecture '{arch}' (supported: {', '.join(ARCHITECTURES)})")
+    return family

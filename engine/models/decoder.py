@@ -16,21 +16,10 @@ from torch.nn import functional as F
 
 from ..config import ModelConfig
 from ..cpu_blocks import FEW_ROWS, attention_block, decode_attention, route_rows
-from ..gguf_file import GGUFFile
-from ..layers import (
-    KVCache,
-    LayerCache,
-    QuantRows,
-    Rope,
-    attention,
-    host_rows,
-    load_weight,
-    maybe_weight,
-    move_tensors,
-    rms_norm,
-)
+from ..layers import KVCache, LayerCache, QuantRows, Rope, attention, host_rows, move_tensors, rms_norm
 from ..moe import Activation, ExpertExecutor, HostExperts, load_layer_experts, route, swiglu
-from ..qlinear import QLinear, Weight, ffn_one_token, gated, linear, linears, load_linear, maybe_linear
+from ..qlinear import QLinear, Weight, ffn_one_token, gated, linear, linears
+from ..weights import LINEAR, ROWS, Layout, Source, linear_form, maybe, want
 
 
 class SelfAttention(Protocol):
@@ -48,30 +37,31 @@ class Family:
     act: Activation = swiglu
     yarn_truncate: bool = True  # floor/ceil the YaRN correction range, as ggml does
     ffn_norm: str = "ffn_norm"  # tensor name of the norm before the FFN
-    # The attention of a layer (default: the multi-head attention below): (gguf, cfg, layer, quantized).
-    attention: Callable[[GGUFFile, ModelConfig, int, bool], SelfAttention] | None = None
+    # The attention of a layer (default: the multi-head attention below): (layout, cfg, layer, quantized).
+    attention: Callable[[Layout, ModelConfig, int, bool], SelfAttention] | None = None
     # What the family's files leave implicit: defaults for their `{arch}.` metadata keys (a key
     # the file holds wins), e.g. renormalised top-k weights or which layers slide.
     metadata: Mapping[str, Any] = field(default_factory=dict)
-    # A decoder of the family's own (Gemma 3), built as decoder(gguf, cfg, n_ctx, **options); None: MoeDecoder.
+    # A decoder of the family's own (Gemma 3), built as decoder(layout, cfg, n_ctx, **options); None: MoeDecoder.
     decoder: Callable[..., Any] | None = None
 
 
 class Attention(nn.Module):
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, quantized: bool = False) -> None:
+    def __init__(self, layout: Layout, cfg: ModelConfig, i: int, quantized: bool = False) -> None:
         super().__init__()
-        p = f"blk.{i}."
+        p, form = f"blk.{i}.", linear_form(quantized)
         self.cfg, self.i = cfg, i
-        self.wq, self.wk, self.wv = (load_linear(gguf, p + f"attn_{n}.weight", quantized) for n in "qkv")
-        self.bq, self.bk, self.bv = (maybe_weight(gguf, p + f"attn_{n}.bias") for n in "qkv")
-        self.wo = load_linear(gguf, p + "attn_output.weight", quantized)  # [E, H*Dv]
-        self.bo = maybe_weight(gguf, p + "attn_output.bias")
+        self.wq, self.wk, self.wv = (want(layout, p + f"attn_{n}.weight", form) for n in "qkv")
+        self.bq, self.bk, self.bv = (maybe(layout, p + f"attn_{n}.bias") for n in "qkv")
+        self.wo = want(layout, p + "attn_output.weight", form)  # [E, H*Dv]
+        self.bo = maybe(layout, p + "attn_output.bias")
         # QK norms act per head (Qwen3) or over the whole projection (OLMoE): the weight's size says which.
-        self.q_norm = maybe_weight(gguf, p + "attn_q_norm.weight")
-        self.k_norm = maybe_weight(gguf, p + "attn_k_norm.weight")
+        self.q_norm = maybe(layout, p + "attn_q_norm.weight")
+        self.k_norm = maybe(layout, p + "attn_k_norm.weight")
         # Decided by the q norm: with one KV head a per-head k norm has the size of the whole projection.
-        self.qk_norm_per_head = self.q_norm is not None and self.q_norm.numel() == cfg.head_dim
-        self.sinks = maybe_weight(gguf, p + "attn_sinks.weight")  # [H]
+        q_norm = layout.tensors.get(p + "attn_q_norm.weight")
+        self.qk_norm_per_head = q_norm is not None and q_norm.n_elements == cfg.head_dim
+        self.sinks = maybe(layout, p + "attn_sinks.weight")  # [H]
         self.window = cfg.sliding_window if cfg.swa_layers and cfg.swa_layers[i] else 0
 
     def _cpu_decode(self, cache: LayerCache) -> bool:
@@ -153,23 +143,37 @@ class DecoderBase(nn.Module):
     output: Weight  # [V, E]; the embedding's matrix when the file ties them
     experts: ExpertExecutor
 
-    def _load_ends(self, gguf: GGUFFile, quantized: bool = False) -> None:
+    def _build_ends(self, layout: Layout, quantized: bool = False) -> None:
         """The token embedding, the final norm and the output projection.
 
         `quantized` (the CPU kernels): the output projection runs from the file's bytes and the
         embedding is looked up row by row, so no float copy of either is made. The vocabulary
         projection is the largest matrix a small model reads per token (Gemma 3 270M: 262k x 640,
-        671 MB in fp32). Types without a kernel load as float32.
+        671 MB in fp32). Types without a kernel load as float32, and a tied embedding shares the
+        output's copy.
         """
-        self.norm = load_weight(gguf, "output_norm.weight")
-        name = "output.weight" if "output.weight" in gguf.tensors else "token_embd.weight"
-        self.output = load_linear(gguf, name, quantized)
-        if isinstance(self.output, torch.Tensor) and name == "token_embd.weight":
-            self.embed = self.output
-        elif quantized:
-            self.embed = QuantRows(gguf, "token_embd.weight")
+        self.norm = want(layout, "output_norm.weight")
+        name = "output.weight" if "output.weight" in layout.tensors else "token_embd.weight"
+        output = want(layout, name, linear_form(quantized))
+        self.output = output
+        if output.form != LINEAR and name == "token_embd.weight":
+            self.embed = output  # tied: the load reads it once for both
         else:
-            self.embed = load_weight(gguf, "token_embd.weight")
+            self.embed = want(layout, "token_embd.weight", ROWS if quantized else linear_form(False))
+
+    def _build_experts(self, layout: Layout, act: Activation, kernels: str, dequant_mib: float) -> None:
+        """The MoE layers (those the layout has routers for); their experts are read at load, in place."""
+        self.moe_layers = [i for i in range(self.cfg.n_layers) if is_moe_layer(layout, i)]
+        self._expert_options = (act, kernels, dequant_mib)
+        self.host_experts = HostExperts({}, act, kernels=kernels, dequant_mib=dequant_mib)
+        self.experts: ExpertExecutor = NoExperts()
+
+    def on_load(self, source: Source) -> None:
+        """The host copy of the experts (views of the source's bytes); the executor a model starts with."""
+        act, kernels, dequant_mib = self._expert_options
+        layers = {i: load_layer_experts(source, i) for i in self.moe_layers}
+        self.host_experts = HostExperts(layers, act, kernels=kernels, dequant_mib=dequant_mib)
+        self.experts = self.host_experts if layers else NoExperts()
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states [T, E] -> logits [T, V]."""
@@ -189,17 +193,17 @@ class DecoderBase(nn.Module):
 class MoeFFN(Routed):
     """Router -> expert execution (behind `ExpertExecutor`) -> plus the shared expert, if any."""
 
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, act: Activation, quantized: bool = False) -> None:
+    def __init__(self, layout: Layout, cfg: ModelConfig, i: int, act: Activation, quantized: bool = False) -> None:
         super().__init__()
-        p = f"blk.{i}."
+        p, form = f"blk.{i}.", linear_form(quantized)
         self.cfg, self.i, self.act = cfg, i, act
-        self.router = load_weight(gguf, p + "ffn_gate_inp.weight")  # [n_expert, E]
-        self.router_bias = maybe_weight(gguf, p + "ffn_gate_inp.bias")  # added to the logits
-        self.choice_bias = maybe_weight(gguf, p + "exp_probs_b.bias")  # added to the scores, for the choice only
-        self.sh_gate = maybe_linear(gguf, p + "ffn_gate_shexp.weight", quantized)
-        self.sh_up = maybe_linear(gguf, p + "ffn_up_shexp.weight", quantized)
-        self.sh_down = maybe_linear(gguf, p + "ffn_down_shexp.weight", quantized)
-        self.sh_gate_inp = maybe_weight(gguf, p + "ffn_gate_inp_shexp.weight")  # [E]
+        self.router = want(layout, p + "ffn_gate_inp.weight")  # [n_expert, E]
+        self.router_bias = maybe(layout, p + "ffn_gate_inp.bias")  # added to the logits
+        self.choice_bias = maybe(layout, p + "exp_probs_b.bias")  # added to the scores, for the choice only
+        self.sh_gate = maybe(layout, p + "ffn_gate_shexp.weight", form)
+        self.sh_up = maybe(layout, p + "ffn_up_shexp.weight", form)
+        self.sh_down = maybe(layout, p + "ffn_down_shexp.weight", form)
+        self.sh_gate_inp = maybe(layout, p + "ffn_gate_inp_shexp.weight")  # [E]
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
         cfg = self.cfg
@@ -226,12 +230,12 @@ class MoeFFN(Routed):
 class DenseFFN(nn.Module):
     """A layer's FFN without experts: dense models, and the dense lead layers of some MoE models."""
 
-    def __init__(self, gguf: GGUFFile, i: int, act: Activation, quantized: bool = False) -> None:
+    def __init__(self, layout: Layout, i: int, act: Activation, quantized: bool = False) -> None:
         super().__init__()
-        self.act = act
-        self.gate = load_linear(gguf, f"blk.{i}.ffn_gate.weight", quantized)  # [F, E]
-        self.up = load_linear(gguf, f"blk.{i}.ffn_up.weight", quantized)
-        self.down = load_linear(gguf, f"blk.{i}.ffn_down.weight", quantized)  # [E, F]
+        self.act, form = act, linear_form(quantized)
+        self.gate = want(layout, f"blk.{i}.ffn_gate.weight", form)  # [F, E]
+        self.up = want(layout, f"blk.{i}.ffn_up.weight", form)
+        self.down = want(layout, f"blk.{i}.ffn_down.weight", form)  # [E, F]
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
         return linear(gated(h, self.gate, self.up, self.act), self.down)
@@ -243,13 +247,13 @@ class DenseFFN(nn.Module):
                              residual=True)  # fmt: skip
 
 
-def is_moe_layer(gguf: GGUFFile, i: int) -> bool:
+def is_moe_layer(layout: Layout, i: int) -> bool:
     """A layer routes to experts when the file holds its router."""
-    return f"blk.{i}.ffn_gate_inp.weight" in gguf.tensors
+    return f"blk.{i}.ffn_gate_inp.weight" in layout.tensors
 
 
-def ffn_for(gguf: GGUFFile, cfg: ModelConfig, i: int, act: Activation, quantized: bool) -> MoeFFN | DenseFFN:
-    return MoeFFN(gguf, cfg, i, act, quantized) if is_moe_layer(gguf, i) else DenseFFN(gguf, i, act, quantized)
+def ffn_for(layout: Layout, cfg: ModelConfig, i: int, act: Activation, quantized: bool) -> MoeFFN | DenseFFN:
+    return MoeFFN(layout, cfg, i, act, quantized) if is_moe_layer(layout, i) else DenseFFN(layout, i, act, quantized)
 
 
 class NoExperts:
@@ -259,21 +263,13 @@ class NoExperts:
         raise RuntimeError("a dense model has no experts")
 
 
-def host_experts(gguf: GGUFFile, cfg: ModelConfig, act: Activation, kernels: str,
-                 dequant_mib: float) -> tuple[HostExperts, ExpertExecutor]:  # fmt: skip
-    """The host copy of the MoE layers' experts, and the executor a model starts with."""
-    layers = {i: load_layer_experts(gguf, i) for i in range(cfg.n_layers) if is_moe_layer(gguf, i)}
-    host = HostExperts(layers, act, kernels=kernels, dequant_mib=dequant_mib)
-    return host, (host if layers else NoExperts())
-
-
 class Block(nn.Module):
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, family: Family, quantized: bool) -> None:
+    def __init__(self, layout: Layout, cfg: ModelConfig, i: int, family: Family, quantized: bool) -> None:
         super().__init__()
-        self.attn_norm = load_weight(gguf, f"blk.{i}.attn_norm.weight")
-        self.ffn_norm = load_weight(gguf, f"blk.{i}.{family.ffn_norm}.weight")
-        self.attn = (family.attention or Attention)(gguf, cfg, i, quantized)
-        self.ffn = ffn_for(gguf, cfg, i, family.act, quantized)
+        self.attn_norm = want(layout, f"blk.{i}.attn_norm.weight")
+        self.ffn_norm = want(layout, f"blk.{i}.{family.ffn_norm}.weight")
+        self.attn = (family.attention or Attention)(layout, cfg, i, quantized)
+        self.ffn = ffn_for(layout, cfg, i, family.act, quantized)
         self.eps = cfg.norm_eps
 
     def forward(
@@ -289,16 +285,16 @@ class MoeDecoder(DecoderBase):
     """Token embedding -> blocks -> norm -> output projection, for the llama-like families (MoE or dense)."""
 
     def __init__(
-        self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, family: Family, *, quantized: bool = False,
+        self, layout: Layout, cfg: ModelConfig, n_ctx: int, family: Family, *, quantized: bool = False,
         kernels: str = "fast", dequant_mib: float = 0.0,
     ) -> None:  # fmt: skip
         super().__init__()
         self.cfg = cfg
-        self._load_ends(gguf, quantized)
-        self.blocks = nn.ModuleList(Block(gguf, cfg, i, family, quantized) for i in range(cfg.n_layers))
+        self._build_ends(layout, quantized)
+        self.blocks = nn.ModuleList(Block(layout, cfg, i, family, quantized) for i in range(cfg.n_layers))
         self.rope = Rope(cfg.rope_dim, cfg.rope_theta, n_ctx, neox=family.neox_rope, cfg=cfg,
                          truncate=family.yarn_truncate)  # fmt: skip
-        self.host_experts, self.experts = host_experts(gguf, cfg, family.act, kernels, dequant_mib)
+        self._build_experts(layout, family.act, kernels, dequant_mib)
 
     def to_device(self, device: torch.device) -> MoeDecoder:
         """Move everything but the experts (they stay in host memory) to `device`."""

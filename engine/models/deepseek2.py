@@ -19,15 +19,17 @@ Its quirks, all read from the file:
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..gguf_file import GGUFError, GGUFFile
-from ..layers import LayerCache, Rope, attention, load_weight, rms_norm
+from ..gguf_file import GGUFError
+from ..layers import LayerCache, Rope, attention, rms_norm
 from ..moe import swiglu
-from ..qlinear import linear, load_linear
+from ..qlinear import linear
+from ..weights import Layout, Source, linear_form, maybe, want
 from .decoder import Family
 
 
@@ -39,32 +41,39 @@ def score_scale(cfg: ModelConfig) -> float:
 
 
 class LatentAttention(nn.Module):
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, quantized: bool = False) -> None:
+    def __init__(self, layout: Layout, cfg: ModelConfig, i: int, quantized: bool = False) -> None:
         super().__init__()
-        p = f"blk.{i}."
+        p, form = f"blk.{i}.", linear_form(quantized)
         if not cfg.kv_lora_rank:
-            raise GGUFError(f"{gguf.path}: key {cfg.arch}.attention.kv_lora_rank: required for latent attention")
+            raise GGUFError(f"{layout.path}: key {cfg.arch}.attention.kv_lora_rank: required for latent attention")
         self.cfg = cfg
         self.nope = cfg.head_dim_mla - cfg.rope_dim
         self.q_a = self.q_a_norm = self.q_b = self.q = None
-        if p + "attn_q_a.weight" in gguf.tensors:
-            self.q_a = load_linear(gguf, p + "attn_q_a.weight", quantized)  # [q_lora, E]
-            self.q_a_norm = load_weight(gguf, p + "attn_q_a_norm.weight")
-            self.q_b = load_linear(gguf, p + "attn_q_b.weight", quantized)  # [H*Dk, q_lora]
+        if p + "attn_q_a.weight" in layout.tensors:
+            self.q_a = want(layout, p + "attn_q_a.weight", form)  # [q_lora, E]
+            self.q_a_norm = want(layout, p + "attn_q_a_norm.weight")
+            self.q_b = want(layout, p + "attn_q_b.weight", form)  # [H*Dk, q_lora]
         else:
-            self.q = load_linear(gguf, p + "attn_q.weight", quantized)  # [H*Dk, E]
-        self.kv_a = load_linear(gguf, p + "attn_kv_a_mqa.weight", quantized)  # [C + R, E]
-        self.kv_a_norm = load_weight(gguf, p + "attn_kv_a_norm.weight")  # [C]
-        h, c, dv = cfg.n_head, cfg.kv_lora_rank, cfg.head_dim_v_mla
-        if p + "attn_k_b.weight" in gguf.tensors:
-            self.k_b = load_weight(gguf, p + "attn_k_b.weight").reshape(h, c, self.nope)  # [H, C, Dnope]
-            self.v_b = load_weight(gguf, p + "attn_v_b.weight").reshape(h, dv, c)  # [H, Dv, C]
-        else:
-            kv_b = load_weight(gguf, p + "attn_kv_b.weight").reshape(h, self.nope + dv, c)
+            self.q = want(layout, p + "attn_q.weight", form)  # [H*Dk, E]
+        self.kv_a = want(layout, p + "attn_kv_a_mqa.weight", form)  # [C + R, E]
+        self.kv_a_norm = want(layout, p + "attn_kv_a_norm.weight")  # [C]
+        # Per head, or (older files) the joint kv_b that on_load splits.
+        self.kv_b = maybe(layout, p + "attn_kv_b.weight")
+        self.k_b: Any = want(layout, p + "attn_k_b.weight") if self.kv_b is None else None
+        self.v_b: Any = want(layout, p + "attn_v_b.weight") if self.kv_b is None else None
+        self.wo = want(layout, p + "attn_output.weight", form)  # [E, H*Dv]
+        self.scale = score_scale(self.cfg)
+
+    def on_load(self, source: Source) -> None:
+        h, c, dv = self.cfg.n_head, self.cfg.kv_lora_rank, self.cfg.head_dim_v_mla
+        if self.kv_b is not None:
+            kv_b = self.kv_b.reshape(h, self.nope + dv, c)
             self.k_b = kv_b[:, : self.nope].transpose(1, 2).contiguous()
             self.v_b = kv_b[:, self.nope :].contiguous()
-        self.wo = load_linear(gguf, p + "attn_output.weight", quantized)  # [E, H*Dv]
-        self.scale = score_scale(cfg)
+            self.kv_b = None
+        else:
+            self.k_b = self.k_b.reshape(h, c, self.nope)  # [H, C, Dnope]
+            self.v_b = self.v_b.reshape(h, dv, c)  # [H, Dv, C]
 
     def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
                      cache: LayerCache, rope: Rope) -> torch.Tensor | None:  # fmt: skip

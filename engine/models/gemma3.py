@@ -21,10 +21,10 @@ from torch.nn import functional as F
 from ..config import GATING_SELECT, ModelConfig
 from ..cpu_kernels import ACT_GELU_TANH
 from ..fused_moe import register_activation
-from ..gguf_file import GGUFFile
-from ..layers import KVCache, LayerCache, Rope, load_weight, move_tensors, rms_norm
+from ..layers import KVCache, LayerCache, Rope, move_tensors, rms_norm
 from ..moe import ExpertExecutor
-from .decoder import Attention, DecoderBase, DenseFFN, Family, ffn_for, host_experts
+from ..weights import Layout, want
+from .decoder import Attention, DecoderBase, DenseFFN, Family, ffn_for
 
 
 def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -35,17 +35,17 @@ register_activation(gelu_gate, ACT_GELU_TANH)
 
 
 class Block(nn.Module):
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, quantized: bool) -> None:
+    def __init__(self, layout: Layout, cfg: ModelConfig, i: int, quantized: bool) -> None:
         super().__init__()
         p = f"blk.{i}."
         self.eps = cfg.norm_eps
         self.swa = bool(cfg.swa_layers and cfg.swa_layers[i])
-        self.attn_norm = load_weight(gguf, p + "attn_norm.weight")
-        self.post_attn_norm = load_weight(gguf, p + "post_attention_norm.weight")
-        self.ffn_norm = load_weight(gguf, p + "ffn_norm.weight")
-        self.post_ffn_norm = load_weight(gguf, p + "post_ffw_norm.weight")
-        self.attn = Attention(gguf, cfg, i, quantized)
-        self.ffn = ffn_for(gguf, cfg, i, gelu_gate, quantized)
+        self.attn_norm = want(layout, p + "attn_norm.weight")
+        self.post_attn_norm = want(layout, p + "post_attention_norm.weight")
+        self.ffn_norm = want(layout, p + "ffn_norm.weight")
+        self.post_ffn_norm = want(layout, p + "post_ffw_norm.weight")
+        self.attn = Attention(layout, cfg, i, quantized)
+        self.ffn = ffn_for(layout, cfg, i, gelu_gate, quantized)
 
     def forward(
         self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: tuple[Rope, Rope], experts: ExpertExecutor
@@ -67,18 +67,18 @@ class Block(nn.Module):
 
 class Gemma3(DecoderBase):
     def __init__(
-        self, gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, *, quantized: bool = False, kernels: str = "fast",
+        self, layout: Layout, cfg: ModelConfig, n_ctx: int, *, quantized: bool = False, kernels: str = "fast",
         dequant_mib: float = 0.0,
     ) -> None:  # fmt: skip
         super().__init__()
         self.cfg = cfg
-        self._load_ends(gguf, quantized)
+        self._build_ends(layout, quantized)
         self.embed_scale = math.sqrt(cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(gguf, cfg, i, quantized) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(layout, cfg, i, quantized) for i in range(cfg.n_layers))
         rope_global = Rope(cfg.rope_dim, cfg.rope_theta, n_ctx, neox=True, cfg=cfg)
         rope_local = Rope(cfg.rope_dim, cfg.rope_theta_swa or cfg.rope_theta, n_ctx, neox=True)
         self.rope = (rope_global, rope_local)
-        self.host_experts, self.experts = host_experts(gguf, cfg, gelu_gate, kernels, dequant_mib)
+        self._build_experts(layout, gelu_gate, kernels, dequant_mib)
 
     def to_device(self, device: torch.device) -> Gemma3:
         """Move everything but the experts (they stay in host memory) to `device`."""

@@ -23,16 +23,19 @@ Their quirks, all read from the file:
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from ..config import ModelConfig
 from ..cpu_blocks import delta_rule_rows
-from ..gguf_file import GGUFError, GGUFFile
-from ..layers import LayerCache, Rope, host_rows, load_weight, rms_norm
+from ..gguf_file import GGUFError
+from ..layers import LayerCache, Rope, host_rows, rms_norm
 from ..moe import swiglu
-from ..qlinear import Weight, linear, linears, load_linear
+from ..qlinear import Weight, linear, linears
+from ..weights import Layout, Source, linear_form, maybe, want
 from .decoder import Attention, Family, SelfAttention
 
 
@@ -53,39 +56,47 @@ class GatedAttention(Attention):
 
 
 class GatedDeltaNet(nn.Module):
-    def __init__(self, gguf: GGUFFile, cfg: ModelConfig, i: int, quantized: bool, tiled_heads: bool) -> None:
+    def __init__(self, layout: Layout, cfg: ModelConfig, i: int, quantized: bool, tiled_heads: bool) -> None:
         super().__init__()
-        p = f"blk.{i}."
+        p, form = f"blk.{i}.", linear_form(quantized)
         hk, hv, dk = cfg.ssm_k_heads, cfg.ssm_v_heads, cfg.ssm_state
-        dv, r, e = cfg.ssm_inner // hv, hv // hk, cfg.n_embd
+        dv = cfg.ssm_inner // hv
         self.cfg, self.dims = cfg, (hk, hv, dk, dv)
         self.w_qkv: Weight
         self.w_z: Weight
-        if p + "attn_qkv.weight" in gguf.tensors:
-            self.w_qkv = load_linear(gguf, p + "attn_qkv.weight", quantized)  # [2*Hk*Dk + Hv*Dv, E]
-            self.w_z = load_linear(gguf, p + "attn_gate.weight", quantized)  # [Hv*Dv, E]
-        else:  # per key head [q, k, v x ratio, z x ratio]
-            qkvz = load_weight(gguf, p + "ssm_in.weight").view(hk, 2 * dk + 2 * r * dv, e)
-            q, k, v, z = qkvz.split([dk, dk, r * dv, r * dv], dim=1)
+        # Joint tensors of older files (q|k|v|z, beta|alpha per key head) are split by on_load.
+        self.w_qkvz = maybe(layout, p + "ssm_in.weight") if p + "attn_qkv.weight" not in layout.tensors else None
+        if self.w_qkvz is None:
+            self.w_qkv = want(layout, p + "attn_qkv.weight", form)  # [2*Hk*Dk + Hv*Dv, E]
+            self.w_z = want(layout, p + "attn_gate.weight", form)  # [Hv*Dv, E]
+        self.ba = maybe(layout, p + "ssm_ba.weight")
+        self.beta: Any = want(layout, p + "ssm_beta.weight") if self.ba is None else None
+        self.alpha: Any = want(layout, p + "ssm_alpha.weight") if self.ba is None else None
+        self.conv = want(layout, p + "ssm_conv1d.weight")  # [C, taps]
+        channels, shape = 2 * hk * dk + hv * dv, layout.tensors[p + "ssm_conv1d.weight"].shape
+        if tuple(shape) != (channels, cfg.ssm_conv_kernel):
+            raise GGUFError(f"{layout.path}: tensor '{p}ssm_conv1d.weight': shape {tuple(shape)}, expected "
+                            f"{(channels, cfg.ssm_conv_kernel)} from the ssm.* keys")  # fmt: skip
+        self.dt_bias = want(layout, p + "ssm_dt.bias")  # [Hv]
+        self.a = want(layout, p + "ssm_a")  # [Hv]: -exp(A_log)
+        self.norm = want(layout, p + "ssm_norm.weight")  # [Dv]
+        self.w_out = want(layout, p + "ssm_out.weight", form)  # [E, Hv*Dv]
+        heads = torch.arange(hv)
+        self.key_head = heads % hk if tiled_heads else heads // (hv // hk)  # [Hv]: the key head each value head reads
+
+    def on_load(self, source: Source) -> None:
+        (hk, hv, dk, dv), e = self.dims, self.cfg.n_embd
+        r = hv // hk
+        if self.w_qkvz is not None:  # per key head [q, k, v x ratio, z x ratio]
+            q, k, v, z = self.w_qkvz.view(hk, 2 * dk + 2 * r * dv, e).split([dk, dk, r * dv, r * dv], dim=1)
             self.w_qkv = torch.cat([q.reshape(-1, e), k.reshape(-1, e), v.reshape(-1, e)])
             self.w_z = z.reshape(-1, e).contiguous()
-        if p + "ssm_ba.weight" in gguf.tensors:  # per key head [beta x ratio, alpha x ratio]
-            ba = load_weight(gguf, p + "ssm_ba.weight").view(hk, 2 * r, e)
-            beta, alpha = ba[:, :r].reshape(hv, e), ba[:, r:].reshape(hv, e)
-        else:
-            beta, alpha = load_weight(gguf, p + "ssm_beta.weight"), load_weight(gguf, p + "ssm_alpha.weight")
-        self.w_ba = torch.cat([beta, alpha])  # [2*Hv, E]: both in one matmul
-        self.conv = load_weight(gguf, p + "ssm_conv1d.weight")  # [C, taps]
-        channels = 2 * hk * dk + hv * dv
-        if tuple(self.conv.shape) != (channels, cfg.ssm_conv_kernel):
-            raise GGUFError(f"{gguf.path}: tensor '{p}ssm_conv1d.weight': shape {tuple(self.conv.shape)}, expected "
-                            f"{(channels, cfg.ssm_conv_kernel)} from the ssm.* keys")  # fmt: skip
-        self.dt_bias = load_weight(gguf, p + "ssm_dt.bias")  # [Hv]
-        self.a = load_weight(gguf, p + "ssm_a")  # [Hv]: -exp(A_log)
-        self.norm = load_weight(gguf, p + "ssm_norm.weight")  # [Dv]
-        self.w_out = load_linear(gguf, p + "ssm_out.weight", quantized)  # [E, Hv*Dv]
-        heads = torch.arange(hv)
-        self.key_head = heads % hk if tiled_heads else heads // r  # [Hv]: the key head each value head reads
+            self.w_qkvz = None
+        if self.ba is not None:  # per key head [beta x ratio, alpha x ratio]
+            ba = self.ba.view(hk, 2 * r, e)
+            self.beta, self.alpha = ba[:, :r].reshape(hv, e), ba[:, r:].reshape(hv, e)
+        self.w_ba = torch.cat([self.beta, self.alpha])  # [2*Hv, E]: both in one matmul
+        self.ba = self.beta = self.alpha = None
 
     def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
                      cache: LayerCache, rope: Rope) -> torch.Tensor | None:  # fmt: skip
@@ -140,16 +151,16 @@ def delta_rule_torch(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: t
     return out
 
 
-def _grouped(gguf: GGUFFile, cfg: ModelConfig, i: int, quantized: bool) -> SelfAttention:
+def _grouped(layout: Layout, cfg: ModelConfig, i: int, quantized: bool) -> SelfAttention:
     if cfg.is_recurrent(i):
-        return GatedDeltaNet(gguf, cfg, i, quantized, tiled_heads=False)
-    return GatedAttention(gguf, cfg, i, quantized)
+        return GatedDeltaNet(layout, cfg, i, quantized, tiled_heads=False)
+    return GatedAttention(layout, cfg, i, quantized)
 
 
-def _tiled(gguf: GGUFFile, cfg: ModelConfig, i: int, quantized: bool) -> SelfAttention:
+def _tiled(layout: Layout, cfg: ModelConfig, i: int, quantized: bool) -> SelfAttention:
     if cfg.is_recurrent(i):
-        return GatedDeltaNet(gguf, cfg, i, quantized, tiled_heads=True)
-    return GatedAttention(gguf, cfg, i, quantized)
+        return GatedDeltaNet(layout, cfg, i, quantized, tiled_heads=True)
+    return GatedAttention(layout, cfg, i, quantized)
 
 
 _RENORMALISED = {"expert_weights_norm": True}  # the routers renormalise the top-k weights; no key says so

@@ -127,8 +127,13 @@ DELTA = {"k_heads": 2, "v_heads": 4, "dk": 64, "dv": 64, "taps": 4}  # llama.cpp
 MLA = {"q_lora": 256, "kv_lora": 128, "nope": 64, "rope": 32, "v": 64}
 
 
-def tiny_moe(
-    path: Path,
+def tiny_moe(path: Path, *, template: str | None = QWEN_TEMPLATE, **kw: Any) -> Path:
+    """`tiny_moe_parts(**kw)` written to a GGUF file at `path` (see there for the options)."""
+    arch, meta, tensors, vocab = tiny_moe_parts(**kw)
+    return write_gguf(path, arch, meta, tensors, vocab=vocab, template=template)
+
+
+def tiny_moe_parts(
     *,
     arch: str = "qwen3moe",
     n_layers: int = 2,
@@ -141,7 +146,6 @@ def tiny_moe(
     expert_type: GGMLQuantizationType = Q.Q8_0,
     n_vocab: int = 1024,
     seed: int = 0,
-    template: str | None = QWEN_TEMPLATE,
     extra: Mapping[str, Any] | None = None,
     layer_expert_types: Mapping[int, GGMLQuantizationType] | None = None,
     logit_scale: float = 1.0,
@@ -153,8 +157,9 @@ def tiny_moe(
     dense_layers: int = 0,
     mla_joint_kv_b: bool = False,
     legacy_ssm_in: bool = False,
-) -> Path:
-    """A small MoE model of `arch` with random weights and a real (truncated) Qwen vocabulary.
+) -> tuple[str, dict[str, Any], dict[str, tuple[np.ndarray, GGMLQuantizationType]], Vocab]:
+    """A small MoE model of `arch` with random weights and a real (truncated) Qwen vocabulary:
+    (architecture, metadata, tensors as GGUF stores them, vocabulary).
 
     The first `dense_layers` layers have a dense FFN (2 x `n_ff_exp` wide) instead of experts;
     `n_expert=0` makes every layer dense (a dense model).
@@ -384,7 +389,32 @@ def tiny_moe(
             t[b + "ffn_gate_shexp.weight"] = dense(n_ff_exp, n_embd)
             t[b + "ffn_up_shexp.weight"] = dense(n_ff_exp, n_embd)
             t[b + "ffn_down_shexp.weight"] = dense(n_embd, n_ff_exp)
-    return write_gguf(path, arch, meta, t, vocab=vocab, template=template)
+    return arch, meta, t, vocab
+
+
+class MemoryModel:
+    """A model's metadata and tensors in memory, read as a GGUF file is (a `weights.Source`):
+    a model is built and loaded from it without a file."""
+
+    def __init__(self, arch: str, metadata: Mapping[str, Any],
+                 tensors: Mapping[str, tuple[np.ndarray, GGMLQuantizationType]]) -> None:  # fmt: skip
+        from moechat.engine.gguf_file import TensorInfo
+
+        self.path = "<memory>"
+        self.metadata = {"general.architecture": arch, **metadata}
+        self.architecture = arch
+        self._data: dict[str, np.ndarray] = {}
+        self.tensors: dict[str, TensorInfo] = {}
+        for name, (data, qtype) in tensors.items():
+            raw = np.ascontiguousarray(data).view(np.uint8)
+            raw = raw.reshape(*data.shape[:-1], -1) if data.ndim else raw
+            block, size = GGML_QUANT_SIZES[qtype]
+            shape = (*raw.shape[:-1], raw.shape[-1] // size * block)  # torch order: values, not bytes
+            self.tensors[name] = TensorInfo(name, qtype, shape, raw.nbytes, 0, 0)
+            self._data[name] = raw
+
+    def tensor_data(self, name: str) -> np.ndarray:
+        return self._data[name]
 
 
 def _delta_net(b: str, n_embd: int, arch: str, dense: Any, vector: Any, norm: Any, rng: np.random.Generator,
