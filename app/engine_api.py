@@ -21,6 +21,7 @@ from moechat.engine.chat_template import ChatTemplateError, plain_template
 from moechat.engine.generate import Event, SamplingParams, TokenEvent, generate
 from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
 from moechat.engine.stats import StatsSnapshot
+from moechat.tuner.baselines import min_hit_rate
 from moechat.tuner.recommend import TuneReport, recommend
 from moechat.tuner.sweep import SweepDone, SweepEvent, SweepSettings, calibrate, forget_runs
 
@@ -73,6 +74,10 @@ class ChatEngine(Protocol):
         ...
 
     def set_cache(self, mib: float, share: float) -> None: ...
+
+    def min_hit_rate(self) -> float | None:
+        """MIN's hit rate (with bypass) on the current cache's lookups so far, at its size; None: no cache."""
+        ...
 
     def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
               ) -> Iterator[SweepEvent]:  # fmt: skip
@@ -197,6 +202,12 @@ class RealEngine:
     def cache(self) -> tuple[float, float]:
         c = self.lm.cache
         return (c.settings.mib, c.settings.cpu_share) if c is not None else (0.0, 0.0)
+
+    def min_hit_rate(self) -> float | None:
+        c = self.lm.cache
+        if c is None:
+            return None
+        return min_hit_rate([g.info for g in c.groups], c.n_expert_used, c.settings.max_batch, c.lookups)
 
     def set_cache(self, mib: float, share: float) -> None:
         settings = replace(self.base, mib=mib, cpu_share=share, trace=None)

@@ -67,7 +67,7 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
     conn.send(("ready", engine.info))
     calls: dict[str, Callable[..., Any]] = {
         "fit_messages": engine.fit_messages, "snapshot": engine.snapshot, "cache": engine.cache,
-        "set_cache": engine.set_cache, "recommend": engine.recommend,
+        "set_cache": engine.set_cache, "recommend": engine.recommend, "min_hit_rate": engine.min_hit_rate,
     }  # fmt: skip
     try:
         while True:
@@ -184,6 +184,9 @@ class ProcessEngine:
 
     def set_cache(self, mib: float, share: float) -> None:
         self._call("set_cache", mib, share)
+
+    def min_hit_rate(self) -> float | None:
+        return self._call("min_hit_rate")
 
     def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
               ) -> Iterator[SweepEvent]:  # fmt: skip

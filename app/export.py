@@ -53,6 +53,8 @@ class SessionStats:
     earlier_tokens: int = 0
     periods: list[dict[str, Any]] = field(default_factory=list)
     recent: RecentWindow = field(default_factory=RecentWindow, repr=False)
+    # MIN's hit rate (with bypass) on the current cache's lookups at its size, after the last reply.
+    min_hit_rate: float | None = None
 
     def cache_rebuilt(self) -> None:
         """The engine's cache starts its counters again: keep what the old one counted in the session."""
@@ -112,6 +114,8 @@ class SessionStats:
                 "bytes": self.snapshot.warm_bytes if self.snapshot else 0,
             },
             "groups": [asdict(g) for g in self.snapshot.groups] if self.snapshot else [],
+            "policy": self.snapshot.policy if self.snapshot else "classlru",
+            "min_hit_rate": self.min_hit_rate,
             "layers": layers,
             "cache_periods": self.periods,  # caches rebuilt during the session, before the current one
             "replies": self.replies,
@@ -156,6 +160,15 @@ def _recent_line(d: dict[str, Any]) -> list[str]:
     return ["", f"Recent hit rate: {100 * last['recent_hit_rate']:.1f}% over the last {last['recent_tokens']} tokens."]
 
 
+def _bound_line(d: dict[str, Any], hit: float) -> list[str]:
+    """How far the cache's policy is from MIN at its size (none before a reply)."""
+    bound = d.get("min_hit_rate")
+    if bound is None:
+        return []
+    return ["", f"MIN (offline optimum, with bypass) at this size: hit rate {100 * bound:.1f}%, against "
+                f"{100 * hit:.1f}% for {d.get('policy', 'classlru')}."]  # fmt: skip
+
+
 def to_markdown(d: dict[str, Any]) -> str:
     m, s = d["model"], d["settings"]
     replies = d["replies"]
@@ -186,6 +199,7 @@ def to_markdown(d: dict[str, Any]) -> str:
         f"Expert cache: {d['tokens']} tokens, hit rate {100 * hit:.1f}%, {total['cpu']} misses on the CPU, "
         f"{total['uploaded_bytes'] / 2**20:.1f} MiB uploaded.",
         *_recent_line(d),
+        *_bound_line(d, hit),
         "",
         "| layer | lookups | hits | hit rate | cpu | uploads | uploaded MiB | slots held |",
         "| ----: | ------: | ---: | -------: | --: | ------: | -----------: | ---------: |",

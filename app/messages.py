@@ -71,3 +71,11 @@ class CacheApplied(Message):
     def __init__(self, mib: float, share: float, error: str | None) -> None:
         super().__init__()
         self.mib, self.share, self.error = mib, share, error
+
+
+class BoundUpdate(Message):
+    """After a reply: the hit rate MIN would have had on the cache's lookups so far (None: no cache)."""
+
+    def __init__(self, min_hit_rate: float | None) -> None:
+        super().__init__()
+        self.min_hit_rate = min_hit_rate

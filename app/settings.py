@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import tomllib
+from moechat.engine.cache_policy import POLICIES as CACHE_POLICIES
 from moechat.engine.kernel_modes import KERNEL_MODES
 from moechat.engine.kernel_modes import describe as describe_kernel_modes
 
@@ -47,6 +48,7 @@ class Settings:
     moe_cache_mib: float = 0.0
     moe_cache_cpu_share: float = 0.0
     moe_cache_trace: str = ""
+    moe_cache_policy: str = "classlru"
     load_mode: str = "mmap"
     emulate_link_gbps: float = 0.0
     cpu_dequant_mib: float = 0.0
@@ -112,6 +114,14 @@ SPEC: dict[str, Spec] = {
         float, _unit, "in [0, 1]", "share of the misses computed on the CPU once the cache is full", metavar="F"
     ),
     "moe_cache_trace": Spec(str, _any, "a file path", "write every expert lookup to this file", metavar="PATH"),
+    "moe_cache_policy": Spec(
+        str,
+        lambda v: v in CACHE_POLICIES,
+        " or ".join(CACHE_POLICIES),
+        "which misses the full cache admits (the rest run on the CPU): classlru all; second-use those used in "
+        "the last 256 tokens; upload-cap at most one per token; protect those used more than what they evict",
+        choices=CACHE_POLICIES,
+    ),
     "load_mode": Spec(
         str,
         lambda v: v in ("mmap", "pinned"),
@@ -171,8 +181,8 @@ SPEC: dict[str, Spec] = {
     "theme": Spec(str, bool, "a theme name", "Textual theme (remembered in config.toml)"),
 }
 
-ENGINE = ("device", "moe_cache_mib", "moe_cache_cpu_share", "moe_cache_trace", "load_mode", "emulate_link_gbps",
-          "cpu_dequant_mib", "cpu_kernels", "threads", "ctx_size", "chat_template")  # fmt: skip
+ENGINE = ("device", "moe_cache_mib", "moe_cache_cpu_share", "moe_cache_policy", "moe_cache_trace", "load_mode",
+          "emulate_link_gbps", "cpu_dequant_mib", "cpu_kernels", "threads", "ctx_size", "chat_template")  # fmt: skip
 SAMPLING = ("n_predict", "temp", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
 APP = ("system", "refresh_ms", "theme")
 
@@ -348,7 +358,7 @@ def cache_settings(settings: Settings, warm_start: Path | None = None) -> CacheS
     cache = CacheSettings(
         mib=settings.moe_cache_mib, cpu_share=settings.moe_cache_cpu_share, device=device,
         emulate_link_gbps=settings.emulate_link_gbps, trace=Path(settings.moe_cache_trace) if settings.moe_cache_trace
-        else None, load_mode=settings.load_mode, warm_start=warm_start,
+        else None, load_mode=settings.load_mode, warm_start=warm_start, policy=settings.moe_cache_policy,
     )  # fmt: skip
     cache.validate()
     return cache

@@ -17,7 +17,9 @@ if TYPE_CHECKING:
 
 
 # The engine's settings a sweep runs with; it picks cache sizes and shares itself, and traces none.
-TUNE_SETTINGS = tuple(n for n in ENGINE if n not in ("moe_cache_mib", "moe_cache_cpu_share", "moe_cache_trace"))
+TUNE_SETTINGS = tuple(
+    n for n in ENGINE if n not in ("moe_cache_mib", "moe_cache_cpu_share", "moe_cache_policy", "moe_cache_trace")
+)
 
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
@@ -114,8 +116,12 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", type=float, nargs="+", default=None, metavar="MIB",
                    help="cache sizes in MiB (default: 10%%..100%% of the experts)")  # fmt: skip
     p.add_argument("--shares", type=float, nargs="+", default=[0.0], metavar="F", help="CPU shares (default 0)")
+    from moechat.engine.cache_policy import POLICIES
+    from moechat.tuner.baselines import POLICIES as BASELINES
+
     p.add_argument("--policy", nargs="+", default=["classlru", "lru", "lfu", "min", "min-bypass"],
-                   choices=["classlru", "lru", "lfu", "min", "min-bypass"], help="policies to compare")  # fmt: skip
+                   choices=[*POLICIES, *BASELINES], help="policies to compare: the engine's (--moe-cache-policy) "
+                   "and the references")  # fmt: skip
     p.add_argument("--warmup", type=int, default=None, metavar="N",
                    help="first tokens not counted (default: a quarter of the trace, at most 64)")  # fmt: skip
     p.add_argument("--holdout", type=float, default=None, metavar="F",
@@ -126,6 +132,7 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_sim(args: argparse.Namespace) -> int:
+    from moechat.engine.cache_policy import POLICIES as ENGINE_POLICIES
     from moechat.tuner.baselines import BaselineResult, simulate_baseline
     from moechat.tuner.report import table
     from moechat.tuner.simulator import load_routing, replay
@@ -169,13 +176,13 @@ def run_sim(args: argparse.Namespace) -> int:
             return f"{misses / m:.2f}" if m else ("1.00" if misses == 0 else "inf")
 
         for policy in args.policy:
-            if policy == "classlru":
+            if policy in ENGINE_POLICIES:
                 for share in args.shares:
-                    t = replay(routing, mib, share, warmup=scored_from).total
-                    row = [f"{mib:g}", "/".join(map(str, slots)), "classlru", f"{share:g}", f"{100 * t.hit_rate:.1f}%",
+                    t = replay(routing, mib, share, warmup=scored_from, policy=policy).total
+                    row = [f"{mib:g}", "/".join(map(str, slots)), policy, f"{share:g}", f"{100 * t.hit_rate:.1f}%",
                            str(t.misses), ratio(t.misses, "min"), ratio(t.misses, "min-bypass"), ""]  # fmt: skip
                     if split is not None:
-                        first = replay(routing, mib, share, warmup=args.warmup, until=split).total
+                        first = replay(routing, mib, share, warmup=args.warmup, until=split, policy=policy).total
                         row.append(f"{100 * first.hit_rate:.1f}%")
                     rows.append(row)
                 continue

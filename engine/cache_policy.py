@@ -13,6 +13,12 @@ replays traces through the very same code, so the two cannot disagree.
 - CPU share: once every slot of the group holds an expert, a share of the misses, lowest CRF
   first, is computed on the CPU instead of uploaded; the share is exact on average through a
   carry in 1/65536 per layer.
+- Admission (`--moe-cache-policy`, default "classlru": every miss is admitted): once the group is
+  full, a variant may keep some of the remaining misses out of the slots; they are computed on
+  the CPU, as the CPU share's are. "second-use" admits an expert only if its layer used it within
+  the last `SECOND_USE_WINDOW` tokens; "upload-cap" uploads at most `UPLOAD_CAP` per token and
+  lookup, the most used first; "protect" admits a miss only if its CRF is at least the decayed
+  CRF of the slot's current expert (TinyLFU's rule, with this cache's counts).
 
 The simulator replays millions of lookups, so the hot loop is written for CPython: the class
 lists are OrderedDicts (move_to_end and "first" are O(1) in C), per-key state lives in flat
@@ -33,6 +39,9 @@ CRF_HALF_LIFE = 128.0  # tokens of the layer's clock
 SHARE_ONE = 1 << 16  # the CPU share is kept in 1/65536
 _DECAY = [2.0 ** (-dt / CRF_HALF_LIFE) for dt in range(8192)]  # exactly 2 ** ((last - now) / 128)
 _INV_POW2 = [2.0**-c for c in range(N_CLASS)]
+POLICIES = ("classlru", "second-use", "upload-cap", "protect")
+SECOND_USE_WINDOW = 256  # tokens of the layer's clock
+UPLOAD_CAP = 1  # uploads per token of a lookup, once the group is full
 
 
 class CachePolicyError(RuntimeError):
@@ -81,9 +90,12 @@ class MissSplit(Protocol):
 class ClassLRU:
     """The slots of one group of layers with the same expert geometry."""
 
-    def __init__(self, layers: Sequence[int], n_expert: int, n_slots: int) -> None:
+    def __init__(self, layers: Sequence[int], n_expert: int, n_slots: int, admission: str = "classlru") -> None:
         if n_slots <= 0:
             raise ValueError(f"a cache needs at least one slot, got {n_slots}")
+        if admission not in POLICIES:
+            raise ValueError(f"unknown cache policy '{admission}' (choose from {', '.join(POLICIES)})")
+        self.admission = admission
         self.layers = tuple(layers)
         self.n_expert = n_expert
         self.n_slots = n_slots
@@ -136,6 +148,11 @@ class ClassLRU:
         base, now = layer * self.n_expert, self.clock[layer]
         return [self.crf[base + e] * 2.0 ** ((self.last_use[base + e] - now) / CRF_HALF_LIFE)
                 for e in range(self.n_expert)]  # fmt: skip
+
+    def _decayed(self, key: int) -> float:
+        """A key's CRF decayed to its layer's clock now."""
+        dt = self.clock[key // self.n_expert] - self.last_use[key]
+        return self.crf[key] * (_DECAY[dt] if dt < 8192 else 2.0 ** (-dt / CRF_HALF_LIFE))
 
     def _victims(self, m: int, selected: set[int]) -> list[int]:
         """The slots that m misses take, in order: empty slots first, then one eviction per miss.
@@ -200,12 +217,15 @@ class ClassLRU:
         lists, list_of = self.lists, self.list_of
         hits: list[int] = []
         misses: list[int] = []
+        recent: set[int] = set()  # experts the layer used within SECOND_USE_WINDOW tokens ("second-use")
         for e in uniq:
             key = base + e
             c = crf[key]
             if c:
                 dt = now - last_use[key]
                 c = c * (_DECAY[dt] if dt < 8192 else 2.0 ** (-dt / CRF_HALF_LIFE)) + 1.0
+                if dt <= SECOND_USE_WINDOW:
+                    recent.add(e)
             else:
                 c = 1.0
             crf[key] = c
@@ -234,11 +254,36 @@ class ClassLRU:
                 cpu, misses = sorted(misses[:n_c]), misses[n_c:]
         uploads: list[tuple[int, int]] = []
         evicted: list[tuple[int, int]] = []
+        pairs: list[tuple[int, int]] = []
         if misses:
+            full = self.n_filled == self.n_slots
+            if full and self.admission == "second-use":
+                refused = [e for e in misses if e not in recent]
+                misses = [e for e in misses if e in recent]
+            elif full and self.admission == "upload-cap" and len(misses) > UPLOAD_CAP * n_tokens:
+                misses.sort(key=lambda e: (-crf[base + e], e))  # the most used are uploaded
+                refused, misses = misses[UPLOAD_CAP * n_tokens :], misses[: UPLOAD_CAP * n_tokens]
+            else:
+                refused = []
             misses.sort()
             victims = self._victims(len(misses), {base + e for e in uniq})  # victims skip what this lookup uses
+            if full and self.admission == "protect":
+                # The most used misses meet the best victims first; a miss less used than its
+                # victim's expert leaves that expert in its slot.
+                ranked = sorted(misses, key=lambda e: (-crf[base + e], e))
+                kept = []
+                for e, s in zip(ranked, victims, strict=True):
+                    if crf[base + e] >= self._decayed(self.key_of[s]):
+                        kept.append((e, s))
+                    else:
+                        refused.append(e)
+                pairs = sorted(kept)
+            else:
+                pairs = list(zip(misses, victims, strict=True))
+            if refused:
+                cpu = sorted(cpu + refused)
             key_of, n_expert = self.key_of, self.n_expert
-            for e, s in zip(misses, victims, strict=True):
+            for e, s in pairs:
                 old = key_of[s]
                 if old >= 0:
                     ol, oe = divmod(old, n_expert)

@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from .cache_policy import POLICIES
+
 MAX_BATCH = 32
 
 
@@ -28,6 +30,8 @@ class CacheSettings:
     # Warm start (engine/warm_start.py): the file of this model's saved use counts. Read when the
     # cache is made (the hottest experts fill the slots before the first token), written at close.
     warm_start: Path | None = None
+    # Which misses the slots admit once full (cache_policy.POLICIES): the rest run on the CPU.
+    policy: str = "classlru"
 
     def validate(self) -> None:
         if not self.mib >= 0:
@@ -40,5 +44,7 @@ class CacheSettings:
             raise CacheError("--emulate-link-gbps only applies to the CPU device")
         if self.load_mode not in ("mmap", "pinned"):
             raise CacheError(f"--load-mode must be mmap or pinned, got '{self.load_mode}'")
+        if self.policy not in POLICIES:
+            raise CacheError(f"--moe-cache-policy must be one of {', '.join(POLICIES)}, got '{self.policy}'")
         if self.device_kernels not in ("auto", "triton", "torch"):
             raise CacheError(f"device kernels must be auto, triton or torch, got '{self.device_kernels}'")

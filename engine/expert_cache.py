@@ -56,17 +56,23 @@ class ExpertCache:
         self.uploader = Uploader(self.device, settings.emulate_link_gbps)
         self.n_expert_used = n_expert_used
         self.share = CpuShare(settings.cpu_share)
-        self.groups = build_groups(self.host, n_expert_used, settings.mib, settings.cpu_share, self.device)
+        self.groups = build_groups(self.host, n_expert_used, settings.mib, settings.cpu_share, self.device,
+                                   settings.policy)  # fmt: skip
         self.group_of = {layer: g for g in self.groups for layer in g.info.layers}
         self.stats = {layer: LayerCounters() for layer in host.layers}
         self.use_counts = {layer: np.zeros(lx.gate.raw.shape[0], dtype=np.int64) for layer, lx in host.layers.items()}
         self.first_layer = min(host.layers)
+        # Every cacheable lookup since the cache was made: the session's routing, which the app
+        # replays through MIN after a reply (the bound at this size). About 120 bytes a lookup.
+        self.lookups: list[tuple[int, int, tuple[int, ...]]] = []
         self.tokens = 0
         # One worker with one intra-op thread: it runs beside the main thread, which drives the
         # device (and on the CPU device computes too); two teams of intra-op threads on a small
         # machine only oversubscribe it. The setting is per thread: the main thread keeps its own.
+        # The CPU computes the share's misses, and those the policy does not admit.
+        to_cpu = self.share.q or settings.policy != "classlru"
         self._worker = (
-            ThreadPoolExecutor(1, thread_name_prefix="moechat-cpu", initializer=_one_thread) if self.share.q else None
+            ThreadPoolExecutor(1, thread_name_prefix="moechat-cpu", initializer=_one_thread) if to_cpu else None
         )
         self._lock = threading.Lock()  # guards the counters while a snapshot is taken
         self.warm_counts: warm_start.Counts | None = None
@@ -127,6 +133,7 @@ class ExpertCache:
             "n_expert_used": self.n_expert_used,
             "budget_mib": self.settings.mib,
             "cpu_share": self.settings.cpu_share,
+            "policy": self.settings.policy,
             "groups": [
                 {
                     "layers": list(g.info.layers),
@@ -147,6 +154,8 @@ class ExpertCache:
         n_tokens = x.shape[0]
         ids = ids.cpu()  # the one host sync the routing needs
         flat = ids.reshape(-1).tolist()
+        if n_tokens <= self.settings.max_batch:  # larger batches go around any cache: no bound to compute
+            self.lookups.append((layer, ids.shape[1], tuple(flat)))
         if self._trace is not None:
             self._trace.write(layer, ids.shape[1], ids.reshape(-1).numpy())
         np.add.at(self.use_counts[layer], flat, 1)
@@ -322,7 +331,7 @@ class ExpertCache:
                 )  # fmt: skip
             return StatsSnapshot(
                 time.time(), self.tokens, tuple(g.info for g in self.groups), tuple(layers), self.settings.cpu_share,
-                self.warm_uploads, self.warm_bytes,
+                self.warm_uploads, self.warm_bytes, self.settings.policy,
             )  # fmt: skip
 
     def close(self) -> None:

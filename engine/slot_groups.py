@@ -38,9 +38,9 @@ def layer_groups(host: HostExperts) -> list[list[int]]:
     return list(by_geometry.values())
 
 
-def build_groups(host: HostExperts, n_expert_used: int, mib: float, cpu_share: float,
-                 device: torch.device) -> list[SlotGroup]:  # fmt: skip
-    """The groups of a cache of `mib` MiB on `device`, their slots allocated."""
+def build_groups(host: HostExperts, n_expert_used: int, mib: float, cpu_share: float, device: torch.device,
+                 policy: str = "classlru") -> list[SlotGroup]:  # fmt: skip
+    """The groups of a cache of `mib` MiB on `device`, their slots allocated; `policy`: what they admit."""
     sizes = []
     for layers in layer_groups(host):
         lx = host.layers[layers[0]]
@@ -56,7 +56,7 @@ def build_groups(host: HostExperts, n_expert_used: int, mib: float, cpu_share: f
         info = GroupInfo(index, tuple(layers), n_expert, expert_bytes, int(n_slots), int(share))
         group = SlotGroup(info, None, ())
         if n_slots:
-            group.policy = ClassLRU(layers, n_expert, int(n_slots))
+            group.policy = ClassLRU(layers, n_expert, int(n_slots), policy)
             group.banks = allocate_slots(host.layers[layers[0]], int(n_slots), device, mib)
             logger.info(
                 "MoE cache group %d: layers %s, %d experts of %.2f MiB: %d slots (%.1f%% of the experts, "

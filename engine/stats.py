@@ -101,6 +101,7 @@ class StatsSnapshot:
     cpu_share: float
     warm_uploads: int = 0  # experts put in slots from the saved counts before the first token (warm start)
     warm_bytes: int = 0
+    policy: str = "classlru"  # what the slots admit (cache_policy.POLICIES)
 
     @property
     def total(self) -> CountersSnapshot:

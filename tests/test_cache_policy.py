@@ -8,7 +8,16 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moechat.engine.cache_policy import N_CLASS, SHARE_ONE, CachePolicyError, ClassLRU, CpuShare
+from moechat.engine.cache_policy import (
+    N_CLASS,
+    POLICIES,
+    SECOND_USE_WINDOW,
+    SHARE_ONE,
+    UPLOAD_CAP,
+    CachePolicyError,
+    ClassLRU,
+    CpuShare,
+)
 from testkit.policy_ref import RefClassLRU
 
 
@@ -40,15 +49,17 @@ routing = st.tuples(
 )
 
 
-@settings(max_examples=60, deadline=None)
+@pytest.mark.parametrize("policy", POLICIES)
+@settings(max_examples=40, deadline=None)
 @given(routing)
-def test_policy_invariants_on_random_routing(args: tuple[int, int, int, int, float]) -> None:
+def test_policy_invariants_on_random_routing(policy: str, args: tuple[int, int, int, int, float]) -> None:
     n_expert, k, n_layers, seed, share = args
     rng = random.Random(seed)
     layers = list(range(n_layers))
     n_slots = rng.randint(k, n_expert * n_layers)
-    p = ClassLRU(layers, n_expert, n_slots)
+    p = ClassLRU(layers, n_expert, n_slots, policy)
     cpu_share = CpuShare(share)
+    last_use: dict[tuple[int, int], int] = {}  # (layer, expert) -> the layer's clock at its last use
     hot = [rng.sample(range(n_expert), k) for _ in layers]  # skewed routing: a hot set per layer
     for _ in range(120):
         for layer in layers:
@@ -62,9 +73,21 @@ def test_policy_invariants_on_random_routing(args: tuple[int, int, int, int, flo
                     p.plan(layer, ids, n_tokens)
                 continue
             was_full = p.full
+            owners = list(p.key_of)
+            owner_crf = [p._decayed(key) if key >= 0 else 0.0 for key in owners]
+            now = p.clock[layer]
             plan = p.plan(layer, ids, n_tokens, cpu_share.active())
             if plan.cpu:
-                assert was_full, "the CPU share applied before the group was full"
+                assert was_full, "the CPU share or the policy refused a miss before the group was full"
+            if was_full and policy == "upload-cap":
+                assert len(plan.uploads) <= UPLOAD_CAP * n_tokens
+            for e, s in plan.uploads:
+                if was_full and policy == "second-use":
+                    assert now - last_use.get((layer, e), -(10**9)) <= SECOND_USE_WINDOW, "admitted on first use"
+                if was_full and policy == "protect" and owners[s] >= 0:
+                    assert p.crf[p.key(layer, e)] >= owner_crf[s], "evicted an expert used more than the newcomer"
+            for e in set(ids):
+                last_use[(layer, e)] = now
             uniq = set(ids)
             assert set(plan.hits) | {e for e, _ in plan.uploads} | set(plan.cpu) == uniq
             assert len(plan.hits) + len(plan.uploads) + len(plan.cpu) == len(uniq)
@@ -152,3 +175,20 @@ def test_fast_policy_matches_the_literal_reference(args: tuple[int, int, int, in
         plan = fast.plan(layer, ids, n_tokens, share_fast.active())
         want = ref.plan(layer, ids, n_tokens, functools.partial(share_ref.take, layer) if share_ref.q else None)
         assert (plan.hits, plan.uploads, plan.cpu) == want, f"step {step}"
+
+
+@pytest.mark.parametrize("policy", [p for p in POLICIES if p != "classlru"])
+def test_each_policy_refuses_some_misses_that_classlru_admits(policy: str) -> None:
+    """On skewed routing with a full cache each policy keeps some misses out of the slots (so the
+    variants are not ClassLRU under another name), and only those go to the CPU."""
+    rng = random.Random(1)
+    base, other = ClassLRU([0], 32, 8), ClassLRU([0], 32, 8, policy)
+    refused = 0
+    for _ in range(600):
+        ids = rng.sample(range(8), 2) + rng.sample(range(32), 2)
+        ids = list(dict.fromkeys(ids))
+        a, b = base.plan(0, ids, 1), other.plan(0, ids, 1)
+        assert not a.cpu
+        refused += len(b.cpu)
+        assert set(b.hits) | {e for e, _ in b.uploads} | set(b.cpu) == set(ids)
+    assert refused > 0

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from moechat.engine.cache_policy import ClassLRU, CpuShare, bypasses
+from moechat.engine.cache_policy import POLICIES, ClassLRU, CpuShare, bypasses
 from moechat.engine.cache_settings import CacheError, CacheSettings
 from moechat.engine.generate import GREEDY, TokenEvent, generate
 from moechat.engine.loader import LoadedModel, load_model
@@ -49,6 +49,23 @@ def test_cache_never_changes_the_greedy_tokens(arch: str, tmp_path: Path) -> Non
             if share and mib < total_mib:
                 assert total.cpu > 0, "the CPU share was never used"
             lm.close()
+
+
+@pytest.mark.parametrize("arch", ["qwen3moe", "gpt-oss"])
+def test_no_cache_policy_changes_the_greedy_tokens(arch: str, tmp_path: Path) -> None:
+    qtype = Q.MXFP4 if arch == "gpt-oss" else Q.Q8_0
+    path = tiny_moe(tmp_path / f"{arch}.gguf", arch=arch, expert_type=qtype, n_expert=16)
+    ref_lm = load_model(path, n_ctx=128)
+    prompt = ref_lm.tokenizer.encode(PROMPT)
+    reference = _tokens(ref_lm, prompt)
+    total_mib = sum(lx.bytes_per_expert * 16 for lx in ref_lm.model.host_experts.layers.values()) / 2**20
+    for policy in POLICIES:
+        lm = load_model(path, n_ctx=128, cache=CacheSettings(mib=0.3 * total_mib, policy=policy))
+        assert lm.cache is not None
+        assert _tokens(lm, prompt) == reference, policy
+        refused = lm.cache.snapshot().total.cpu
+        assert (refused > 0) == (policy != "classlru"), (policy, refused)  # share 0: only the policy sends any
+        lm.close()
 
 
 @pytest.mark.parametrize("kernels", ["fast", "int8"])

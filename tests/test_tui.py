@@ -202,6 +202,23 @@ async def test_dashboard_updates_at_a_bounded_rate(tmp_path: Path) -> None:
         assert layers.snapshot is not None and layers.snapshot.total.hits > 0
 
 
+async def test_after_a_reply_the_dashboard_and_export_show_the_min_bound(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        totals = screen.query_one("#totals", RowsView)
+        await say(pilot, screen, "hi")
+        await until(pilot, lambda: app.session.min_hit_rate is not None)
+        assert engine.min_calls == 1  # once per reply, after it
+        await until(pilot, lambda: totals.lines[0].startswith("hit rate 75.0% (MIN 90.0%)  |  "))
+        d = app.session.to_dict()
+        assert d["min_hit_rate"] == 0.9 and d["replies"][-1]["min_hit_rate"] == 0.9
+        from moechat.app.export import to_markdown
+
+        assert "MIN (offline optimum, with bypass) at this size: hit rate 90.0%" in to_markdown(d)
+
+
 def test_the_cadence_sends_at_most_once_a_period_and_always_the_last() -> None:
     from moechat.engine.stats import Cadence
 

@@ -38,8 +38,9 @@ PROMPT = "The ferry crossed the river twice a day, and the children on the bank 
 
 
 def _record(path: Path, trace: Path, mib: float, share: float, n_tokens: int = 40,
-            warm: Path | None = None) -> dict[int, tuple[object, object]]:  # fmt: skip
-    lm = load_model(path, n_ctx=256, cache=CacheSettings(mib=mib, cpu_share=share, trace=trace, warm_start=warm))
+            warm: Path | None = None, policy: str = "classlru") -> dict[int, tuple[object, object]]:  # fmt: skip
+    settings = CacheSettings(mib=mib, cpu_share=share, trace=trace, warm_start=warm, policy=policy)
+    lm = load_model(path, n_ctx=256, cache=settings)
     assert lm.cache is not None
     prompt = lm.tokenizer.encode(PROMPT)
     for _ in generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=n_tokens,
@@ -90,6 +91,43 @@ def test_replay_reproduces_the_engine_counters_exactly(tmp_path: Path, share: fl
     # At another size the counters differ (the replay is not an echo of the header).
     other = replay(routing, 3.0, share, warmup=0)
     assert other.total.hits > res.total.hits
+
+
+@pytest.mark.parametrize("policy", ["second-use", "upload-cap", "protect"])
+def test_replay_reproduces_the_engine_counters_of_each_policy(tmp_path: Path, policy: str) -> None:
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=3, n_expert=16, n_expert_used=2)
+    engine = _record(path, tmp_path / "run.trace", 0.9, 0.0, n_tokens=60, policy=policy)
+    routing = load_routing(tmp_path / "run.trace")
+    assert routing.recorded_policy == policy  # the replay runs the recorded policy unless told otherwise
+    res = replay(routing, 0.9, 0.0, warmup=0)
+    for layer, (small, large) in engine.items():
+        assert res.layers[layer].small.frozen() == small, layer
+        assert res.layers[layer].large.frozen() == large, layer
+    assert res.total.cpu > 0  # the policy refused misses (the CPU computed them)
+    assert replay(routing, 0.9, 0.0, warmup=0, policy="classlru").total.cpu == 0
+
+
+def test_the_engine_bounds_its_session_with_min_at_its_size(tmp_path: Path) -> None:
+    """After a reply the app asks the engine for MIN's hit rate on the cache's lookups so far:
+    it is what MIN gives on the recorded trace, and no online policy beats it."""
+    from moechat.app.engine_api import RealEngine
+    from moechat.tuner.baselines import simulate_baseline
+
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=3, n_expert=16, n_expert_used=2)
+    trace = tmp_path / "run.trace"
+    lm = load_model(path, n_ctx=256, cache=CacheSettings(mib=0.9, cpu_share=0.5, trace=trace))
+    engine = RealEngine(lm, CacheSettings())
+    prompt = lm.tokenizer.encode(PROMPT)
+    for _ in engine.reply(prompt, SamplingParams(seed=3), 40, __import__("threading").Event()):
+        pass
+    bound = engine.min_hit_rate()
+    assert lm.cache is not None
+    own = lm.cache.snapshot().total.hit_rate
+    slots = [g.info.n_slots for g in lm.cache.groups]
+    engine.close()
+    want = simulate_baseline(load_routing(trace), slots, "min-bypass", warmup=0).hit_rate
+    assert bound is not None and bound == pytest.approx(want)
+    assert own <= bound < 1.0
 
 
 @pytest.mark.parametrize("arch", ["glm4moe", "deepseek2", "qwen3next", "qwen35moe"])

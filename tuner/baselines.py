@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import heapq
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from moechat.engine.cache_policy import bypasses
+from moechat.engine.stats import GroupInfo
 
-from .simulator import WARMUP_TOKENS, Routing
+from .simulator import WARMUP_TOKENS, Group, Routing
 
 POLICIES = ("lru", "lfu", "min", "min-bypass")
 NEVER = 1 << 62
@@ -46,6 +47,16 @@ def _events(routing: Routing, n_slots: list[int], warmup: int) -> Iterator[tuple
             continue
         base = layer * g.n_expert
         yield gi, tuple(base + e for e in dict.fromkeys(ids)), seen > warmup
+
+
+def min_hit_rate(groups: Sequence[GroupInfo], n_expert_used: int, max_batch: int,
+                 records: Sequence[tuple[int, int, tuple[int, ...]]]) -> float | None:  # fmt: skip
+    """The hit rate MIN with bypass would have had on `records` with the slots of `groups` (a
+    cache's), from a cold start; None without a lookup that goes through a cache."""
+    routing = Routing(tuple(Group(g.layers, g.n_expert, g.expert_bytes) for g in groups), n_expert_used, max_batch,
+                      tuple(records))  # fmt: skip
+    res = simulate_baseline(routing, [g.n_slots for g in groups], "min-bypass", warmup=0)
+    return res.hit_rate if res.lookups else None
 
 
 def simulate_baseline(routing: Routing, n_slots: list[int], policy: str, warmup: int = WARMUP_TOKENS) -> BaselineResult:

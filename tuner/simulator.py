@@ -42,6 +42,7 @@ class Routing:
     recorded_mib: float = 0.0
     recorded_share: float = 0.0
     warm: dict[int, list[float]] | None = None  # the saved counts a warm-started cache filled its slots from
+    recorded_policy: str = "classlru"
 
     @property
     def first_layer(self) -> int:
@@ -86,7 +87,7 @@ class Routing:
         if (other.groups, other.n_expert_used, other.max_batch) != (self.groups, self.n_expert_used, self.max_batch):
             raise ValueError("traces of different models cannot be joined")
         return Routing(self.groups, self.n_expert_used, self.max_batch, self.records + other.records,
-                       self.recorded_mib, self.recorded_share, self.warm)  # fmt: skip
+                       self.recorded_mib, self.recorded_share, self.warm, self.recorded_policy)  # fmt: skip
 
 
 def load_routing(path: str | Path) -> Routing:
@@ -98,7 +99,8 @@ def load_routing(path: str | Path) -> Routing:
         routing = Routing(groups, int(h["n_expert_used"]), int(h["max_batch"]),
                           tuple((r.layer, r.n_used, r.ids) for r in tr.records),
                           float(h.get("budget_mib", 0.0)), float(h.get("cpu_share", 0.0)),
-                          {int(k): [float(c) for c in v] for k, v in warm.items()} if warm else None)  # fmt: skip
+                          {int(k): [float(c) for c in v] for k, v in warm.items()} if warm else None,
+                          str(h.get("policy", "classlru")))  # fmt: skip
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: trace header lacks or garbles {e}") from None
     known = {layer for g in groups for layer in g.layers}
@@ -155,17 +157,21 @@ def replay(
     warmup: int = WARMUP_TOKENS,
     until: int | None = None,
     n_slots: Sequence[int] | None = None,
+    policy: str | None = None,
 ) -> SimResult:
     """Counters of a cache of `mib` MiB (or explicit slots per group) with a CPU share, over the
-    tokens after `warmup` and up to `until` (None: the end); the cache runs through all of them."""
+    tokens after `warmup` and up to `until` (None: the end); the cache runs through all of them.
+
+    `policy`: what the slots admit (cache_policy.POLICIES); None: the one the trace was recorded with."""
     slots = list(n_slots) if n_slots is not None else routing.slots(mib)
+    admission = policy or routing.recorded_policy
     policies: dict[int, tuple[Group, ClassLRU | None]] = {}
     for g, n in zip(routing.groups, slots, strict=True):
-        policy = ClassLRU(g.layers, g.n_expert, n) if n > 0 else None
-        if policy is not None and routing.warm is not None:  # as the engine's warm start did
-            policy.preload(hottest(routing.warm, g.layers, n))
+        lru = ClassLRU(g.layers, g.n_expert, n, admission) if n > 0 else None
+        if lru is not None and routing.warm is not None:  # as the engine's warm start did
+            lru.preload(hottest(routing.warm, g.layers, n))
         for layer in g.layers:
-            policies[layer] = (g, policy)
+            policies[layer] = (g, lru)
     cpu_share = CpuShare(share)
     active = cpu_share.active()
     res = SimResult(mib, share, tuple(slots), 0, {layer: LayerCounters() for layer in policies})
@@ -178,15 +184,15 @@ def replay(
         count_now = warmup < seen and (until is None or seen <= until)
         if count_now and layer == first:
             res.tokens += n_tokens
-        g, policy = policies[layer]
+        g, lru = policies[layer]
         c = res.layers[layer].of(n_tokens)
-        if policy is None or bypasses(n_tokens, n_used, g.n_expert, policy.n_slots, max_batch):
+        if lru is None or bypasses(n_tokens, n_used, g.n_expert, lru.n_slots, max_batch):
             if count_now:
                 n = len(set(ids))
                 count(c, n_tokens, None, n, g.expert_bytes)
                 res.bypass_bytes += n * g.expert_bytes
             continue
-        plan = policy.plan(layer, ids, n_tokens, active)
+        plan = lru.plan(layer, ids, n_tokens, active)
         if count_now:
             count(c, n_tokens, plan, 0, g.expert_bytes)
             res.upload_bytes += len(plan.uploads) * g.expert_bytes

@@ -22,6 +22,8 @@ class Dashboard(VerticalScroll):
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.updates = 0  # snapshots shown: tests check the rate stays bounded
+        self._bound: float | None = None  # MIN's hit rate after the last reply
+        self._totals: tuple[float, float, Recent | None] = (0.0, 0.0, None)  # t/s, MiB/token, recent window
         self._snap: StatsSnapshot | None = None  # the latest, to fold again on a resize
 
     def compose(self) -> ComposeResult:
@@ -44,6 +46,13 @@ class Dashboard(VerticalScroll):
         self._snap = snap
         if tps > 0:
             self.query_one(ThroughputPlot).add(tokens, tps, redraw=full)
+        self._totals = (tps, uploaded_per_token_mib, recent)
+        self._show_totals()
+        if snap is not None:
+            self._show_layers(snap, full)
+
+    def _show_totals(self) -> None:
+        snap, (tps, uploaded_per_token_mib, recent) = self._snap, self._totals
         totals = self.query_one("#totals", RowsView)
         if snap is None:
             totals.set_rows([[(f"no expert cache  |  {tps:.1f} t/s", "")]])
@@ -54,16 +63,23 @@ class Dashboard(VerticalScroll):
         else:
             worst = ", ".join(f"{layer} {100 * rate:.0f}%" for layer, rate in recent.worst(2))
             last = f"last {recent.span} tok {100 * recent.total.hit_rate:.1f}%  |  worst {worst}"
+        # MIN's hit rate at this size, on the lookups up to the last reply: the bound of any policy.
+        bound = f" (MIN {100 * self._bound:.1f}%)" if self._bound is not None else ""
         # Short lines that fit the panel's 43 columns: rows are cropped, never wrapped.
         totals.set_rows([
-            [(f"hit rate {100 * t.hit_rate:.1f}%  |  {tps:.1f} t/s", "")],
+            [(f"hit rate {100 * t.hit_rate:.1f}%" + bound + f"  |  {tps:.1f} t/s", "")],
             [(last, "")],
             [(f"uploaded {t.uploaded_bytes / 2**20:.1f} MiB  |  {uploaded_per_token_mib:.2f} MiB/token", "")],
             [(f"cpu misses {t.cpu}  |  share {snap.cpu_share:g}", "")],
             [("slots " + ", ".join(f"{g.n_slots}" for g in snap.groups)
-              + (f"  |  warm start {snap.warm_uploads}" if snap.warm_uploads else ""), "")],
+              + (f"  |  warm start {snap.warm_uploads}" if snap.warm_uploads else "")
+              + (f"  |  {snap.policy}" if snap.policy != "classlru" else ""), "")],
         ])  # fmt: skip
-        self._show_layers(snap, full)
+
+    def show_bound(self, rate: float | None) -> None:
+        """MIN's hit rate on the session so far at this cache size: how far the policy is from the bound."""
+        self._bound = rate
+        self._show_totals()
 
     def on_resize(self) -> None:
         # A new panel height can change how many layers share a row: fold again, without a new point.

@@ -7,6 +7,7 @@ posts messages, and the handlers here update the screen and save the conversatio
 from __future__ import annotations
 
 import gc
+import logging
 import threading
 from typing import TYPE_CHECKING, Any, ClassVar
 
@@ -22,12 +23,14 @@ from textual.widgets import Footer, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
 
 from ..conversations import Conversation
-from ..messages import ContextTrimmed, ReplyDone, ReplyFailed, StatsUpdate, TokenText
+from ..messages import BoundUpdate, ContextTrimmed, ReplyDone, ReplyFailed, StatsUpdate, TokenText
 from ..reply_stream import stream_reply
 from ..settings import sampling_params
 
 if TYPE_CHECKING:
     from ..tui import MoechatApp
+
+logger = logging.getLogger(__name__)
 
 
 # Turns the log holds as widgets; earlier ones come back on request. Every text update relays out
@@ -198,11 +201,30 @@ class ChatScreen(Screen[None]):
         )
         self.moechat.save_conversation(self.conv)
         self.moechat.save_session()
+        self.bound()
         n_ctx = self.moechat.engine.info.n_ctx
         self.query_one("#status", Static).update(
             f"prompt {d.n_prompt} tok, {d.prompt_tps:.1f} t/s | reply {d.n_generated} tok, {d.gen_tps:.1f} t/s | "
             f"first token {msg.ttft:.2f} s | context {d.n_prompt + d.n_generated}/{n_ctx} | {d.stop_reason}"
         )
+
+    @work(thread=True, exclusive=True, group="bound")
+    def bound(self) -> None:
+        """MIN's hit rate on the session's lookups at this cache size: the engine replays them, off the UI thread."""
+        try:
+            with self.moechat.engine_lock:
+                rate = self.moechat.engine.min_hit_rate()
+        except Exception as e:  # the bound is a figure on the dashboard: its failure is logged, not shown
+            logger.warning("the MIN bound was not computed: %s", e)
+            return
+        self.post_message(BoundUpdate(rate))
+
+    def on_bound_update(self, msg: BoundUpdate) -> None:
+        self.moechat.session.min_hit_rate = msg.min_hit_rate
+        if self.moechat.session.replies:
+            self.moechat.session.replies[-1]["min_hit_rate"] = msg.min_hit_rate
+        self.moechat.save_session()
+        self.query_one(Dashboard).show_bound(msg.min_hit_rate)
 
     async def on_reply_failed(self, msg: ReplyFailed) -> None:
         await self._finish("error")

@@ -35,6 +35,7 @@ class FakeEngine:
         self.set_cache_calls: list[tuple[float, float]] = []
         self.replies = 0
         self.params: list[SamplingParams] = []  # what each reply was asked with
+        self.min_calls = 0
         self.closed = False
 
     def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
@@ -77,6 +78,10 @@ class FakeEngine:
 
     def cache(self) -> tuple[float, float]:
         return self.mib, self.share
+
+    def min_hit_rate(self) -> float | None:
+        self.min_calls += 1
+        return 0.9 if self.tokens else None  # scripted: above the 75% the snapshots give
 
     def set_cache(self, mib: float, share: float) -> None:
         self.set_cache_calls.append((mib, share))
