@@ -42,6 +42,7 @@ _INV_POW2 = [2.0**-c for c in range(N_CLASS)]
 POLICIES = ("classlru", "second-use", "upload-cap", "protect")
 SECOND_USE_WINDOW = 256  # tokens of the layer's clock
 UPLOAD_CAP = 1  # uploads per token of a lookup, once the group is full
+PROTECT_RATIO = 1.0  # "protect" admits a miss whose CRF is at least this times its victim's
 
 
 class CachePolicyError(RuntimeError):
@@ -273,7 +274,7 @@ class ClassLRU:
                 ranked = sorted(misses, key=lambda e: (-crf[base + e], e))
                 kept = []
                 for e, s in zip(ranked, victims, strict=True):
-                    if crf[base + e] >= self._decayed(self.key_of[s]):
+                    if crf[base + e] >= PROTECT_RATIO * self._decayed(self.key_of[s]):
                         kept.append((e, s))
                     else:
                         refused.append(e)

@@ -10,6 +10,7 @@ import threading
 from dataclasses import replace
 from pathlib import Path
 
+import numpy as np
 import pytest
 from moechat.app.cli import main
 from moechat.engine.cache_settings import CacheSettings
@@ -233,6 +234,25 @@ def test_time_model_recovers_known_costs() -> None:
     assert mb.overlap == 0.0 and mb.max_error > 0
     with pytest.raises(FitError):
         fit(runs[:2])
+
+
+def test_predictions_carry_a_leave_one_out_error_bar() -> None:
+    """Each run is predicted by the model fitted without it: exact data gives no error bar, noise
+    one of its size, and the report shows the bar beside a predicted recommendation."""
+    truth = TimeModel(base=8.0, up=400.0, cpu=150.0, split=0.6)
+    points = [(0.02, 0.0, 0.0), (0.01, 0.01, 0.5), (0.001, 0.019, 0.95), (0.012, 0.0, 0.0), (0.006, 0.006, 0.5),
+              (0.0006, 0.011, 0.95), (0.016, 0.0, 0.0)]  # fmt: skip
+    exact = fit([Observation(u, c, s, truth.ms(u, c, s)) for u, c, s in points])
+    assert len(exact.loo_errors) == len(points) and exact.spread < 1e-9
+    noise = [0.03, -0.02, 0.04, -0.03, 0.01, -0.04, 0.02]
+    noisy = fit([Observation(u, c, s, truth.ms(u, c, s) * (1 + n)) for (u, c, s), n in zip(points, noise, strict=True)])
+    in_sample = float(np.sqrt(np.mean(np.square(noisy.errors))))
+    assert noisy.spread > in_sample > 0  # a run the fit did not see is predicted worse than one it did
+    assert 0.01 < noisy.spread < 0.5
+    from moechat.tuner.report import error_bar
+
+    assert error_bar(20.0, noisy, measured=False) == f" +- {20.0 * noisy.spread:.1f}"
+    assert error_bar(20.0, noisy, measured=True) == ""
 
 
 def test_on_the_cpu_device_free_cpu_misses_are_a_physical_fit() -> None:

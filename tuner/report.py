@@ -40,6 +40,13 @@ def _finite(x: float) -> float | None:
     return x if math.isfinite(x) else None  # JSON has no infinity
 
 
+def error_bar(tps: float, model: TimeModel, measured: bool) -> str:
+    """ " +- x" for a predicted speed: its leave-one-out relative spread; nothing for a measured one."""
+    if measured or not math.isfinite(model.spread):
+        return ""
+    return f" +- {tps * model.spread:.1f}"
+
+
 def render(report: TuneReport, markdown: bool = False) -> str:
     m = report.time_model
     code = (lambda t: f"`{t}`") if markdown else (lambda t: t)
@@ -61,6 +68,9 @@ def render(report: TuneReport, markdown: bool = False) -> str:
             f"overlap {m.overlap:.1f} ms/GiB, rest {m.base:.2f} ms per token; fit within {100 * m.max_error:.1f}%"
             + ("" if m.physical else " (not physical)"),
             f"closed form: share ~ 1 - B_upload/B_cpu = {report.closed_form_share:.2f}",
+            f"prediction error: +-{100 * m.spread:.1f}% (each run predicted by the model fitted without it, RMS)"
+            if math.isfinite(m.spread)
+            else "prediction error: unknown (no run can be left out of the fit)",
         ]
     else:
         out.append("machine: no time model (see the warnings)")
@@ -80,8 +90,8 @@ def render(report: TuneReport, markdown: bool = False) -> str:
                    "every expert stays resident and the host copy is only read once")  # fmt: skip
     else:
         tail = f", {rec.tps_share0:.1f} with share 0" if rec.share > 0 and math.isfinite(rec.tps_share0) else ""
-        how = "measured" if rec.measured else "predicted"
-        out.append(f"recommended: {code(rec.command())} ({rec.tps:.1f} t/s {how}{tail})")
+        out.append(f"recommended: {code(rec.command())} ({rec.tps:.1f}{error_bar(rec.tps, m, rec.measured)} t/s "
+                   f"{'measured' if rec.measured else 'predicted'}{tail})")  # fmt: skip
     out += [f"warning: {w}" for w in report.warnings]
     return "\n".join(out)
 
@@ -89,6 +99,7 @@ def render(report: TuneReport, markdown: bool = False) -> str:
 def to_json(report: TuneReport) -> str:
     d: dict[str, Any] = asdict(report)
     m = report.time_model
-    d["time_model"].update(upload_gibps=_finite(m.upload_gibps), cpu_gibps=_finite(m.cpu_gibps), cpu_free=m.cpu_free)
+    d["time_model"].update(upload_gibps=_finite(m.upload_gibps), cpu_gibps=_finite(m.cpu_gibps), cpu_free=m.cpu_free,
+                           spread=_finite(m.spread))  # fmt: skip
     d["recommendation"]["command"] = report.recommendation.command()
     return json.dumps(d, indent=1, default=str)

@@ -15,7 +15,7 @@ that fits at or below zero is taken as zero (`cpu_is_device`), not as a sign of 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
@@ -42,6 +42,10 @@ class TimeModel:
     overlap: float = 0.0
     physical: bool = True
     errors: tuple[float, ...] = ()  # relative error of the fit per run
+    # Relative error of each run's prediction by the model fitted without it (leave-one-out): how
+    # far off a prediction for a setting not measured can be. Runs whose leave-one-out fit fails
+    # (the rest do not determine the model) are left out.
+    loo_errors: tuple[float, ...] = ()
 
     def ms(self, upload_gib: float, cpu_gib: float, share: float) -> float:
         return (self.base + self.up * upload_gib + self.cpu * cpu_gib + (self.split if share > 0 else 0.0)
@@ -68,6 +72,13 @@ class TimeModel:
         return max((abs(e) for e in self.errors), default=0.0)
 
     @property
+    def spread(self) -> float:
+        """The predictions' relative error bar: the RMS of the leave-one-out errors (nan: none)."""
+        if not self.loo_errors:
+            return float("nan")
+        return float(np.sqrt(np.mean(np.square(self.loo_errors))))
+
+    @property
     def trustworthy(self) -> bool:
         return self.physical and self.max_error <= MAX_FIT_ERROR
 
@@ -89,6 +100,20 @@ def _row(o: Observation) -> list[float]:
 
 
 def fit(runs: Sequence[Observation], cpu_is_device: bool = False) -> TimeModel:
+    """The time model of the runs, with its fit errors and its leave-one-out errors."""
+    model = _fit(runs, cpu_is_device)
+    loo = []
+    if len(runs) > 3:
+        for i, o in enumerate(runs):
+            try:
+                other = _fit([r for j, r in enumerate(runs) if j != i], cpu_is_device)
+            except FitError:
+                continue
+            loo.append((other.ms(o.upload_gib, o.cpu_gib, o.share) - o.ms_per_token) / o.ms_per_token)
+    return replace(model, loo_errors=tuple(loo))
+
+
+def _fit(runs: Sequence[Observation], cpu_is_device: bool) -> TimeModel:
     if len(runs) < 3:
         raise FitError(f"the time model needs at least 3 runs, got {len(runs)}")
     a_full = np.array([_row(o) for o in runs], dtype=np.float64)  # [R, 5]

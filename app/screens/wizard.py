@@ -12,7 +12,7 @@ import time
 from typing import TYPE_CHECKING, ClassVar
 
 from moechat.tuner.recommend import TuneReport
-from moechat.tuner.report import cpu_speed
+from moechat.tuner.report import cpu_speed, error_bar
 from moechat.tuner.sweep import ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone
 from rich.text import Text
 from textual import work
@@ -177,7 +177,8 @@ class TuneWizard(Screen[bool]):
         how = "measured" if rec.measured else "predicted"
         noisy = " (the runs look noisy: m measures them again)" if r.warnings else ""
         self.query_one("#advice", Static).update(
-            f"recommended: {rec.command()} ({rec.tps:.1f} t/s {how}){noisy}  -  "
+            f"recommended: {rec.command()} ({rec.tps:.1f}{error_bar(rec.tps, r.time_model, rec.measured)} t/s "
+            f"{how}){noisy}  -  "
             "a: apply now, s: save to config.toml, m: measure again, Esc: back"
         )
 
