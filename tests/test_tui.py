@@ -380,14 +380,17 @@ async def test_wizard_apply_and_save(tmp_path: Path) -> None:
         wizard = app.screen
         assert "recommended: --moe-cache-mib 1.5 --moe-cache-cpu-share 0.9" in str(
             wizard.query_one("#advice", Static).content)  # fmt: skip
-        await pilot.press("s")
+        await pilot.press("s")  # saved for the next start, not applied
         await until(pilot, lambda: app.config_path.is_file())
         saved = resolve({}, {}, app.config_path)[0]
-        assert (saved.moe_cache_mib, saved.moe_cache_cpu_share) == (1.5, 0.9)
-        await pilot.press("a")
+        assert (saved.moe_cache_mib, saved.moe_cache_cpu_share) == (1.5, 0.9) and not engine.set_cache_calls
+        app.config_path.unlink()
+        await pilot.press("a")  # applied now, and saved
         await until(pilot, lambda: app.screen is screen)
         assert engine.set_cache_calls == [(1.5, 0.9)] and engine.cache() == (1.5, 0.9)
         assert app.settings.moe_cache_mib == 1.5
+        saved = resolve({}, {}, app.config_path)[0]
+        assert (saved.moe_cache_mib, saved.moe_cache_cpu_share) == (1.5, 0.9)
 
 
 async def test_wizard_says_what_it_measures_and_how_long_is_left(tmp_path: Path) -> None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import threading
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
 from moechat.tuner.recommend import TuneReport
@@ -179,7 +180,7 @@ class TuneWizard(Screen[bool]):
         self.query_one("#advice", Static).update(
             f"recommended: {rec.command()} ({rec.tps:.1f}{error_bar(rec.tps, r.time_model, rec.measured)} t/s "
             f"{how}){noisy}  -  "
-            "a: apply now, s: save to config.toml, m: measure again, Esc: back"
+            "a: apply now and save to config.toml, s: save only, m: measure again, Esc: back"
         )
 
     def on_sweep_failed(self, msg: SweepFailed) -> None:
@@ -234,20 +235,27 @@ class TuneWizard(Screen[bool]):
             self.notify(f"could not apply: {msg.error}", severity="error")
             return
         self.moechat.apply_cache_settings(msg.mib, msg.share)
-        self.notify(f"applied: cache {msg.mib:g} MiB, share {msg.share:g}")
+        # Applied for this session and kept for the next ones: the setting goes to config.toml.
+        where = self._save(msg.mib, msg.share)
+        saved = f"; saved to {where}" if where else ""
+        self.notify(f"applied: cache {msg.mib:g} MiB, share {msg.share:g}{saved}")
         self.dismiss(True)
+
+    def _save(self, mib: float, share: float) -> Path | None:
+        try:
+            return save_config(self.moechat.config_path, {"moe_cache_mib": mib, "moe_cache_cpu_share": share})
+        except (OSError, ValueError) as e:
+            self.notify(f"could not save: {e}", severity="error")
+            return None
 
     def action_save(self) -> None:
         if self.report is None:
             self.notify("wait for the recommendation", severity="warning")
             return
         rec = self.report.recommendation
-        try:
-            path = save_config(self.moechat.config_path, {"moe_cache_mib": rec.mib, "moe_cache_cpu_share": rec.share})
-        except (OSError, ValueError) as e:
-            self.notify(f"could not save: {e}", severity="error")
-            return
-        self.notify(f"saved to {path}")
+        path = self._save(rec.mib, rec.share)
+        if path is not None:
+            self.notify(f"saved to {path} (for the next start; a applies it now too)")
 
 
 def _duration(seconds: float) -> str:
