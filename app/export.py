@@ -95,6 +95,7 @@ class SessionStats:
             t = small + large
             layers.append({
                 "layer": layer, "group": ls.group if ls else -1, "lookups": t.lookups, "hits": t.hits,
+                "prefetched": t.prefetched, "prefetched_bytes": t.prefetched_bytes, "prefetch_hits": t.prefetch_hits,
                 "misses": t.misses, "cpu": t.cpu, "uploads": t.uploads, "uploaded_bytes": t.uploaded_bytes,
                 "bypassed": t.bypassed, "hit_rate": t.hit_rate, "occupancy": ls.occupancy if ls else 0,
                 "small": asdict(small), "large": asdict(large),
@@ -115,6 +116,10 @@ class SessionStats:
             },
             "groups": [asdict(g) for g in self.snapshot.groups] if self.snapshot else [],
             "policy": self.snapshot.policy if self.snapshot else "classlru",
+            # Next-layer prefetch: experts uploaded ahead on a prediction, and those the lookup then used.
+            "prefetch": {
+                k: sum(layer[k] for layer in layers) for k in ("prefetched", "prefetched_bytes", "prefetch_hits")
+            },
             "min_hit_rate": self.min_hit_rate,
             "layers": layers,
             "cache_periods": self.periods,  # caches rebuilt during the session, before the current one
@@ -160,6 +165,14 @@ def _recent_line(d: dict[str, Any]) -> list[str]:
     return ["", f"Recent hit rate: {100 * last['recent_hit_rate']:.1f}% over the last {last['recent_tokens']} tokens."]
 
 
+def _prefetch_line(d: dict[str, Any]) -> list[str]:
+    p = d.get("prefetch") or {}
+    if not p.get("prefetched"):
+        return []
+    return ["", f"Prefetch: {p['prefetched']} experts uploaded ahead ({p['prefetched_bytes'] / 2**20:.1f} MiB), "
+                f"{p['prefetch_hits']} of them used ({100 * p['prefetch_hits'] / p['prefetched']:.1f}%)."]  # fmt: skip
+
+
 def _bound_line(d: dict[str, Any], hit: float) -> list[str]:
     """How far the cache's policy is from MIN at its size (none before a reply)."""
     bound = d.get("min_hit_rate")
@@ -200,6 +213,7 @@ def to_markdown(d: dict[str, Any]) -> str:
         f"{total['uploaded_bytes'] / 2**20:.1f} MiB uploaded.",
         *_recent_line(d),
         *_bound_line(d, hit),
+        *_prefetch_line(d),
         "",
         "| layer | lookups | hits | hit rate | cpu | uploads | uploaded MiB | slots held |",
         "| ----: | ------: | ---: | -------: | --: | ------: | -----------: | ---------: |",

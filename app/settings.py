@@ -49,6 +49,7 @@ class Settings:
     moe_cache_cpu_share: float = 0.0
     moe_cache_trace: str = ""
     moe_cache_policy: str = "classlru"
+    moe_cache_prefetch: str = "off"
     load_mode: str = "mmap"
     emulate_link_gbps: float = 0.0
     cpu_dequant_mib: float = 0.0
@@ -122,6 +123,14 @@ SPEC: dict[str, Spec] = {
         "the last 256 tokens; upload-cap at most one per token; protect those used more than what they evict",
         choices=CACHE_POLICIES,
     ),
+    "moe_cache_prefetch": Spec(
+        str,
+        lambda v: v in ("off", "next-layer"),
+        "off or next-layer",
+        "next-layer: after each block, predict the next MoE layer's experts with its router and upload the "
+        "predicted misses while the device computes",
+        choices=("off", "next-layer"),
+    ),
     "load_mode": Spec(
         str,
         lambda v: v in ("mmap", "pinned"),
@@ -181,8 +190,9 @@ SPEC: dict[str, Spec] = {
     "theme": Spec(str, bool, "a theme name", "Textual theme (remembered in config.toml)"),
 }
 
-ENGINE = ("device", "moe_cache_mib", "moe_cache_cpu_share", "moe_cache_policy", "moe_cache_trace", "load_mode",
-          "emulate_link_gbps", "cpu_dequant_mib", "cpu_kernels", "threads", "ctx_size", "chat_template")  # fmt: skip
+ENGINE = ("device", "moe_cache_mib", "moe_cache_cpu_share", "moe_cache_policy", "moe_cache_prefetch",
+          "moe_cache_trace", "load_mode", "emulate_link_gbps", "cpu_dequant_mib", "cpu_kernels", "threads",
+          "ctx_size", "chat_template")  # fmt: skip
 SAMPLING = ("n_predict", "temp", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
 APP = ("system", "refresh_ms", "theme")
 
@@ -359,6 +369,7 @@ def cache_settings(settings: Settings, warm_start: Path | None = None) -> CacheS
         mib=settings.moe_cache_mib, cpu_share=settings.moe_cache_cpu_share, device=device,
         emulate_link_gbps=settings.emulate_link_gbps, trace=Path(settings.moe_cache_trace) if settings.moe_cache_trace
         else None, load_mode=settings.load_mode, warm_start=warm_start, policy=settings.moe_cache_policy,
+        prefetch=settings.moe_cache_prefetch == "next-layer",
     )  # fmt: skip
     cache.validate()
     return cache

@@ -18,7 +18,9 @@ if TYPE_CHECKING:
 
 # The engine's settings a sweep runs with; it picks cache sizes and shares itself, and traces none.
 TUNE_SETTINGS = tuple(
-    n for n in ENGINE if n not in ("moe_cache_mib", "moe_cache_cpu_share", "moe_cache_policy", "moe_cache_trace")
+    n
+    for n in ENGINE
+    if n not in ("moe_cache_mib", "moe_cache_cpu_share", "moe_cache_policy", "moe_cache_prefetch", "moe_cache_trace")
 )
 
 
@@ -192,7 +194,7 @@ def run_sim(args: argparse.Namespace) -> int:
                         + ([""] if split is not None else []))  # fmt: skip
     names = ", ".join(Path(t).name for t in args.trace)
     scored = f"held out: the last {n - split} scored" if split is not None else f"{n - args.warmup} scored"
-    print(f"{names}: {n} tokens, {len(routing.records)} lookups, experts {full:.2f} MiB, "
+    print(f"{names}: {n} tokens, {sum(1 for r in routing.records if r[0] >= 0)} lookups, experts {full:.2f} MiB, "
           f"warm-up {args.warmup} tokens, {scored}")  # fmt: skip
     header = ["cache MiB", "slots", "policy", "share", "hit rate", "misses", "vs MIN", "vs MIN-bypass", "compulsory"]
     if split is not None:

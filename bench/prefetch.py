@@ -49,7 +49,13 @@ def main() -> None:
     ap.add_argument("--demo", default="smollm2")
     ap.add_argument("--tokens", type=int, default=512, help="decode tokens in all")
     ap.add_argument("--extra", type=int, nargs="+", default=[0, 1, 2], help="experts predicted beyond top-k")
+    ap.add_argument("--speed", action="store_true",
+                    help="instead: decode t/s with and without --moe-cache-prefetch next-layer, emulated link at "
+                         "4 and 16 GB/s, alternating runs")  # fmt: skip
     args = ap.parse_args()
+    if args.speed:
+        speed(args.demo, args.tokens)
+        return
     demo = DEMO_DEFAULTS[args.demo]
     per = max(16, args.tokens // len(PROMPTS))
     with tempfile.TemporaryDirectory() as tmp:
@@ -150,6 +156,44 @@ def main() -> None:
             f"{100 * best[1]:.0f}% | {100 * mean * k / (k + extra):.1f}% | "
             f"{100 * m['in_time'] / max(m['miss'], 1):.1f}% | {m['wasted'] / steps:.1f} | {hidden[0]} | {hidden[1]} |"
         )
+
+
+def speed(name: str, tokens: int, repeats: int = 3) -> None:
+    from moechat.app.paths import app_paths
+    from moechat.app.settings import DEMO_DEFAULTS
+    from moechat.engine.cache_settings import CacheSettings
+    from moechat.engine.demo import ensure_demo
+    from moechat.engine.generate import GREEDY, DoneEvent, generate
+    from moechat.engine.loader import load_model
+
+    demo = DEMO_DEFAULTS[name]
+    lm = load_model(ensure_demo(app_paths().cache, name=name), n_ctx=tokens + 128)
+    prompt = lm.chat_prompt(PROMPTS[0])
+    print(
+        f"{name} demo, cache {demo['moe_cache_mib']:g} MiB, share {demo['moe_cache_cpu_share']:g}, {tokens} tokens "
+        f"greedy, {repeats} alternating runs each; load {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n"
+    )
+    print("| link | t/s without | t/s with prefetch | ratio | prefetched / used per token |")
+    print("|---|---|---|---|---|")
+    for gbps in (4.0, 16.0):
+        tps: dict[bool, list[float]] = {False: [], True: []}
+        used = (0, 0, 1)
+        for _ in range(repeats):
+            for on in (False, True):
+                lm.set_cache(CacheSettings(mib=demo["moe_cache_mib"], cpu_share=demo["moe_cache_cpu_share"],
+                                           emulate_link_gbps=gbps, prefetch=on))  # fmt: skip
+                for ev in generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=tokens, params=GREEDY,
+                                   ignore_eos=True):  # fmt: skip
+                    if isinstance(ev, DoneEvent):
+                        tps[on].append(ev.gen_tps)
+                if on and lm.cache is not None:
+                    snap = lm.cache.snapshot()
+                    used = (snap.total.prefetched, snap.total.prefetch_hits, snap.tokens)
+        a, b = sorted(tps[False])[repeats // 2], sorted(tps[True])[repeats // 2]
+        print(
+            f"| {gbps:g} GB/s | {a:.1f} | {b:.1f} | {b / a:.2f} | {used[0] / used[2]:.1f} / {used[1] / used[2]:.1f} |"
+        )
+    lm.close()
 
 
 if __name__ == "__main__":

@@ -56,6 +56,7 @@ class Plan(NamedTuple):
     uploads: tuple[tuple[int, int], ...]  # (expert, slot) to fill from the host copy, in expert order
     cpu: tuple[int, ...]  # misses computed on the CPU from the host copy, not cached
     evicted: tuple[tuple[int, int], ...]  # (layer, expert) that lost their slot
+    prefetched_hits: int = 0  # hits on experts a prefetch put in their slots, used for the first time
 
 
 def bypasses(n_tokens: int, n_used: int, n_expert: int, n_slots: int, max_batch: int) -> bool:
@@ -82,6 +83,13 @@ def count(c: Counters, n_tokens: int, plan: Plan | None, n_distinct: int, expert
     c.cpu += len(plan.cpu)
     c.uploads += n_up
     c.uploaded_bytes += n_up * expert_bytes
+    c.prefetch_hits += plan.prefetched_hits
+
+
+def count_prefetch(c: Counters, n_uploads: int, expert_bytes: int) -> None:
+    """Add a prefetch's uploads to `c` (the engine and its replay both count through this)."""
+    c.prefetched += n_uploads
+    c.prefetched_bytes += n_uploads * expert_bytes
 
 
 class MissSplit(Protocol):
@@ -112,6 +120,7 @@ class ClassLRU:
         self.crf = [0.0] * n_keys  # CRF at the key's last use; 0: never used
         self.last_use = [0] * n_keys  # layer clock at the key's last use
         self.clock = [0] * (max(self.layers) + 1 if self.layers else 0)
+        self.prefetched: set[int] = set()  # slots a prefetch filled whose expert has not been used since
 
     @property
     def full(self) -> bool:
@@ -218,6 +227,7 @@ class ClassLRU:
         lists, list_of = self.lists, self.list_of
         hits: list[int] = []
         misses: list[int] = []
+        n_prefetched = 0
         recent: set[int] = set()  # experts the layer used within SECOND_USE_WINDOW tokens ("second-use")
         for e in uniq:
             key = base + e
@@ -233,6 +243,9 @@ class ClassLRU:
             last_use[key] = now
             s = slots[e]
             if s >= 0:
+                if s in self.prefetched:
+                    self.prefetched.discard(s)
+                    n_prefetched += 1
                 cls = int(c).bit_length() - 1
                 if cls >= N_CLASS:
                     cls = N_CLASS - 1
@@ -286,6 +299,7 @@ class ClassLRU:
             key_of, n_expert = self.key_of, self.n_expert
             for e, s in pairs:
                 old = key_of[s]
+                self.prefetched.discard(s)  # a prefetched expert evicted unused: a wasted upload
                 if old >= 0:
                     ol, oe = divmod(old, n_expert)
                     self.slot_map[ol][oe] = -1
@@ -301,7 +315,37 @@ class ClassLRU:
                 list_of[s] = cls
                 uploads.append((e, s))
         self.clock[layer] = now + n_tokens
-        return Plan(tuple(hits), tuple(uploads), tuple(cpu), tuple(evicted))
+        return Plan(tuple(hits), tuple(uploads), tuple(cpu), tuple(evicted), n_prefetched)
+
+    def prefetch(self, layer: int, experts: Sequence[int]) -> tuple[tuple[int, int], ...]:
+        """Put predicted experts of `layer` in slots ahead of its lookup: (expert, slot) to upload.
+
+        No use is counted (CRF and clock stay): the lookup that follows counts the experts it
+        selects. Victims are chosen as for misses, sparing the predicted experts.
+        """
+        slots = self.slot_map[layer]
+        predicted = list(dict.fromkeys(experts))[: self.n_slots]
+        want = sorted(e for e in predicted if slots[e] < 0)
+        if not want:
+            return ()
+        base, key_of, n_expert, crf = layer * self.n_expert, self.key_of, self.n_expert, self.crf
+        uploads = []
+        for e, s in zip(want, self._victims(len(want), {base + e for e in predicted}), strict=True):
+            old = key_of[s]
+            if old >= 0:
+                ol, oe = divmod(old, n_expert)
+                self.slot_map[ol][oe] = -1
+            else:
+                self.n_filled += 1
+            key = base + e
+            key_of[s], slots[e] = key, s
+            cls = _class(crf[key]) if crf[key] >= 1 else 0
+            del self.lists[self.list_of[s]][s]
+            self.lists[cls][s] = None
+            self.list_of[s] = cls
+            self.prefetched.add(s)
+            uploads.append((e, s))
+        return tuple(uploads)
 
 
 def split_budget(

@@ -32,6 +32,9 @@ class CacheSettings:
     warm_start: Path | None = None
     # Which misses the slots admit once full (cache_policy.POLICIES): the rest run on the CPU.
     policy: str = "classlru"
+    # Next-layer prefetch: after each block the next MoE layer's router, applied to the block's
+    # output, predicts its experts, and the predicted misses are uploaded while the device computes.
+    prefetch: bool = False
 
     def validate(self) -> None:
         if not self.mib >= 0:

@@ -29,7 +29,7 @@ import numpy as np
 import torch
 
 from . import device_kernels, warm_start
-from .cache_policy import ClassLRU, CpuShare, Plan, bypasses, count
+from .cache_policy import ClassLRU, CpuShare, Plan, bypasses, count, count_prefetch
 from .cache_settings import CacheSettings
 from .device_memory import pinned
 from .fused_moe import combine as fused_combine
@@ -54,6 +54,7 @@ class ExpertCache:
         if settings.load_mode == "pinned" and self.device.type != "cuda":
             logger.info("--load-mode pinned only matters with a CUDA device; experts stay memory-mapped")
         self.uploader = Uploader(self.device, settings.emulate_link_gbps)
+        self.prefetching = settings.prefetch  # the decoder predicts each next MoE layer's experts
         self.n_expert_used = n_expert_used
         self.share = CpuShare(settings.cpu_share)
         self.groups = build_groups(self.host, n_expert_used, settings.mib, settings.cpu_share, self.device,
@@ -134,6 +135,7 @@ class ExpertCache:
             "budget_mib": self.settings.mib,
             "cpu_share": self.settings.cpu_share,
             "policy": self.settings.policy,
+            "prefetch": self.settings.prefetch,
             "groups": [
                 {
                     "layers": list(g.info.layers),
@@ -172,6 +174,8 @@ class ExpertCache:
         with self._lock:
             plan = policy.plan(layer, flat, n_tokens, self.share.active()) if policy is not None else None
             count(counters, n_tokens, plan, len(uniq), group.info.expert_bytes)
+        if plan is not None and plan.prefetched_hits:
+            self.uploader.wait_ahead()  # experts a prefetch uploaded are read now: their copies must be in
         fused = self.device.type == "cpu" and self.host.fused[layer]
         if plan is None or policy is None:
             if self.device.type == "cpu":
@@ -199,6 +203,26 @@ class ExpertCache:
                 parts += future.result()
             out = combine(x, parts)
         return out
+
+    def prefetch(self, layer: int, ids: torch.Tensor) -> None:
+        """Upload `layer`'s predicted experts (ids [T, k]) ahead of its lookup, without waiting for them.
+
+        The decoder calls this after the block before `layer`, with `layer`'s router applied to
+        that block's output; the lookup then waits only for the copies it reads (`Uploader.wait_ahead`).
+        """
+        group = self.group_of.get(layer)
+        policy = group.policy if group is not None else None
+        n_tokens, n_used = ids.shape
+        if group is None or policy is None or bypasses(n_tokens, n_used, group.info.n_expert, policy.n_slots,
+                                                       self.settings.max_batch):  # fmt: skip
+            return
+        ids = ids.cpu()
+        if self._trace is not None:
+            self._trace.write(-1 - layer, n_used, ids.reshape(-1).numpy())  # a prefetch record
+        with self._lock:
+            uploads = policy.prefetch(layer, ids.reshape(-1).tolist())
+            count_prefetch(self.stats[layer].of(n_tokens), len(uploads), group.info.expert_bytes)
+        self.uploader.upload(group, self.host.layers[layer], uploads, ahead=True)
 
     def _run_fused(
         self, layer: int, group: SlotGroup, policy: ClassLRU, lx: LayerExperts, plan: Plan, x: torch.Tensor,

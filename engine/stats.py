@@ -21,6 +21,9 @@ class Counters:
     bypassed_bytes: int = 0
     calls: int = 0
     tokens: int = 0
+    prefetched: int = 0  # experts uploaded ahead of their lookup, on a prediction
+    prefetched_bytes: int = 0
+    prefetch_hits: int = 0  # hits on a prefetched expert (the prediction was right)
 
     def frozen(self) -> CountersSnapshot:
         return CountersSnapshot(**self.__dict__)
@@ -38,6 +41,9 @@ class CountersSnapshot:
     bypassed_bytes: int = 0
     calls: int = 0
     tokens: int = 0
+    prefetched: int = 0
+    prefetched_bytes: int = 0
+    prefetch_hits: int = 0
 
     @property
     def hit_rate(self) -> float:

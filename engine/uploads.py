@@ -1,7 +1,12 @@
 """Uploads into the slots: runs of experts in one copy each, on a copy stream (CUDA) or through an emulated link.
 
 On CUDA the copies go on their own stream, ordered against the compute stream by events. On the
-CPU device an emulated link makes each upload also cost bytes / link speed, as over PCIe.
+CPU device an emulated link makes each upload also cost bytes / link speed, as over PCIe: the
+link is busy until a time, uploads queue on it, and the device waits for what it needs.
+
+An upload `ahead` (a prefetch) does not make the device wait: on CUDA the compute stream waits
+for its copies only when the layer's lookup comes (`wait_ahead`), on the emulated link its time
+runs on while the device computes, and the lookup waits for the rest.
 """
 
 from __future__ import annotations
@@ -21,10 +26,15 @@ class Uploader:
         self.device = device
         self.link_gbps = emulate_link_gbps
         self._copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        self._link_debt = 0.0  # seconds of emulated link time not yet waited
+        self._link_free = 0.0  # emulated link: perf_counter time when its queued uploads are done
+        self._debt = 0.0  # seconds the device owes the link and has not slept yet
+        self._ahead: torch.cuda.Event | None = None  # CUDA: the last copies made ahead, not yet waited for
 
-    def upload(self, group: SlotGroup, lx: LayerExperts, uploads: tuple[tuple[int, int], ...]) -> None:
-        """Copy each (expert, slot) of `uploads` from the host copy `lx` into the group's banks."""
+    def upload(self, group: SlotGroup, lx: LayerExperts, uploads: tuple[tuple[int, int], ...],
+               ahead: bool = False) -> None:  # fmt: skip
+        """Copy each (expert, slot) of `uploads` from the host copy `lx` into the group's banks.
+
+        `ahead`: a prefetch; the device waits for it only at `wait_ahead`."""
         if not uploads:
             return
         # Runs of consecutive experts into consecutive slots go in one copy.
@@ -41,18 +51,39 @@ class Uploader:
                 _copy_runs(group, lx, runs)
             done = torch.cuda.Event()
             done.record(self._copy_stream)
-            compute.wait_event(done)  # the device computes with the new experts once they are in
+            if ahead:
+                self._ahead = done
+            else:
+                compute.wait_event(done)  # the device computes with the new experts once they are in
             return
         _copy_runs(group, lx, runs)
         if self.link_gbps:
-            # The device waits for its experts: each upload costs bytes / link speed, serially.
-            # Sleeps of well under a millisecond overshoot by tens of microseconds, so small costs
-            # add up to a debt first, and what a sleep overshoots is paid back from the next.
-            self._link_debt += len(uploads) * group.info.expert_bytes / (self.link_gbps * 1e9)
-            if self._link_debt > LINK_MIN_SLEEP:
-                t = time.perf_counter()
-                time.sleep(self._link_debt)
-                self._link_debt -= time.perf_counter() - t
+            # Each upload costs bytes / link speed, serially after what the link already carries.
+            # The device's own time is now plus what it still owes: compute never absorbs link time.
+            now = time.perf_counter()
+            start = max(now + self._debt, self._link_free)
+            self._link_free = start + len(uploads) * group.info.expert_bytes / (self.link_gbps * 1e9)
+            if not ahead:
+                self._debt = self._link_free - now  # the device waits for its experts
+                self._pay()
+
+    def wait_ahead(self) -> None:
+        """The device waits for the uploads made ahead (and, on the emulated link, all queued before)."""
+        if self._ahead is not None:
+            torch.cuda.current_stream(self.device).wait_event(self._ahead)
+            self._ahead = None
+        elif self.link_gbps:
+            now = time.perf_counter()
+            self._debt = max(self._debt, self._link_free - now)  # what the link still carries
+            self._pay()
+
+    def _pay(self) -> None:
+        # Sleeps of well under a millisecond overshoot by tens of microseconds, so small waits add
+        # up to a debt first, and what a sleep overshoots is paid back from the next.
+        if self._debt > LINK_MIN_SLEEP:
+            t = time.perf_counter()
+            time.sleep(self._debt)
+            self._debt -= time.perf_counter() - t
 
 
 def _copy_runs(group: SlotGroup, lx: LayerExperts, runs: list[tuple[int, int, int]]) -> None:

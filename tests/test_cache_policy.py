@@ -192,3 +192,36 @@ def test_each_policy_refuses_some_misses_that_classlru_admits(policy: str) -> No
         refused += len(b.cpu)
         assert set(b.hits) | {e for e, _ in b.uploads} | set(b.cpu) == set(ids)
     assert refused > 0
+
+
+@settings(max_examples=40, deadline=None)
+@given(routing)
+def test_prefetch_keeps_the_slots_consistent_and_its_right_guesses_become_hits(
+    args: tuple[int, int, int, int, float],
+) -> None:
+    n_expert, k, n_layers, seed, share = args
+    rng = random.Random(seed)
+    layers = list(range(n_layers))
+    n_slots = rng.randint(k, n_expert * n_layers)
+    p = ClassLRU(layers, n_expert, n_slots)
+    cpu_share = CpuShare(share)
+    for _ in range(80):
+        for layer in layers:
+            ids = rng.sample(range(n_expert), k)
+            guess = ids[: rng.randint(0, k)] + rng.sample(range(n_expert), rng.randint(0, 2))
+            cached_before = {e for e in range(n_expert) if p.slot_of(layer, e) >= 0}
+            crf_before = list(p.crf)
+            uploads = p.prefetch(layer, guess)
+            check_consistent(p)
+            assert p.crf == crf_before  # a prediction is not a use
+            assert {e for e, _ in uploads} <= set(guess) - cached_before  # only what was not there
+            if len(set(guess)) <= n_slots:
+                assert {e for e, _ in uploads} == set(guess) - cached_before
+                assert all(p.slot_of(layer, e) >= 0 for e in guess)
+            # Slots filled by a prefetch (this one or an earlier one) whose expert is still unused.
+            waiting = {e for e in set(ids) if p.slot_of(layer, e) in p.prefetched}
+            plan = p.plan(layer, ids, 1, cpu_share.active())
+            assert plan.prefetched_hits == len(waiting)  # each right guess is a hit, counted once
+            assert set(plan.hits) >= {e for e, _ in uploads} & set(ids)
+            assert not {p.slot_of(layer, e) for e in ids} & p.prefetched  # used: no longer waiting
+            check_consistent(p)

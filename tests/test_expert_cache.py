@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -15,8 +16,9 @@ from moechat.engine.cache_policy import POLICIES, ClassLRU, CpuShare, bypasses
 from moechat.engine.cache_settings import CacheError, CacheSettings
 from moechat.engine.generate import GREEDY, TokenEvent, generate
 from moechat.engine.loader import LoadedModel, load_model
+from moechat.engine.moe import load_layer_experts
 from moechat.engine.trace import read_trace
-from testkit.ggufgen import ARCHS, Q, tiny_moe
+from testkit.ggufgen import ARCHS, MemoryModel, Q, tiny_moe, tiny_moe_parts
 
 PROMPT = "In the spring the river rose and the ferry stopped, so the villagers"
 N_TOKENS = 24
@@ -66,6 +68,46 @@ def test_no_cache_policy_changes_the_greedy_tokens(arch: str, tmp_path: Path) ->
         refused = lm.cache.snapshot().total.cpu
         assert (refused > 0) == (policy != "classlru"), (policy, refused)  # share 0: only the policy sends any
         lm.close()
+    for share in (0.0, 0.5):  # next-layer prefetch: only where experts run changes, never what they compute
+        lm = load_model(path, n_ctx=128, cache=CacheSettings(mib=0.3 * total_mib, cpu_share=share, prefetch=True))
+        assert lm.cache is not None
+        assert _tokens(lm, prompt) == reference, ("prefetch", share)
+        t = lm.cache.snapshot().total
+        assert t.prefetched > 0 and t.prefetch_hits > 0
+        lm.close()
+
+
+def _memory_layer() -> MemoryModel:
+    return MemoryModel(*tiny_moe_parts(n_layers=1, n_expert=4)[:3])
+
+
+def test_an_upload_ahead_runs_on_the_emulated_link_while_the_device_computes() -> None:
+    """Demand uploads make the device wait bytes / speed; an upload made ahead costs only what the
+    compute meanwhile did not cover (the bound is the link time itself, set here to 80 ms)."""
+    from moechat.engine.slot_groups import SlotGroup
+    from moechat.engine.stats import GroupInfo
+    from moechat.engine.uploads import Uploader
+
+    lx = load_layer_experts(_memory_layer(), 0)
+    link_s = 0.08
+    group = SlotGroup(
+        GroupInfo(0, (0,), 4, int(link_s * 1e9), 2, 0),
+        None,
+        tuple(torch.empty((2, *t.raw.shape[1:]), dtype=torch.uint8) for t in (lx.gate, lx.up, lx.down)),
+    )
+    up = Uploader(torch.device("cpu"), emulate_link_gbps=1.0)  # one "expert" costs link_s seconds
+
+    def run(ahead: bool) -> float:
+        t0 = time.perf_counter()
+        up.upload(group, lx, ((1, 0),), ahead=ahead)
+        time.sleep(link_s)  # the device computes meanwhile
+        up.wait_ahead()
+        return time.perf_counter() - t0
+
+    demand, early = run(False), run(True)
+    assert demand >= 2 * link_s * 0.95  # the upload, then the compute
+    assert early < link_s * 1.5  # the compute covered the upload
+    assert torch.equal(group.banks[0][0], lx.gate.raw[1])  # and the expert is in its slot
 
 
 @pytest.mark.parametrize("kernels", ["fast", "int8"])

@@ -901,12 +901,18 @@ def test_the_session_export_adds_up_every_cache_the_session_ran(tmp_path: Path) 
     first = reply()
     session.add(first, 12, 10.0)
     session.cache_rebuilt()
-    session.settings = {"moe_cache_mib": 2.0, "moe_cache_cpu_share": 0.0}
-    lm.set_cache(CacheSettings(mib=2.0))
+    session.settings = {"moe_cache_mib": 1.0, "moe_cache_cpu_share": 0.0}
+    lm.set_cache(CacheSettings(mib=1.0, prefetch=True))
     second = reply()
     session.add(second, 24, 10.0)
     lm.close()
     d = session.to_dict()
+    # The prefetch counters (the second cache prefetched) add up too, and the report states them.
+    p = d["prefetch"]
+    assert p["prefetched"] == second.total.prefetched > 0 and p["prefetch_hits"] == second.total.prefetch_hits
+    from moechat.app.export import to_markdown
+
+    assert f"Prefetch: {p['prefetched']} experts uploaded ahead" in to_markdown(d)
     assert second.tokens < first.tokens + second.tokens == d["tokens"]
     for row, a, b in zip(d["layers"], first.layers, second.layers, strict=True):
         assert row["hits"] == a.total.hits + b.total.hits and row["lookups"] == a.total.lookups + b.total.lookups

@@ -38,9 +38,9 @@ from testkit.ggufgen import ARCHS, Q, tiny_moe
 PROMPT = "The ferry crossed the river twice a day, and the children on the bank counted"
 
 
-def _record(path: Path, trace: Path, mib: float, share: float, n_tokens: int = 40,
-            warm: Path | None = None, policy: str = "classlru") -> dict[int, tuple[object, object]]:  # fmt: skip
-    settings = CacheSettings(mib=mib, cpu_share=share, trace=trace, warm_start=warm, policy=policy)
+def _record(path: Path, trace: Path, mib: float, share: float, n_tokens: int = 40, warm: Path | None = None,
+            policy: str = "classlru", prefetch: bool = False) -> dict[int, tuple[object, object]]:  # fmt: skip
+    settings = CacheSettings(mib=mib, cpu_share=share, trace=trace, warm_start=warm, policy=policy, prefetch=prefetch)
     lm = load_model(path, n_ctx=256, cache=settings)
     assert lm.cache is not None
     prompt = lm.tokenizer.encode(PROMPT)
@@ -106,6 +106,23 @@ def test_replay_reproduces_the_engine_counters_of_each_policy(tmp_path: Path, po
         assert res.layers[layer].large.frozen() == large, layer
     assert res.total.cpu > 0  # the policy refused misses (the CPU computed them)
     assert replay(routing, 0.9, 0.0, warmup=0, policy="classlru").total.cpu == 0
+
+
+@pytest.mark.parametrize("share", [0.0, 0.5])
+def test_replay_reproduces_the_engine_counters_with_prefetch(tmp_path: Path, share: float) -> None:
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=3, n_expert=16, n_expert_used=2)
+    engine = _record(path, tmp_path / "run.trace", 0.9, share, n_tokens=60, prefetch=True)
+    routing = load_routing(tmp_path / "run.trace")
+    assert any(layer < 0 for layer, _, _ in routing.records)  # the trace holds the predictions
+    res = replay(routing, 0.9, share, warmup=0)
+    for layer, (small, large) in engine.items():
+        assert res.layers[layer].small.frozen() == small, layer
+        assert res.layers[layer].large.frozen() == large, layer
+    t = res.total
+    assert t.prefetched > 0 and 0 < t.prefetch_hits <= t.prefetched
+    # The first MoE layer has no block before it to predict from.
+    assert res.layers[0].total.prefetched == 0 and res.layers[1].total.prefetched > 0
+    assert res.prefetch_bytes == t.prefetched_bytes
 
 
 def test_the_engine_bounds_its_session_with_min_at_its_size(tmp_path: Path) -> None:

@@ -40,6 +40,8 @@ def _events(routing: Routing, n_slots: list[int], warmup: int) -> Iterator[tuple
     """(group, distinct keys, counted) of each lookup that goes through a cache, in trace order."""
     group_of = {layer: (i, g) for i, g in enumerate(routing.groups) for layer in g.layers}
     for (layer, n_used, ids), seen in zip(routing.records, routing.tokens(), strict=True):
+        if layer < 0:
+            continue  # a prefetch record: the references know the future or need no prediction
         gi, g = group_of[layer]
         n_tokens = len(ids) // n_used
         n = n_slots[gi]

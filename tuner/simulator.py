@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from moechat.engine.cache_policy import ClassLRU, CpuShare, bypasses, count, split_budget
+from moechat.engine.cache_policy import ClassLRU, CpuShare, bypasses, count, count_prefetch, split_budget
 from moechat.engine.stats import CountersSnapshot, LayerCounters
 from moechat.engine.trace import read_trace
 from moechat.engine.warm_start import hottest
@@ -104,13 +104,19 @@ def load_routing(path: str | Path) -> Routing:
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: trace header lacks or garbles {e}") from None
     known = {layer for g in groups for layer in g.layers}
-    for layer, _, ids in routing.records:
+    for record, _, ids in routing.records:
+        layer = prefetched_layer(record)
         if layer not in known:
             raise ValueError(f"{path}: a record names layer {layer}, which no group holds")
         n_expert = next(g.n_expert for g in groups if layer in g.layers)
         if any(not 0 <= e < n_expert for e in ids):
             raise ValueError(f"{path}: layer {layer} selects an expert outside 0..{n_expert - 1}")
     return routing
+
+
+def prefetched_layer(record_layer: int) -> int:
+    """The layer of a record: a prefetch's record (its predicted experts) carries -1 - layer."""
+    return -1 - record_layer if record_layer < 0 else record_layer
 
 
 @dataclass
@@ -123,6 +129,7 @@ class SimResult:
     cpu_bytes: int = 0  # misses computed on the CPU
     upload_bytes: int = 0  # misses uploaded into slots
     bypass_bytes: int = 0  # experts of bypassing lookups (read from the host for that call only)
+    prefetch_bytes: int = 0  # experts uploaded ahead on a prediction
 
     @property
     def total(self) -> CountersSnapshot:
@@ -141,8 +148,8 @@ class SimResult:
 
     @property
     def upload_gib(self) -> float:
-        """GiB moved to the device per token: uploads, plus bypassing lookups that read the host."""
-        return self.per_token(self.upload_bytes + self.bypass_bytes)
+        """GiB moved to the device per token: uploads (prefetched too), and bypassing lookups' host reads."""
+        return self.per_token(self.upload_bytes + self.bypass_bytes + self.prefetch_bytes)
 
     @property
     def cpu_gib(self) -> float:
@@ -179,6 +186,15 @@ def replay(
     seen = 0
     for layer, n_used, ids in routing.records:
         n_tokens = len(ids) // n_used
+        if layer < 0:  # the engine uploaded its prediction of this layer's experts ahead
+            lay = -1 - layer
+            g, lru = policies[lay]
+            if lru is not None and not bypasses(n_tokens, n_used, g.n_expert, lru.n_slots, max_batch):
+                uploads = lru.prefetch(lay, ids)
+                if warmup < seen and (until is None or seen <= until):
+                    count_prefetch(res.layers[lay].of(n_tokens), len(uploads), g.expert_bytes)
+                    res.prefetch_bytes += len(uploads) * g.expert_bytes
+            continue
         if layer == first:
             seen += n_tokens
         count_now = warmup < seen and (until is None or seen <= until)

@@ -73,7 +73,8 @@ class Dashboard(VerticalScroll):
             [(f"cpu misses {t.cpu}  |  share {snap.cpu_share:g}", "")],
             [("slots " + ", ".join(f"{g.n_slots}" for g in snap.groups)
               + (f"  |  warm start {snap.warm_uploads}" if snap.warm_uploads else "")
-              + (f"  |  {snap.policy}" if snap.policy != "classlru" else ""), "")],
+              + (f"  |  {snap.policy}" if snap.policy != "classlru" else "")
+              + (f"  |  prefetch {t.prefetch_hits}/{t.prefetched}" if t.prefetched else ""), "")],
         ])  # fmt: skip
 
     def show_bound(self, rate: float | None) -> None:

@@ -142,6 +142,7 @@ class DecoderBase(nn.Module):
     norm: torch.Tensor
     output: Weight  # [V, E]; the embedding's matrix when the file ties them
     experts: ExpertExecutor
+    blocks: nn.ModuleList  # each with .ffn and .ffn_norm
 
     def _build_ends(self, layout: Layout, quantized: bool = False) -> None:
         """The token embedding, the final norm and the output projection.
@@ -175,6 +176,16 @@ class DecoderBase(nn.Module):
         self.host_experts = HostExperts(layers, act, kernels=kernels, dequant_mib=dequant_mib)
         self.experts = self.host_experts if layers else NoExperts()
 
+    def prefetch_next(self, i: int, x: torch.Tensor) -> None:
+        """After block i: if the expert cache prefetches, predict block i+1's experts from x (block
+        i's output) with block i+1's FFN norm and router, and hand them to the cache."""
+        if not getattr(self.experts, "prefetching", False) or i + 1 >= len(self.blocks):
+            return
+        nxt: Any = self.blocks[i + 1]
+        if isinstance(nxt.ffn, MoeFFN):
+            ids, _ = nxt.ffn.select(rms_norm(x, nxt.ffn_norm, self.cfg.norm_eps))
+            self.experts.prefetch(i + 1, ids)  # type: ignore[attr-defined]
+
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states [T, E] -> logits [T, V]."""
         return linear(rms_norm(x, self.norm, self.cfg.norm_eps), self.output)
@@ -205,16 +216,19 @@ class MoeFFN(Routed):
         self.sh_down = maybe(layout, p + "ffn_down_shexp.weight", form)
         self.sh_gate_inp = maybe(layout, p + "ffn_gate_inp_shexp.weight")  # [E]
 
-    def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
+    def select(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Normalised hidden states [T, E] -> the experts it routes them to (ids [T, k], weights [T, k])."""
         cfg = self.cfg
         compiled = self.choice_bias is None and cfg.expert_groups == 1
         if compiled and h.shape[0] <= FEW_ROWS and h.device.type == "cpu" and h.dtype == torch.float32:  # one call
             i, w = route_rows(host_rows(h), self.router.numpy(), None if self.router_bias is None else
                               self.router_bias.numpy(), cfg.expert_gating, cfg.n_expert_used, cfg.expert_weights_norm,
                               cfg.expert_weights_scale)  # fmt: skip
-            ids, weights = torch.from_numpy(i), torch.from_numpy(w)
-        else:
-            ids, weights = route(F.linear(h, self.router, self.router_bias), cfg, self.choice_bias)  # [T, k] each
+            return torch.from_numpy(i), torch.from_numpy(w)
+        return route(F.linear(h, self.router, self.router_bias), cfg, self.choice_bias)  # [T, k] each
+
+    def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
+        ids, weights = self.select(h)
         self.last_ids = ids  # read by routing(): the experts of the latest step
         y = experts(self.i, h, ids, weights)
         if self.sh_gate is not None and self.sh_up is not None and self.sh_down is not None:
@@ -307,5 +321,6 @@ class MoeDecoder(DecoderBase):
         x = self.embed[tokens.to(self.embed.device)]  # [T, E]
         for i, block in enumerate(self.blocks):
             x = block(x, pos0, cache.layers[i], self.rope, self.experts)
+            self.prefetch_next(i, x)
         cache.pos = pos0 + tokens.shape[0]
         return self.head(x[-1:] if last_only else x)  # [T or 1, V]

@@ -91,6 +91,7 @@ class Gemma3(DecoderBase):
         x = self.embed[tokens.to(self.embed.device)] * self.embed_scale  # [T, E]
         for i, block in enumerate(self.blocks):
             x = block(x, pos0, cache.layers[i], self.rope, self.experts)
+            self.prefetch_next(i, x)
         cache.pos = pos0 + tokens.shape[0]
         return self.head(x[-1:] if last_only else x)  # [T or 1, V]
 
