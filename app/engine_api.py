@@ -22,6 +22,7 @@ from moechat.engine.generate import Event, SamplingParams, TokenEvent, generate
 from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
 from moechat.engine.stats import StatsSnapshot
 from moechat.tuner.baselines import min_hit_rate
+from moechat.tuner.confirm import ConfirmEvent, confirm
 from moechat.tuner.recommend import TuneReport, recommend
 from moechat.tuner.sweep import SweepDone, SweepEvent, SweepSettings, calibrate, forget_runs
 
@@ -85,6 +86,11 @@ class ChatEngine(Protocol):
         ...
 
     def recommend(self, done: SweepDone) -> TuneReport: ...
+
+    def confirm(self, stop: threading.Event, current: tuple[float, float],
+                recommended: tuple[float, float]) -> Iterator[ConfirmEvent]:  # fmt: skip
+        """The recommended (MiB, share) against the current one, measured alternately (tuner.confirm)."""
+        ...
 
     def close(self) -> None: ...
 
@@ -214,15 +220,18 @@ class RealEngine:
         settings.validate()
         self.lm.set_cache(settings)
 
-    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
-              ) -> Iterator[SweepEvent]:  # fmt: skip
-        mib, share = self.cache()
-        settings = SweepSettings(
+    def _sweep_settings(self, max_mib: float | None = None, tokens: int = 256) -> SweepSettings:
+        return SweepSettings(
             model=Path(self.info.path), device=self.base.device, n_ctx=min(self.lm.n_ctx, 4096),
             emulate_link_gbps=self.base.emulate_link_gbps, load_mode=self.base.load_mode,
             cpu_dequant_mib=self.lm.cpu_dequant_mib, cpu_kernels=self.lm.cpu_kernels, max_mib=max_mib,
             tokens=tokens, warmup=min(32, tokens // 4),
         )  # fmt: skip
+
+    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
+              ) -> Iterator[SweepEvent]:  # fmt: skip
+        mib, share = self.cache()
+        settings = self._sweep_settings(max_mib, tokens)
         if fresh:
             forget_runs(settings, app_paths().cache)
         try:
@@ -232,6 +241,14 @@ class RealEngine:
 
     def recommend(self, done: SweepDone) -> TuneReport:
         return recommend(done, self.info.name, workers=1)
+
+    def confirm(self, stop: threading.Event, current: tuple[float, float],
+                recommended: tuple[float, float]) -> Iterator[ConfirmEvent]:  # fmt: skip
+        mib, share = self.cache()
+        try:
+            yield from confirm(self.lm, self._sweep_settings(), current, recommended, stop=stop)
+        finally:
+            self.set_cache(mib, share)  # the session's own cache again, whatever happened
 
     def close(self) -> None:
         self.lm.close()

@@ -27,6 +27,7 @@ from typing import Any
 
 from moechat.engine.generate import DoneEvent, Event, SamplingParams
 from moechat.engine.stats import Cadence, StatsSnapshot
+from moechat.tuner.confirm import ConfirmEvent
 from moechat.tuner.recommend import TuneReport
 from moechat.tuner.sweep import Cancelled, SweepDone, SweepEvent
 
@@ -88,8 +89,8 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
                             conn.send(("snap", engine.snapshot()))
                         conn.send(("event", ev))
                     conn.send(("end", None))
-                elif name == "sweep":
-                    for sev in engine.sweep(stop, *args):
+                elif name in ("sweep", "confirm"):
+                    for sev in (engine.sweep if name == "sweep" else engine.confirm)(stop, *args):
                         conn.send(("event", sev))
                     conn.send(("end", None))
                 else:
@@ -194,6 +195,10 @@ class ProcessEngine:
 
     def recommend(self, done: SweepDone) -> TuneReport:
         return self._call("recommend", done)
+
+    def confirm(self, stop: threading.Event, current: tuple[float, float],
+                recommended: tuple[float, float]) -> Iterator[ConfirmEvent]:  # fmt: skip
+        return self._stream("confirm", (current, recommended), stop)
 
     def close(self) -> None:
         if self._proc.is_alive():

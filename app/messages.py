@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from moechat.engine.generate import DoneEvent
 from moechat.engine.stats import StatsSnapshot
+from moechat.tuner.confirm import ConfirmEvent
 from moechat.tuner.recommend import TuneReport
 from moechat.tuner.sweep import SweepEvent
 from textual.message import Message
@@ -59,6 +60,14 @@ class TuneReady(Message):
     def __init__(self, report: TuneReport) -> None:
         super().__init__()
         self.report = report
+
+
+class ConfirmUpdate(Message):
+    """A confirm run's progress, or (ConfirmDone) its verdict."""
+
+    def __init__(self, event: ConfirmEvent) -> None:
+        super().__init__()
+        self.event = event
 
 
 class SweepFailed(Message):

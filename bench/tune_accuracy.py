@@ -20,7 +20,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from moechat.tuner.recommend import observations, predict_rows
 from moechat.tuner.simulator import load_routing
-from moechat.tuner.sweep import SweepDone, SweepSettings, _run_arm, calibrate
+from moechat.tuner.sweep import SweepDone, SweepSettings, calibrate, run_arm
 from moechat.tuner.time_model import fit
 from testkit.ggufgen import tiny_moe
 
@@ -59,7 +59,7 @@ def main() -> None:
             prompt = lm.tokenizer.encode(settings.prompt)
             for i, (frac, share) in enumerate(HELD_OUT):
                 mib = round(frac * expert_mib, 1)
-                gen = _run_arm(lm, settings, done.run_dir, f"held-{mib:g}-{share:g}", mib, share, prompt, 10 + i, 0,
+                gen = run_arm(lm, settings, done.run_dir, f"held-{mib:g}-{share:g}", mib, share, prompt, 10 + i, 0,
                                None, 1)  # fmt: skip
                 try:
                     while True:

@@ -393,6 +393,38 @@ async def test_wizard_apply_and_save(tmp_path: Path) -> None:
         assert (saved.moe_cache_mib, saved.moe_cache_cpu_share) == (1.5, 0.9)
 
 
+@pytest.mark.parametrize(
+    ("script", "wins"), [(((70.0, 71.0), (84.0, 85.5)), True), (((80.0, 84.0), (82.0, 85.0)), False)]
+)
+async def test_wizard_confirms_the_recommendation_before_applying_it(
+    tmp_path: Path, script: tuple[tuple[float, ...], tuple[float, ...]], wins: bool
+) -> None:
+    """After the fit the wizard measures the recommended setting against the one in use, alternately;
+    a gain within the spread between repeats is no gain: then Apply changes nothing."""
+    engine = FakeEngine(WORDS)
+    engine.confirm_tps = script
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await pilot.press("ctrl+t")
+        await until(pilot, lambda: isinstance(app.screen, TuneWizard) and app.screen.verdict is not None)
+        wizard = app.screen
+        assert engine.confirms == [((1.0, 0.0), (1.5, 0.9))]  # in use, then the recommendation
+        advice = str(wizard.query_one("#advice", Static).content)
+        if wins:
+            assert "confirmed: 84.8 t/s against 70.5 in use, a gain of 14.2 beyond the repeats' spread of 1.5" in advice
+        else:
+            assert "not confirmed: 83.5 t/s against 82.0 in use, a gain of +1.5 within the repeats' spread of 4.0" \
+                in advice  # fmt: skip
+        await pilot.press("a")
+        if wins:
+            await until(pilot, lambda: app.screen is screen)
+            assert engine.set_cache_calls == [(1.5, 0.9)]
+        else:
+            await pilot.pause(0.2)
+            assert app.screen is wizard and engine.set_cache_calls == [] and not app.config_path.exists()
+
+
 async def test_wizard_says_what_it_measures_and_how_long_is_left(tmp_path: Path) -> None:
     engine = FakeEngine(WORDS, sweep_delay=0.1)
     app = make_app(tmp_path, engine)

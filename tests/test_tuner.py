@@ -125,6 +125,31 @@ def test_replay_reproduces_the_engine_counters_with_prefetch(tmp_path: Path, sha
     assert res.prefetch_bytes == t.prefetched_bytes
 
 
+def test_a_confirm_run_alternates_the_two_settings_and_restores_the_session_cache(tmp_path: Path) -> None:
+    import threading
+
+    from moechat.app.engine_api import RealEngine
+    from moechat.tuner.confirm import ConfirmDone
+    from moechat.tuner.sweep import ArmDone, ArmStarted
+
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=16, n_expert_used=2)
+    lm = load_model(path, n_ctx=512, cache=CacheSettings(mib=0.6, cpu_share=0.5))
+    engine = RealEngine(lm, CacheSettings())
+    events = list(engine.confirm(threading.Event(), (0.6, 0.5), (1.2, 0.0)))
+    started = [(e.mib, e.share) for e in events if isinstance(e, ArmStarted)]
+    assert started == [(0.6, 0.5), (1.2, 0.0)] * 2
+    done = events[-1]
+    assert isinstance(done, ConfirmDone) and len(done.current_tps) == len(done.recommended_tps) == 2
+    measured = [e.arm.tps for e in events if isinstance(e, ArmDone)]
+    assert done.current_tps == tuple(measured[0::2]) and done.recommended_tps == tuple(measured[1::2])
+    assert all(t > 0 for t in measured)
+    assert engine.cache() == (0.6, 0.5)  # the session's cache again
+    engine.close()
+    # The verdict: a gain counts only beyond the larger spread between repeats of one setting.
+    assert ConfirmDone((0, 0), (1, 0), (10.0, 11.0), (12.5, 13.0)).wins  # +2.25 > 1.0
+    assert not ConfirmDone((0, 0), (1, 0), (10.0, 12.0), (12.5, 13.0)).wins  # +1.75 < 2.0
+
+
 def test_the_engine_bounds_its_session_with_min_at_its_size(tmp_path: Path) -> None:
     """After a reply the app asks the engine for MIN's hit rate on the cache's lookups so far:
     it is what MIN gives on the recorded trace, and no online policy beats it."""

@@ -231,7 +231,7 @@ def calibrate(
                     logger.warning("ignoring an unreadable cached run %s: %s", meta, e)
             yield ArmStarted(i, len(plan), mib, share)
             for attempt in (1, 2):
-                arm = yield from _run_arm(lm, settings, run_dir, name, mib, share, prompt, i, len(plan), stop, attempt)
+                arm = yield from run_arm(lm, settings, run_dir, name, mib, share, prompt, i, len(plan), stop, attempt)
                 if arm.second_half_tps * BUSY_RATIO >= arm.first_half_tps or attempt == 2:
                     break
                 logger.info("arm %d: second half %.1f t/s vs %.1f: machine busy? running it again",
@@ -246,7 +246,7 @@ def calibrate(
             lm.close()
 
 
-def _run_arm(
+def run_arm(
     lm: LoadedModel,
     settings: SweepSettings,
     run_dir: Path,

@@ -7,11 +7,13 @@ every run again (runs kept from earlier tunings, the wizard's or `moechat tune`'
 
 from __future__ import annotations
 
+import statistics
 import threading
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING, ClassVar
 
+from moechat.tuner.confirm import ConfirmDone
 from moechat.tuner.recommend import TuneReport
 from moechat.tuner.report import cpu_speed, error_bar
 from moechat.tuner.sweep import ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone
@@ -23,7 +25,7 @@ from textual.containers import Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, ProgressBar, Static
 
-from ..messages import CacheApplied, SweepFailed, SweepUpdate, TuneReady
+from ..messages import CacheApplied, ConfirmUpdate, SweepFailed, SweepUpdate, TuneReady
 from ..settings import save_config
 
 if TYPE_CHECKING:
@@ -52,6 +54,8 @@ class TuneWizard(Screen[bool]):
         self.fresh = False  # True after "measure again": the sweep drops the kept runs
         self.stop = threading.Event()
         self.report: TuneReport | None = None
+        self.verdict: ConfirmDone | None = None  # the confirm run's, once measured
+        self._advice = ""
         self.running = False
         self._timing: tuple[float, int] | None = None  # (start, tokens measured by then) of this sweep's runs
         self._done_tokens = 0  # tokens of finished runs
@@ -177,11 +181,49 @@ class TuneWizard(Screen[bool]):
         rec = r.recommendation
         how = "measured" if rec.measured else "predicted"
         noisy = " (the runs look noisy: m measures them again)" if r.warnings else ""
-        self.query_one("#advice", Static).update(
-            f"recommended: {rec.command()} ({rec.tps:.1f}{error_bar(rec.tps, r.time_model, rec.measured)} t/s "
-            f"{how}){noisy}  -  "
-            "a: apply now and save to config.toml, s: save only, m: measure again, Esc: back"
-        )
+        self._advice = (f"recommended: {rec.command()} ({rec.tps:.1f}{error_bar(rec.tps, r.time_model, rec.measured)} "
+                        f"t/s {how}){noisy}  -  a: apply now and save to config.toml, s: save only, m: measure again, "
+                        "Esc: back")  # fmt: skip
+        current, target = self.moechat.cache_in_effect, (rec.mib, rec.share)
+        if target == current:
+            self._show_advice("this is the setting in use: nothing to confirm")
+            return
+        # A prediction is checked before it is trusted: the two settings measured alternately.
+        self.running = True
+        self._show_advice(f"confirming against the setting in use ({current[0]:g} MiB, share {current[1]:g})...")
+        self.confirm_run(current, target)
+
+    def _show_advice(self, line: str) -> None:
+        self.query_one("#advice", Static).update(f"{self._advice}\n{line}")
+
+    @work(thread=True, exclusive=True, group="engine")
+    def confirm_run(self, current: tuple[float, float], target: tuple[float, float]) -> None:
+        try:
+            with self.moechat.engine_lock:
+                for ev in self.moechat.engine.confirm(self.stop, current, target):
+                    self.post_message(ConfirmUpdate(ev))
+        except Cancelled as e:
+            self.post_message(SweepFailed(str(e), cancelled=True))
+        except Exception as e:  # shown on the screen; the session keeps its cache
+            self.post_message(SweepFailed(f"confirm run: {type(e).__name__}: {e}", cancelled=False))
+
+    def on_confirm_update(self, msg: ConfirmUpdate) -> None:
+        ev = msg.event
+        if isinstance(ev, ArmStarted):
+            which = "in use" if ev.index % 2 == 0 else "recommended"
+            self._show_advice(f"confirming: run {ev.index + 1}/{ev.n_arms}, the {which} setting "
+                              f"({ev.mib:g} MiB, share {ev.share:g})")  # fmt: skip
+        elif isinstance(ev, ConfirmDone):
+            self.running = False
+            self.verdict = ev
+            rec, cur = statistics.median(ev.recommended_tps), statistics.median(ev.current_tps)
+            if ev.wins:
+                self._show_advice(f"confirmed: {rec:.1f} t/s against {cur:.1f} in use, a gain of {ev.gain:.1f} "
+                                  f"beyond the repeats' spread of {ev.spread:.1f}")  # fmt: skip
+            else:
+                self._show_advice(f"not confirmed: {rec:.1f} t/s against {cur:.1f} in use, a gain of "
+                                  f"{ev.gain:+.1f} within the repeats' spread of {ev.spread:.1f}: keep the setting "
+                                  "in use")  # fmt: skip
 
     def on_sweep_failed(self, msg: SweepFailed) -> None:
         self.running = False
@@ -201,7 +243,7 @@ class TuneWizard(Screen[bool]):
         if self.running:
             self.notify("tuning is under way", severity="warning")
             return
-        self.report, self.fresh, self._timing, self._done_tokens = None, True, None, 0
+        self.report, self.verdict, self.fresh, self._timing, self._done_tokens = None, None, True, None, 0
         self.stop = threading.Event()
         for i in range(N_ARMS):
             self.query_one(f"#arm-label-{i}", Static).update(f"run {i + 1}/{N_ARMS}: waiting")
@@ -215,8 +257,11 @@ class TuneWizard(Screen[bool]):
         self.sweep()
 
     def action_apply(self) -> None:
-        if self.report is None:
-            self.notify("wait for the recommendation", severity="warning")
+        if self.report is None or self.running:
+            self.notify("wait for the recommendation and its confirm run", severity="warning")
+            return
+        if self.verdict is not None and not self.verdict.wins:
+            self.notify("not applied: the recommendation did not beat the setting in use by more than the noise")
             return
         rec = self.report.recommendation
         self.apply_cache(rec.mib, rec.share)

@@ -13,6 +13,7 @@ from pathlib import Path
 from moechat.app.engine_api import Message, ModelInfo
 from moechat.engine.generate import DoneEvent, Event, SamplingParams, TokenEvent
 from moechat.engine.stats import CountersSnapshot, GroupInfo, LayerSnapshot, StatsSnapshot
+from moechat.tuner.confirm import ConfirmDone, ConfirmEvent
 from moechat.tuner.recommend import Recommendation, Row, TuneReport
 from moechat.tuner.sweep import Arm, ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone, SweepEvent
 from moechat.tuner.time_model import TimeModel
@@ -36,6 +37,8 @@ class FakeEngine:
         self.replies = 0
         self.params: list[SamplingParams] = []  # what each reply was asked with
         self.min_calls = 0
+        self.confirms: list[tuple[tuple[float, float], tuple[float, float]]] = []
+        self.confirm_tps: tuple[tuple[float, ...], tuple[float, ...]] = ((70.0, 71.0), (84.0, 85.5))  # a clear win
         self.closed = False
 
     def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
@@ -111,6 +114,15 @@ class FakeEngine:
         model = TimeModel(5.0, 300.0, 200.0, 0.5, -10.0, True, (0.01,) * 6)
         rec = Recommendation(1.5, 0.9, 85.0, 70.0, all_fit=False)
         return TuneReport("fake.gguf", "cpu", 2.0, 8.0, done.arms, model, shares, rows, rec, 0.5, ())
+
+    def confirm(self, stop: threading.Event, current: tuple[float, float],
+                recommended: tuple[float, float]) -> Iterator[ConfirmEvent]:  # fmt: skip
+        """Scripted: `confirm_tps` gives (current's, recommended's) t/s per repeat."""
+        self.confirms.append((current, recommended))
+        cur, rec = self.confirm_tps
+        for i, (mib, share) in enumerate([current, recommended] * len(cur)):
+            yield ArmStarted(i, 2 * len(cur), mib, share)
+        yield ConfirmDone(current, recommended, cur, rec)
 
     def close(self) -> None:
         self.closed = True
