@@ -49,6 +49,7 @@ def main() -> None:
     ap.add_argument("--demo", default="smollm2")
     ap.add_argument("--tokens", type=int, default=512, help="decode tokens in all")
     ap.add_argument("--extra", type=int, nargs="+", default=[0, 1, 2], help="experts predicted beyond top-k")
+    ap.add_argument("--per-layer", action="store_true", help="also each layer's recall for top-k")
     ap.add_argument("--speed", action="store_true",
                     help="instead: decode t/s with and without --moe-cache-prefetch next-layer, emulated link at "
                          "4 and 16 GB/s, alternating runs")  # fmt: skip
@@ -156,6 +157,8 @@ def main() -> None:
             f"{100 * best[1]:.0f}% | {100 * mean * k / (k + extra):.1f}% | "
             f"{100 * m['in_time'] / max(m['miss'], 1):.1f}% | {m['wasted'] / steps:.1f} | {hidden[0]} | {hidden[1]} |"
         )
+    if args.per_layer:
+        per_layer_table(recall[args.extra[0]])
 
 
 def speed(name: str, tokens: int, repeats: int = 3) -> None:
@@ -194,6 +197,12 @@ def speed(name: str, tokens: int, repeats: int = 3) -> None:
             f"| {gbps:g} GB/s | {a:.1f} | {b:.1f} | {b / a:.2f} | {used[0] / used[2]:.1f} / {used[1] / used[2]:.1f} |"
         )
     lm.close()
+
+
+def per_layer_table(recall: dict[int, list[float]]) -> None:
+    print("\n| layer | " + " | ".join(str(layer) for layer in sorted(recall)) + " |")
+    print("|---|" + "---|" * len(recall))
+    print("| recall | " + " | ".join(f"{100 * sum(v) / len(v):.0f}%" for _, v in sorted(recall.items())) + " |")
 
 
 if __name__ == "__main__":
