@@ -467,6 +467,14 @@ def test_sim_and_tune_commands(
     assert "exceed" not in out
     assert main(["sim", str(trace), "--sizes", "1", "1000", "--shares", "0", "--warmup", "8"]) == 0
     assert "note: 1000 MiB exceed the trace's" in capsys.readouterr().out  # not capped silently
+    # The engine's policy variants replay as the engine runs them (their misses, row by row).
+    assert main(["sim", str(trace), "--sizes", "0.5", "--shares", "0", "--warmup", "8", "--policy", "classlru",
+                 "protect", "second-use"]) == 0  # fmt: skip
+    rows = {line.split()[2]: line.split() for line in capsys.readouterr().out.splitlines()
+            if len(line.split()) > 5 and line.split()[0] == "0.5"}  # fmt: skip
+    for policy in ("classlru", "protect", "second-use"):
+        want = replay(load_routing(trace), 0.5, 0.0, warmup=8, policy=policy).total.misses
+        assert rows[policy][5] == str(want), policy
     # The default warm-up scales with the trace: a quarter of it at most, the rest is scored.
     assert main(["sim", str(trace), "--sizes", "1", "--shares", "0"]) == 0
     n = load_routing(trace).n_tokens
