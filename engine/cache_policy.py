@@ -144,12 +144,7 @@ class ClassLRU:
             s = next(s for s in self.lists[0] if self.key_of[s] < 0)  # empty slots lead class 0
             key = self.key(layer, e)
             self.crf[key], self.last_use[key] = c, self.clock[layer]
-            self.key_of[s], self.slot_map[layer][e] = key, s
-            cls = _class(c) if c >= 1 else 0
-            del self.lists[0][s]
-            self.lists[cls][s] = None
-            self.list_of[s] = cls
-            self.n_filled += 1
+            self._place(layer, e, s)
             placed.append((layer, e, s))
         return placed
 
@@ -158,6 +153,26 @@ class ClassLRU:
         base, now = layer * self.n_expert, self.clock[layer]
         return [self.crf[base + e] * 2.0 ** ((self.last_use[base + e] - now) / CRF_HALF_LIFE)
                 for e in range(self.n_expert)]  # fmt: skip
+
+    def _place(self, layer: int, e: int, s: int) -> tuple[int, int] | None:
+        """Put expert e of `layer` into slot s, in the class list of its CRF; returns the (layer,
+        expert) it evicts, if any. Misses, prefetches and the warm start all fill slots this way."""
+        old = self.key_of[s]
+        self.prefetched.discard(s)  # a prefetched expert evicted unused: a wasted upload
+        evicted = None
+        if old >= 0:
+            evicted = divmod(old, self.n_expert)
+            self.slot_map[evicted[0]][evicted[1]] = -1
+        else:
+            self.n_filled += 1
+        key = self.key(layer, e)
+        self.key_of[s], self.slot_map[layer][e] = key, s
+        c = self.crf[key]
+        cls = _class(c) if c >= 1 else 0  # never used (a prefetch): the lowest class
+        del self.lists[self.list_of[s]][s]
+        self.lists[cls][s] = None
+        self.list_of[s] = cls
+        return evicted
 
     def _decayed(self, key: int) -> float:
         """A key's CRF decayed to its layer's clock now."""
@@ -229,13 +244,14 @@ class ClassLRU:
         misses: list[int] = []
         n_prefetched = 0
         recent: set[int] = set()  # experts the layer used within SECOND_USE_WINDOW tokens ("second-use")
+        track = self.admission == "second-use"
         for e in uniq:
             key = base + e
             c = crf[key]
             if c:
                 dt = now - last_use[key]
                 c = c * (_DECAY[dt] if dt < 8192 else 2.0 ** (-dt / CRF_HALF_LIFE)) + 1.0
-                if dt <= SECOND_USE_WINDOW:
+                if track and dt <= SECOND_USE_WINDOW:
                     recent.add(e)
             else:
                 c = 1.0
@@ -296,23 +312,10 @@ class ClassLRU:
                 pairs = list(zip(misses, victims, strict=True))
             if refused:
                 cpu = sorted(cpu + refused)
-            key_of, n_expert = self.key_of, self.n_expert
             for e, s in pairs:
-                old = key_of[s]
-                self.prefetched.discard(s)  # a prefetched expert evicted unused: a wasted upload
-                if old >= 0:
-                    ol, oe = divmod(old, n_expert)
-                    self.slot_map[ol][oe] = -1
-                    evicted.append((ol, oe))
-                else:
-                    self.n_filled += 1
-                key = base + e
-                key_of[s] = key
-                slots[e] = s
-                cls = _class(crf[key])
-                del lists[list_of[s]][s]
-                lists[cls][s] = None
-                list_of[s] = cls
+                gone = self._place(layer, e, s)
+                if gone is not None:
+                    evicted.append(gone)
                 uploads.append((e, s))
         self.clock[layer] = now + n_tokens
         return Plan(tuple(hits), tuple(uploads), tuple(cpu), tuple(evicted), n_prefetched)
@@ -328,21 +331,10 @@ class ClassLRU:
         want = sorted(e for e in predicted if slots[e] < 0)
         if not want:
             return ()
-        base, key_of, n_expert, crf = layer * self.n_expert, self.key_of, self.n_expert, self.crf
+        base = layer * self.n_expert
         uploads = []
         for e, s in zip(want, self._victims(len(want), {base + e for e in predicted}), strict=True):
-            old = key_of[s]
-            if old >= 0:
-                ol, oe = divmod(old, n_expert)
-                self.slot_map[ol][oe] = -1
-            else:
-                self.n_filled += 1
-            key = base + e
-            key_of[s], slots[e] = key, s
-            cls = _class(crf[key]) if crf[key] >= 1 else 0
-            del self.lists[self.list_of[s]][s]
-            self.lists[cls][s] = None
-            self.list_of[s] = cls
+            self._place(layer, e, s)
             self.prefetched.add(s)
             uploads.append((e, s))
         return tuple(uploads)
