@@ -213,7 +213,7 @@ class RealEngine:
         c = self.lm.cache
         if c is None:
             return None
-        return min_hit_rate([g.info for g in c.groups], c.n_expert_used, c.settings.max_batch, c.lookups)
+        return min_hit_rate([g.info for g in c.groups], c.n_expert_used, c.settings.max_batch, c.lookups())
 
     def set_cache(self, mib: float, share: float) -> None:
         settings = replace(self.base, mib=mib, cpu_share=share, trace=None)

@@ -22,6 +22,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from array import array
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -54,7 +55,8 @@ class ExpertCache:
         if settings.load_mode == "pinned" and self.device.type != "cuda":
             logger.info("--load-mode pinned only matters with a CUDA device; experts stay memory-mapped")
         self.uploader = Uploader(self.device, settings.emulate_link_gbps)
-        self.prefetching = settings.prefetch  # the decoder predicts each next MoE layer's experts
+        # The decoder predicts each next MoE layer's experts for calls of up to this many tokens (0: never).
+        self.prefetch_tokens = settings.max_batch if settings.prefetch else 0
         self.n_expert_used = n_expert_used
         self.share = CpuShare(settings.cpu_share)
         self.groups = build_groups(self.host, n_expert_used, settings.mib, settings.cpu_share, self.device,
@@ -64,8 +66,10 @@ class ExpertCache:
         self.use_counts = {layer: np.zeros(lx.gate.raw.shape[0], dtype=np.int64) for layer, lx in host.layers.items()}
         self.first_layer = min(host.layers)
         # Every cacheable lookup since the cache was made: the session's routing, which the app
-        # replays through MIN after a reply (the bound at this size). About 120 bytes a lookup.
-        self.lookups: list[tuple[int, int, tuple[int, ...]]] = []
+        # replays through MIN after a reply (the bound at this size). Kept as flat int arrays, 2
+        # bytes an expert id, not as tuples (about 120 bytes a lookup).
+        self._lookup_heads = array("i")  # per lookup: layer, experts per token, ids
+        self._lookup_ids = array("h")
         self.tokens = 0
         # One worker with one intra-op thread: it runs beside the main thread, which drives the
         # device (and on the CPU device computes too); two teams of intra-op threads on a small
@@ -157,7 +161,8 @@ class ExpertCache:
         ids = ids.cpu()  # the one host sync the routing needs
         flat = ids.reshape(-1).tolist()
         if n_tokens <= self.settings.max_batch:  # larger batches go around any cache: no bound to compute
-            self.lookups.append((layer, ids.shape[1], tuple(flat)))
+            self._lookup_heads.extend((layer, ids.shape[1], len(flat)))
+            self._lookup_ids.extend(flat)
         if self._trace is not None:
             self._trace.write(layer, ids.shape[1], ids.reshape(-1).numpy())
         np.add.at(self.use_counts[layer], flat, 1)
@@ -202,6 +207,15 @@ class ExpertCache:
             if future is not None:
                 parts += future.result()
             out = combine(x, parts)
+        return out
+
+    def lookups(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """The cacheable lookups so far, in order: (layer, experts per token, ids token-major)."""
+        out, at, heads = [], 0, self._lookup_heads
+        for i in range(0, len(heads), 3):
+            n = heads[i + 2]
+            out.append((heads[i], heads[i + 1], tuple(self._lookup_ids[at : at + n])))
+            at += n
         return out
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:

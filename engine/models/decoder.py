@@ -177,9 +177,10 @@ class DecoderBase(nn.Module):
         self.experts = self.host_experts if layers else NoExperts()
 
     def prefetch_next(self, i: int, x: torch.Tensor) -> None:
-        """After block i: if the expert cache prefetches, predict block i+1's experts from x (block
-        i's output) with block i+1's FFN norm and router, and hand them to the cache."""
-        if not getattr(self.experts, "prefetching", False) or i + 1 >= len(self.blocks):
+        """After block i: if the expert cache prefetches for this many tokens (not a prefill, which goes
+        around the cache), predict block i+1's experts from x (block i's output) with block i+1's FFN
+        norm and router, and hand them to the cache."""
+        if x.shape[0] > getattr(self.experts, "prefetch_tokens", 0) or i + 1 >= len(self.blocks):
             return
         nxt: Any = self.blocks[i + 1]
         if isinstance(nxt.ffn, MoeFFN):
