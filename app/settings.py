@@ -100,14 +100,14 @@ class Spec:
     choices: tuple[str, ...] | None = None
 
 
+def _one_of(choices: tuple[str, ...], help: str) -> Spec:
+    """A setting that takes one of `choices`: the check, what a good value is and the flag's metavar from them."""
+    want = ", ".join(choices[:-1]) + " or " + choices[-1] if len(choices) > 1 else choices[0]
+    return Spec(str, lambda v: v in choices, want, help, choices=choices)
+
+
 SPEC: dict[str, Spec] = {
-    "device": Spec(
-        str,
-        lambda v: v in ("auto", "cpu", "cuda"),
-        "auto, cpu or cuda",
-        "where the model runs",
-        choices=("auto", "cpu", "cuda"),
-    ),
+    "device": _one_of(("auto", "cpu", "cuda"), "where the model runs"),
     "moe_cache_mib": Spec(
         float, _nonneg, ">= 0", "device expert cache in MiB, fractions allowed; 0 = off", metavar="N"
     ),
@@ -115,29 +115,20 @@ SPEC: dict[str, Spec] = {
         float, _unit, "in [0, 1]", "share of the misses computed on the CPU once the cache is full", metavar="F"
     ),
     "moe_cache_trace": Spec(str, _any, "a file path", "write every expert lookup to this file", metavar="PATH"),
-    "moe_cache_policy": Spec(
-        str,
-        lambda v: v in CACHE_POLICIES,
-        " or ".join(CACHE_POLICIES),
+    "moe_cache_policy": _one_of(
+        CACHE_POLICIES,
         "which misses the full cache admits (the rest run on the CPU): classlru all; second-use those used in "
         "the last 256 tokens; upload-cap at most one per token; protect those used more than what they evict",
-        choices=CACHE_POLICIES,
     ),
-    "moe_cache_prefetch": Spec(
-        str,
-        lambda v: v in ("off", "next-layer"),
-        "off or next-layer",
+    "moe_cache_prefetch": _one_of(
+        ("off", "next-layer"),
         "next-layer: after each block, predict the next MoE layer's experts with its router and upload the "
         "predicted misses while the device computes",
-        choices=("off", "next-layer"),
     ),
-    "load_mode": Spec(
-        str,
-        lambda v: v in ("mmap", "pinned"),
-        "mmap or pinned",
+    "load_mode": _one_of(
+        ("mmap", "pinned"),
         "CUDA: keep the host experts memory-mapped (fast start) or copy them to pinned memory "
         "(uploads at full link speed, slower start, locked RAM)",
-        choices=("mmap", "pinned"),
     ),
     "emulate_link_gbps": Spec(
         float,
@@ -149,13 +140,7 @@ SPEC: dict[str, Spec] = {
     "cpu_dequant_mib": Spec(
         float, _nonneg, ">= 0", "with --cpu-kernels exact: keep up to N MiB of dequantized experts", metavar="N"
     ),
-    "cpu_kernels": Spec(
-        str,
-        lambda v: v in KERNEL_MODES,
-        " or ".join(KERNEL_MODES),
-        "CPU matmuls. " + describe_kernel_modes(),
-        choices=tuple(KERNEL_MODES),
-    ),
+    "cpu_kernels": _one_of(tuple(KERNEL_MODES), "CPU matmuls. " + describe_kernel_modes()),
     "threads": Spec(
         int,
         lambda v: 0 <= v <= 1024,

@@ -105,7 +105,7 @@ def load_routing(path: str | Path) -> Routing:
         raise ValueError(f"{path}: trace header lacks or garbles {e}") from None
     known = {layer for g in groups for layer in g.layers}
     for record, _, ids in routing.records:
-        layer = prefetched_layer(record)
+        layer = record_layer(record)
         if layer not in known:
             raise ValueError(f"{path}: a record names layer {layer}, which no group holds")
         n_expert = next(g.n_expert for g in groups if layer in g.layers)
@@ -114,9 +114,9 @@ def load_routing(path: str | Path) -> Routing:
     return routing
 
 
-def prefetched_layer(record_layer: int) -> int:
+def record_layer(record: int) -> int:
     """The layer of a record: a prefetch's record (its predicted experts) carries -1 - layer."""
-    return -1 - record_layer if record_layer < 0 else record_layer
+    return -1 - record if record < 0 else record
 
 
 @dataclass
@@ -184,25 +184,25 @@ def replay(
     res = SimResult(mib, share, tuple(slots), 0, {layer: LayerCounters() for layer in policies})
     max_batch, first = routing.max_batch, routing.first_layer
     seen = 0
-    for layer, n_used, ids in routing.records:
+    for record, n_used, ids in routing.records:
         n_tokens = len(ids) // n_used
-        if layer < 0:  # the engine uploaded its prediction of this layer's experts ahead
-            lay = -1 - layer
-            g, lru = policies[lay]
-            if lru is not None and not bypasses(n_tokens, n_used, g.n_expert, lru.n_slots, max_batch):
-                uploads = lru.prefetch(lay, ids)
-                if warmup < seen and (until is None or seen <= until):
-                    count_prefetch(res.layers[lay].of(n_tokens), len(uploads), g.expert_bytes)
-                    res.prefetch_bytes += len(uploads) * g.expert_bytes
-            continue
-        if layer == first:
+        layer = record_layer(record)
+        if record == first:
             seen += n_tokens
         count_now = warmup < seen and (until is None or seen <= until)
-        if count_now and layer == first:
+        if count_now and record == first:
             res.tokens += n_tokens
         g, lru = policies[layer]
         c = res.layers[layer].of(n_tokens)
-        if lru is None or bypasses(n_tokens, n_used, g.n_expert, lru.n_slots, max_batch):
+        bypassed = lru is None or bypasses(n_tokens, n_used, g.n_expert, lru.n_slots, max_batch)
+        if record < 0:  # the engine uploaded its prediction of this layer's experts ahead
+            if lru is not None and not bypassed:
+                uploads = lru.prefetch(layer, ids)
+                if count_now:
+                    count_prefetch(c, len(uploads), g.expert_bytes)
+                    res.prefetch_bytes += len(uploads) * g.expert_bytes
+            continue
+        if lru is None or bypassed:
             if count_now:
                 n = len(set(ids))
                 count(c, n_tokens, None, n, g.expert_bytes)

@@ -19,7 +19,7 @@ from ..cpu_blocks import FEW_ROWS, attention_block, decode_attention, route_rows
 from ..layers import KVCache, LayerCache, QuantRows, Rope, attention, host_rows, move_tensors, rms_norm
 from ..moe import Activation, ExpertExecutor, HostExperts, load_layer_experts, route, swiglu
 from ..qlinear import QLinear, Weight, ffn_one_token, gated, linear, linears
-from ..weights import LINEAR, ROWS, Layout, Source, linear_form, maybe, want
+from ..weights import DENSE, LINEAR, ROWS, Layout, Source, linear_form, maybe, want
 
 
 class SelfAttention(Protocol):
@@ -160,7 +160,7 @@ class DecoderBase(nn.Module):
         if output.form != LINEAR and name == "token_embd.weight":
             self.embed = output  # tied: the load reads it once for both
         else:
-            self.embed = want(layout, "token_embd.weight", ROWS if quantized else linear_form(False))
+            self.embed = want(layout, "token_embd.weight", ROWS if quantized else DENSE)
 
     def _build_experts(self, layout: Layout, act: Activation, kernels: str, dequant_mib: float) -> None:
         """The MoE layers (those the layout has routers for); their experts are read at load, in place."""
