@@ -12,7 +12,17 @@ import threading
 from typing import TYPE_CHECKING
 
 from .run_cmd import add_config_flag
-from .settings import APP, ENGINE, MODEL_HELP, SAMPLING, add_flags, cache_settings, from_args, sampling_params
+from .settings import (
+    APP,
+    ENGINE,
+    MODEL_HELP,
+    SAMPLING,
+    add_flags,
+    cache_settings,
+    from_args,
+    print_warnings,
+    sampling_params,
+)
 
 if TYPE_CHECKING:  # the engine (torch) loads when a chat starts, not for --help
     from moechat.engine.generate import SamplingParams
@@ -43,8 +53,7 @@ def run_chat(args: argparse.Namespace) -> int:
         app = MoechatApp(real_engine_factory(args.model, settings, warm_dir), settings,
                          config_path=config, warnings=warnings)  # fmt: skip
         return run_tui(app, app_paths().log / "moechat.log")
-    for w in warnings:
-        print(f"moechat: warning: {w}", file=sys.stderr)
+    print_warnings(warnings)
     params = sampling_params(settings)
     cache = cache_settings(settings)
     lm = load_for(resolve_model(args.model), settings, cache)

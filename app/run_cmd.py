@@ -7,7 +7,16 @@ import os
 import sys
 import threading
 
-from .settings import ENGINE, MODEL_HELP, SAMPLING, add_flags, cache_settings, from_args, sampling_params
+from .settings import (
+    ENGINE,
+    MODEL_HELP,
+    SAMPLING,
+    add_flags,
+    cache_settings,
+    from_args,
+    print_warnings,
+    sampling_params,
+)
 
 
 def add_config_flag(p: argparse.ArgumentParser) -> None:
@@ -33,8 +42,7 @@ def run(args: argparse.Namespace) -> int:
     from .engine_api import load_for
 
     settings, warnings, _ = from_args(args, (*SAMPLING, *ENGINE))
-    for w in warnings:
-        print(f"moechat: warning: {w}", file=sys.stderr)
+    print_warnings(warnings)
     params = sampling_params(settings)
     lm = load_for(resolve_model(args.model), settings, cache_settings(settings))
     chat = args.chat if args.chat is not None else lm.template.origin != "plain fallback"

@@ -17,6 +17,7 @@ import argparse
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field, replace
@@ -339,6 +340,12 @@ def from_args(args: argparse.Namespace, names: Iterable[str]) -> tuple[Settings,
         raise ValueError(f"--config {config}: no such file")
     settings, warnings = resolve({n: getattr(args, n, None) for n in names}, config_path=config)
     return for_demo(settings, getattr(args, "model", None)), warnings, config
+
+
+def print_warnings(warnings: Iterable[str]) -> None:
+    """A command line's settings warnings (a config.toml that is not TOML), one line each on stderr."""
+    for w in warnings:
+        print(f"moechat: warning: {w}", file=sys.stderr)
 
 
 def cache_settings(settings: Settings, warm_start: Path | None = None) -> CacheSettings:

@@ -43,6 +43,7 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    from moechat.engine.gguf_file import GGUFFile
     from moechat.engine.loader import set_threads
     from moechat.tuner.recommend import recommend
     from moechat.tuner.report import render, to_json
@@ -60,7 +61,7 @@ def run_tune(args: argparse.Namespace) -> int:
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     from .demo_model import resolve_model
-    from .settings import cache_settings, from_args
+    from .settings import cache_settings, from_args, print_warnings
 
     if args.tokens < args.warmup + 8:
         raise ValueError(f"--tokens must be at least --warmup + 8 = {args.warmup + 8}, got {args.tokens}")
@@ -69,11 +70,12 @@ def run_tune(args: argparse.Namespace) -> int:
     # The same layering as `moechat run` (flag > env > config.toml > default), so the arms run
     # the engine as the user's sessions do; the sweep picks its own cache sizes and shares.
     layered, warnings, _ = from_args(args, TUNE_SETTINGS)
-    for w in warnings:
-        print(f"moechat: warning: {w}", file=sys.stderr)
+    print_warnings(warnings)
     base = cache_settings(layered)
     set_threads(layered.threads)  # the arms run in this process: their timings use these threads
     model = Path(resolve_model(args.model))
+    # A file that cannot be read says so in one line, as `run` does, before the progress bar starts.
+    GGUFFile(model).close()
     settings = SweepSettings(
         model=model, device=base.device, n_ctx=layered.ctx_size, emulate_link_gbps=base.emulate_link_gbps,
         load_mode=base.load_mode, cpu_dequant_mib=layered.cpu_dequant_mib, cpu_kernels=layered.cpu_kernels,

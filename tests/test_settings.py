@@ -82,6 +82,23 @@ def test_a_bad_flag_value_is_one_line_naming_the_setting_and_flag(
     assert err == "moechat: error: ctx_size from flag --ctx-size: 8 must be in 16..1048576\n"
 
 
+@pytest.mark.parametrize("command", sorted(COMMANDS))
+def test_each_command_warns_of_a_config_that_is_not_toml(
+    command: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from moechat.app.cli import main
+
+    config = tmp_path / "config.toml"
+    config.write_text("moe_cache_mib = = 3\n")
+    argv = _argv(command, (), {})
+    argv[1] = str(tmp_path / "none.gguf")  # the command gets as far as opening the model
+    assert main([*argv, "--config", str(config)]) == 2
+    warning, error = capsys.readouterr().err.splitlines()
+    assert warning.startswith(f"moechat: warning: {config} is not valid TOML") and "defaults" in warning
+    assert error.startswith("moechat: error: ") and "none.gguf" in error
+    assert config.read_text() == "moe_cache_mib = = 3\n"  # left as it is
+
+
 def test_seed_reaches_the_sampler() -> None:
     assert sampling_params(Settings(seed=11)).seed == 11
     assert sampling_params(Settings()).seed is None  # -1: a new seed each reply
