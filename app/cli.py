@@ -7,9 +7,9 @@ import logging
 import sys
 from collections.abc import Sequence
 
-from moechat import __version__
+from moechat.app.paths import app_paths
 
-from .paths import app_paths
+from moechat import __version__
 
 logger = logging.getLogger("moechat")
 
@@ -24,18 +24,18 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("-v", "--verbose", action="store_true", help="log debug messages to stderr")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     p_inspect = sub.add_parser("inspect", help="show what a GGUF model file holds")
-    from .settings import MODEL_HELP
+    from moechat.app.settings import MODEL_HELP
 
     p_inspect.add_argument("model", nargs="?", help=MODEL_HELP)
     p_chat = sub.add_parser("chat", help="chat in the terminal (the default command)")
-    from .repl import add_chat_arguments
+    from moechat.app.repl import add_chat_arguments
 
     add_chat_arguments(p_chat)
     p_run = sub.add_parser("run", help="generate text from a prompt")
-    from .run_cmd import add_run_arguments
+    from moechat.app.run_cmd import add_run_arguments
 
     add_run_arguments(p_run)
-    from .tune_cmd import add_sim_arguments, add_tune_arguments
+    from moechat.app.tune_cmd import add_sim_arguments, add_tune_arguments
 
     add_tune_arguments(sub.add_parser(
         "tune", help="measure this machine and recommend cache size and CPU share",
@@ -44,7 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
         "size and share by replaying the routing they recorded, and prints the recommended flags.",
     ))  # fmt: skip
     add_sim_arguments(sub.add_parser("sim", help="replay a routing trace at other cache sizes, shares and policies"))
-    from .export_cmd import add_export_arguments
+    from moechat.app.export_cmd import add_export_arguments
 
     add_export_arguments(sub.add_parser("export", help="write the last session's stats as JSON, CSV or Markdown"))
     return parser
@@ -75,7 +75,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    from moechat.engine.memory import tune_malloc
+    from moechat.engine.malloc import tune_malloc
 
     tune_malloc()
     if args.paths:
@@ -84,29 +84,30 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0
     try:
         if args.command == "inspect":
+            from moechat.app.demo_model import resolve_model
+            from moechat.app.inspect_cmd import run_inspect
             from rich.console import Console
-
-            from .demo_model import resolve_model
-            from .inspect_cmd import run_inspect
 
             return run_inspect(str(resolve_model(args.model)), Console())
         if args.command == "run":
-            from .run_cmd import run
+            from moechat.app.run_cmd import run
 
             return run(args)
         if args.command in ("tune", "sim"):
-            from .tune_cmd import run_sim, run_tune
+            from moechat.app.tune_cmd import run_sim, run_tune
 
             return run_tune(args) if args.command == "tune" else run_sim(args)
-        from .repl import run_chat
+        from moechat.app.repl import run_chat
 
         if args.command == "export":
-            from .export_cmd import run_export
+            from moechat.app.export_cmd import run_export
 
             return run_export(args)
         return run_chat(args)
     except (ValueError, OSError) as e:
-        return _fail(str(e).splitlines()[0] if str(e) else type(e).__name__)
+        from moechat.app.settings import error_line
+
+        return _fail(error_line(e))
     except KeyboardInterrupt:
         return 130
 

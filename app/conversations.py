@@ -16,7 +16,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from .atomic import write_atomic
+from moechat.app.atomic import write_atomic
 
 logger = logging.getLogger(__name__)
 

@@ -6,13 +6,12 @@ import sys
 from collections.abc import Callable
 from pathlib import Path
 
-from moechat.engine.demo import DemoError, demo_path, ensure_demo
-from moechat.engine.demo_source import DemoSourceMissing
+from moechat.app.paths import app_paths
+from moechat.app.settings import demo_name
+from moechat.demo.build import DemoError, demo_path, ensure_demo
+from moechat.demo.source import DemoSourceMissing
 from rich.console import Console
 from rich.progress import Progress
-
-from .paths import app_paths
-from .settings import demo_name
 
 
 def resolve_model(model: str | None) -> Path:

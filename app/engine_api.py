@@ -1,33 +1,23 @@
-"""What the app needs of an engine, and the real one: a loaded model behind a small, thread-safe API.
+"""What the app needs of an engine: `ChatEngine`, the model's description and the messages.
 
-The TUI talks only to `ChatEngine`; tests drive the UI with a scripted fake that emits the same
-events. Methods are called from one worker thread at a time (the app runs one job at a time).
+The TUI talks only to `ChatEngine` (the engine process's proxy, `real_engine.RealEngine` in
+line mode, or a scripted fake in UI tests). Nothing here loads torch or numba: the chat app's UI
+process imports this module, the engine runs in its own process. Methods are called from one
+worker thread at a time (the app runs one job at a time).
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
-import platform
 import threading
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass
 from typing import Protocol
 
-import torch
-from moechat.engine.cache_settings import CacheSettings
-from moechat.engine.chat_template import ChatTemplateError, plain_template
-from moechat.engine.generate import Event, SamplingParams, TokenEvent, generate
-from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
-from moechat.engine.stats import StatsSnapshot
-from moechat.tuner.baselines import min_hit_rate
-from moechat.tuner.confirm import ConfirmEvent, confirm
-from moechat.tuner.recommend import TuneReport, recommend
-from moechat.tuner.sweep import SweepDone, SweepEvent, SweepSettings, calibrate, forget_runs
-
-from .paths import app_paths
-from .settings import Settings
+from moechat.engine.cache.stats import StatsSnapshot
+from moechat.engine.events import Event, SamplingParams
+from moechat.tuner.events import ConfirmEvent, SweepDone, SweepEvent
+from moechat.tuner.recommend import TuneReport
 
 logger = logging.getLogger(__name__)
 
@@ -93,162 +83,3 @@ class ChatEngine(Protocol):
         ...
 
     def close(self) -> None: ...
-
-
-class StopStrings:
-    """Cuts a streamed reply at the first stop string, holding back text that could start one."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(stops)
-        self.hold = max((len(s) for s in stops), default=0)
-        self.text = ""
-        self.shown = 0
-        self.hit = False
-
-    def push(self, piece: str) -> str:
-        """The new text that is safe to show."""
-        self.text += piece
-        for s in self.stops:
-            cut = self.text.find(s)
-            if cut >= 0:
-                self.text, self.hit = self.text[:cut], True
-        safe = len(self.text) if self.hit else max(self.shown, len(self.text) - self.hold)
-        out, self.shown = self.text[self.shown : safe], safe
-        return out
-
-    def flush(self) -> str:
-        out, self.shown = self.text[self.shown :], len(self.text)
-        return out
-
-
-def load_for(path: Path, settings: Settings, cache: CacheSettings) -> LoadedModel:
-    """The model as `settings` say (threads, context, template, CPU kernels), with `cache`.
-
-    A context that cannot fit names where its size was set."""
-    set_threads(settings.threads)
-    try:
-        return load_model(path, n_ctx=settings.ctx_size, chat_template=settings.chat_template or None, cache=cache,
-                          cpu_dequant_mib=settings.cpu_dequant_mib, cpu_kernels=settings.cpu_kernels)  # fmt: skip
-    except ContextTooLarge as e:
-        raise ValueError(f"ctx_size from {settings.source('ctx_size')}: {e}") from None
-
-
-def file_identity(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        h.update(f.read(16 << 20))
-    h.update(str(path.stat().st_size).encode())
-    return h.hexdigest()
-
-
-class RealEngine:
-    def __init__(self, lm: LoadedModel, base: CacheSettings, identity: str | None = None) -> None:
-        """`identity`: the file's `file_identity` when the caller has it already (it reads 16 MiB)."""
-        self.lm = lm
-        self.base = base  # device, link, load mode: what a cache change keeps
-        cfg = lm.config
-        dev = base.device
-        hw = torch.cuda.get_device_name() if dev == "cuda" else (platform.processor() or platform.machine())
-        self.info = ModelInfo(
-            name=lm.gguf.path.name, path=str(lm.gguf.path), sha256_head=identity or file_identity(lm.gguf.path),
-            arch=cfg.arch,
-            n_layers=cfg.n_layers, n_expert=cfg.n_expert, n_expert_used=cfg.n_expert_used, n_ctx=lm.n_ctx,
-            device=dev, hardware=f"{hw}, {torch.get_num_threads()} threads", template=lm.template.origin,
-            template_note=lm.template.fallback_reason,
-        )  # fmt: skip
-        self.plain = lm.template.origin == "plain fallback"
-
-    def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
-        msgs = list(messages)
-        dropped = 0
-        note = ""
-        while True:
-            try:
-                text = self.lm.template.render(msgs, add_generation_prompt=True)
-            except ChatTemplateError as e:
-                # Untrusted template code failed on this conversation: plain format from now on.
-                note = f"{e}; using the plain User:/Assistant: format from now on"
-                logger.warning("%s", note)
-                self.lm.template = plain_template(self.lm.template.bos_token, self.lm.template.eos_token, str(e))
-                self.plain = True
-                continue
-            tokens = self.lm.tokenizer.encode(text, parse_special=True)
-            # Leave room to answer: a quarter of the context, at most 256 tokens.
-            if len(tokens) + min(256, self.lm.n_ctx // 4) <= self.lm.n_ctx:
-                return tokens, dropped, note
-            first = 1 if msgs and msgs[0]["role"] == "system" else 0
-            if len(msgs) - first <= 1:
-                return tokens[-(self.lm.n_ctx * 3 // 4) :], dropped, note  # one huge message: keep its end
-            del msgs[first]
-            dropped += 1
-
-    def reply(
-        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
-    ) -> Iterator[Event]:
-        cutter = StopStrings(PLAIN_STOPS if self.plain else ())
-        max_tokens = max(1, min(max_tokens, self.lm.n_ctx - len(prompt)))
-        for ev in generate(self.lm.model, self.lm.tokenizer, prompt, self.lm.new_cache(), max_tokens=max_tokens,
-                           params=params, stop=stop):  # fmt: skip
-            if isinstance(ev, TokenEvent):
-                text = cutter.push(ev.text)
-                if cutter.hit:
-                    stop.set()
-                yield replace(ev, text=text)
-            else:
-                tail = cutter.flush()
-                if tail:
-                    yield TokenEvent(-1, tail, ev.n_generated)
-                if cutter.hit and ev.stop_reason == "stopped":
-                    ev = replace(ev, stop_reason="eos")
-                yield ev
-
-    def snapshot(self) -> StatsSnapshot | None:
-        return self.lm.cache.snapshot() if self.lm.cache is not None else None
-
-    def cache(self) -> tuple[float, float]:
-        c = self.lm.cache
-        return (c.settings.mib, c.settings.cpu_share) if c is not None else (0.0, 0.0)
-
-    def min_hit_rate(self) -> float | None:
-        c = self.lm.cache
-        if c is None:
-            return None
-        return min_hit_rate([g.info for g in c.groups], c.n_expert_used, c.settings.max_batch, c.lookups())
-
-    def set_cache(self, mib: float, share: float) -> None:
-        settings = replace(self.base, mib=mib, cpu_share=share, trace=None)
-        settings.validate()
-        self.lm.set_cache(settings)
-
-    def _sweep_settings(self, max_mib: float | None = None, tokens: int = 256) -> SweepSettings:
-        return SweepSettings(
-            model=Path(self.info.path), device=self.base.device, n_ctx=min(self.lm.n_ctx, 4096),
-            emulate_link_gbps=self.base.emulate_link_gbps, load_mode=self.base.load_mode,
-            cpu_dequant_mib=self.lm.cpu_dequant_mib, cpu_kernels=self.lm.cpu_kernels, max_mib=max_mib,
-            tokens=tokens, warmup=min(32, tokens // 4),
-        )  # fmt: skip
-
-    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
-              ) -> Iterator[SweepEvent]:  # fmt: skip
-        mib, share = self.cache()
-        settings = self._sweep_settings(max_mib, tokens)
-        if fresh:
-            forget_runs(settings, app_paths().cache)
-        try:
-            yield from calibrate(settings, cache_dir=app_paths().cache, stop=stop, loaded=self.lm)
-        finally:
-            self.set_cache(mib, share)  # the session's own cache again, whatever happened
-
-    def recommend(self, done: SweepDone) -> TuneReport:
-        return recommend(done, self.info.name, workers=1)
-
-    def confirm(self, stop: threading.Event, current: tuple[float, float],
-                recommended: tuple[float, float]) -> Iterator[ConfirmEvent]:  # fmt: skip
-        mib, share = self.cache()
-        try:
-            yield from confirm(self.lm, self._sweep_settings(), current, recommended, stop=stop)
-        finally:
-            self.set_cache(mib, share)  # the session's own cache again, whatever happened
-
-    def close(self) -> None:
-        self.lm.close()

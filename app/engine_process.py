@@ -25,14 +25,12 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import Any
 
-from moechat.engine.generate import DoneEvent, Event, SamplingParams
-from moechat.engine.stats import Cadence, StatsSnapshot
-from moechat.tuner.confirm import ConfirmEvent
+from moechat.app.engine_api import Message, ModelInfo
+from moechat.app.settings import Settings, cache_settings, error_line
+from moechat.engine.cache.stats import Cadence, StatsSnapshot
+from moechat.engine.events import DoneEvent, Event, SamplingParams
+from moechat.tuner.events import Cancelled, ConfirmEvent, SweepDone, SweepEvent
 from moechat.tuner.recommend import TuneReport
-from moechat.tuner.sweep import Cancelled, SweepDone, SweepEvent
-
-from .engine_api import Message, ModelInfo
-from .settings import Settings, cache_settings
 
 logger = logging.getLogger(__name__)
 
@@ -50,8 +48,8 @@ class EngineProcessError(RuntimeError):
 
 def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
     """The child: load the model, then answer calls until "close" or the pipe closes."""
-    from .demo_model import resolve_model_quiet
-    from .engine_api import RealEngine, file_identity, load_for
+    from moechat.app.demo_model import resolve_model_quiet
+    from moechat.app.real_engine import RealEngine, file_identity, load_for
 
     try:
         path = resolve_model_quiet(spec.model, lambda text: conn.send(("progress", text)))
@@ -63,7 +61,7 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
         lm = load_for(path, spec.settings, base)
         engine = RealEngine(lm, replace(base, mib=0.0, cpu_share=0.0, trace=None), identity)
     except Exception as e:
-        conn.send(("error", type(e).__name__, str(e).splitlines()[0] if str(e) else type(e).__name__))
+        conn.send(("error", type(e).__name__, error_line(e)))
         return
     conn.send(("ready", engine.info))
     calls: dict[str, Callable[..., Any]] = {
@@ -97,7 +95,7 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
                     conn.send(("result", calls[name](*args)))
             except Exception as e:
                 logger.debug("engine call %s failed:\n%s", name, traceback.format_exc())
-                conn.send(("error", type(e).__name__, str(e)))
+                conn.send(("error", type(e).__name__, error_line(e)))
     finally:
         engine.close()
 

@@ -14,12 +14,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from moechat.engine.stats import RECENT_TOKENS, CountersSnapshot, Recent, RecentWindow, StatsSnapshot
+from moechat.app.atomic import write_atomic
+from moechat.app.conversations import Conversation, now_iso
+from moechat.engine.cache.stats import RECENT_TOKENS, CountersSnapshot, Recent, RecentWindow, StatsSnapshot
 
 from moechat import __version__
-
-from .atomic import write_atomic
-from .conversations import Conversation, now_iso
 
 SCHEMA_VERSION = 1
 SERIES_MAX = 2000  # points kept; older ones are dropped (one point per stats update, ~4/s)

@@ -6,8 +6,8 @@ import argparse
 import sys
 from pathlib import Path
 
-from .export import read_stats, write_stats
-from .paths import app_paths
+from moechat.app.export import read_stats, write_stats
+from moechat.app.paths import app_paths
 
 
 def add_export_arguments(p: argparse.ArgumentParser) -> None:
@@ -31,7 +31,7 @@ def run_export(args: argparse.Namespace) -> int:
         out = write_stats(d, Path(args.output), args.format)
         print(f"moechat: wrote {out}", file=sys.stderr)
         return 0
-    from .export import to_csv, to_markdown
+    from moechat.app.export import to_csv, to_markdown
 
     text = {
         "json": lambda: __import__("json").dumps(d, indent=1),

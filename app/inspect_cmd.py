@@ -6,10 +6,10 @@ import re
 from collections import defaultdict
 
 from moechat.engine.config import ModelConfig
-from moechat.engine.gguf_file import GGUFFile
-from moechat.engine.layers import kv_cache_bytes, recurrent_state_bytes
-from moechat.engine.model_file import open_model, quant_histogram
+from moechat.engine.gguf.reader import GGUFFile
 from moechat.engine.models.decoder import is_moe_layer
+from moechat.engine.models.opening import open_model, quant_histogram
+from moechat.engine.nn.layers import kv_cache_bytes, recurrent_state_bytes
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text

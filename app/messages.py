@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-from moechat.engine.generate import DoneEvent
-from moechat.engine.stats import StatsSnapshot
-from moechat.tuner.confirm import ConfirmEvent
+from moechat.engine.cache.stats import StatsSnapshot
+from moechat.engine.events import DoneEvent
+from moechat.tuner.events import ConfirmEvent, SweepEvent
 from moechat.tuner.recommend import TuneReport
-from moechat.tuner.sweep import SweepEvent
 from textual.message import Message
 
 

@@ -11,8 +11,8 @@ import sys
 import threading
 from typing import TYPE_CHECKING
 
-from .run_cmd import add_config_flag
-from .settings import (
+from moechat.app.run_cmd import add_config_flag
+from moechat.app.settings import (
     APP,
     ENGINE,
     MODEL_HELP,
@@ -25,9 +25,8 @@ from .settings import (
 )
 
 if TYPE_CHECKING:  # the engine (torch) loads when a chat starts, not for --help
-    from moechat.engine.generate import SamplingParams
-
-    from .engine_api import RealEngine
+    from moechat.app.real_engine import RealEngine
+    from moechat.engine.events import SamplingParams
 
 SETTINGS = (*SAMPLING, *ENGINE, *APP)
 
@@ -41,23 +40,24 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
-    from .demo_model import resolve_model
-    from .engine_api import load_for
-
     settings, warnings, config = from_args(args, SETTINGS)
     if not args.plain and sys.stdin.isatty() and sys.stdout.isatty():
-        from .paths import app_paths
-        from .tui import MoechatApp, real_engine_factory, run_tui
+        from moechat.app.paths import app_paths
+        from moechat.app.tui import MoechatApp, real_engine_factory, run_tui
 
         warm_dir = app_paths().data / "warm"  # each model's expert use counts, for the next start
         app = MoechatApp(real_engine_factory(args.model, settings, warm_dir), settings,
                          config_path=config, warnings=warnings)  # fmt: skip
         return run_tui(app, app_paths().log / "moechat.log")
+    # Line mode: the engine runs in this process (the app's UI process never loads torch or numba).
+    from moechat.app.demo_model import resolve_model
+    from moechat.app.real_engine import load_for
+
     print_warnings(warnings)
     params = sampling_params(settings)
     cache = cache_settings(settings)
     lm = load_for(resolve_model(args.model), settings, cache)
-    from .engine_api import RealEngine
+    from moechat.app.real_engine import RealEngine
 
     # The app's engine in this process: the same prompt fitting (oldest turns dropped when the
     # context is full, the plain format when the template fails) and the same stop strings.
@@ -88,7 +88,7 @@ def run_chat(args: argparse.Namespace) -> int:
 
 
 def _reply(engine: RealEngine, prompt: list[int], n: int, params: SamplingParams) -> str:
-    from moechat.engine.generate import TokenEvent
+    from moechat.engine.events import TokenEvent
 
     stop = threading.Event()
     text = ""

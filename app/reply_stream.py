@@ -12,13 +12,12 @@ import threading
 import time
 from collections.abc import Callable
 
-from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, tokens_per_second
-from moechat.engine.stats import Cadence
+from moechat.app.engine_api import ChatEngine
+from moechat.app.engine_api import Message as ChatMessage
+from moechat.app.messages import ContextTrimmed, ReplyDone, StatsUpdate, TokenText
+from moechat.engine.cache.stats import Cadence
+from moechat.engine.events import DoneEvent, SamplingParams, TokenEvent, tokens_per_second
 from textual.message import Message
-
-from .engine_api import ChatEngine
-from .engine_api import Message as ChatMessage
-from .messages import ContextTrimmed, ReplyDone, StatsUpdate, TokenText
 
 FULL_EVERY = 1.0  # seconds: the throughput plot and the heat map redraw at most once a second
 

@@ -7,7 +7,7 @@ import os
 import sys
 import threading
 
-from .settings import (
+from moechat.app.settings import (
     ENGINE,
     MODEL_HELP,
     SAMPLING,
@@ -35,11 +35,11 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from moechat.engine.generate import DoneEvent, TokenEvent, generate
-    from moechat.engine.stats import summary_lines
-
-    from .demo_model import resolve_model
-    from .engine_api import load_for
+    from moechat.app.demo_model import resolve_model
+    from moechat.app.real_engine import load_for
+    from moechat.engine.cache.stats import summary_lines
+    from moechat.engine.events import DoneEvent, TokenEvent
+    from moechat.engine.generate import generate
 
     settings, warnings, _ = from_args(args, (*SAMPLING, *ENGINE))
     print_warnings(warnings)

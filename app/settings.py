@@ -20,60 +20,26 @@ import os
 import sys
 import time
 from collections.abc import Callable, Iterable, Mapping
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import tomllib
-from moechat.engine.cache_policy import POLICIES as CACHE_POLICIES
-from moechat.engine.kernel_modes import KERNEL_MODES
-from moechat.engine.kernel_modes import describe as describe_kernel_modes
-
-from .atomic import write_atomic
+from moechat.app.atomic import write_atomic
+from moechat.engine.cache.policy import POLICIES as CACHE_POLICIES
+from moechat.engine.errors import ParameterError
+from moechat.engine.kernels.modes import KERNEL_MODES
+from moechat.engine.kernels.modes import describe as describe_kernel_modes
 
 if TYPE_CHECKING:  # the engine (torch) loads when a command runs, not for --help
-    from moechat.engine.cache_settings import CacheSettings
-    from moechat.engine.generate import SamplingParams
+    from moechat.engine.cache.settings import CacheSettings
+    from moechat.engine.events import SamplingParams
 
 logger = logging.getLogger(__name__)
 
 
 class SettingError(ValueError):
     """A setting with a value that cannot work; the message names the setting and its source."""
-
-
-@dataclass(frozen=True)
-class Settings:
-    # the engine
-    device: str = "auto"
-    moe_cache_mib: float = 0.0
-    moe_cache_cpu_share: float = 0.0
-    moe_cache_trace: str = ""
-    moe_cache_policy: str = "classlru"
-    moe_cache_prefetch: str = "off"
-    load_mode: str = "mmap"
-    emulate_link_gbps: float = 0.0
-    cpu_dequant_mib: float = 0.0
-    cpu_kernels: str = "fast"
-    threads: int = 0  # the engine's CPU threads; 0: one per core
-    ctx_size: int = 4096
-    chat_template: str = ""
-    # each reply
-    n_predict: int = 512
-    temp: float = 0.7
-    top_k: int = 40
-    top_p: float = 0.95
-    min_p: float = 0.05
-    repeat_penalty: float = 1.0
-    seed: int = -1
-    system: str = ""
-    # the full-screen app
-    refresh_ms: int = 250
-    theme: str = "textual-dark"
-    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
-
-    def source(self, name: str) -> str:
-        return self.sources.get(name, "default")
 
 
 def _nonneg(x: float) -> bool:
@@ -107,80 +73,152 @@ def _one_of(choices: tuple[str, ...], help: str) -> Spec:
     return Spec(str, lambda v: v in choices, want, help, choices=choices)
 
 
-SPEC: dict[str, Spec] = {
-    "device": _one_of(("auto", "cpu", "cuda"), "where the model runs"),
-    "moe_cache_mib": Spec(
-        float, _nonneg, ">= 0", "device expert cache in MiB, fractions allowed; 0 = off", metavar="N"
-    ),
-    "moe_cache_cpu_share": Spec(
-        float, _unit, "in [0, 1]", "share of the misses computed on the CPU once the cache is full", metavar="F"
-    ),
-    "moe_cache_trace": Spec(str, _any, "a file path", "write every expert lookup to this file", metavar="PATH"),
-    "moe_cache_policy": _one_of(
-        CACHE_POLICIES,
-        "which misses the full cache admits (the rest run on the CPU): classlru all; second-use those used in "
-        "the last 256 tokens; upload-cap at most one per token; protect those used more than what they evict",
-    ),
-    "moe_cache_prefetch": _one_of(
-        ("off", "next-layer"),
-        "next-layer: after each block, predict the next MoE layer's experts with its router and upload the "
-        "predicted misses while the device computes",
-    ),
-    "load_mode": _one_of(
-        ("mmap", "pinned"),
-        "CUDA: keep the host experts memory-mapped (fast start) or copy them to pinned memory "
-        "(uploads at full link speed, slower start, locked RAM)",
-    ),
-    "emulate_link_gbps": Spec(
-        float,
-        _nonneg,
-        ">= 0",
-        "CPU device: make each upload also cost bytes / X GB/s, like a PCIe link; 0 = off",
-        metavar="X",
-    ),
-    "cpu_dequant_mib": Spec(
-        float, _nonneg, ">= 0", "with --cpu-kernels exact: keep up to N MiB of dequantized experts", metavar="N"
-    ),
-    "cpu_kernels": _one_of(tuple(KERNEL_MODES), "CPU matmuls. " + describe_kernel_modes()),
-    "threads": Spec(
-        int,
-        lambda v: 0 <= v <= 1024,
-        "in 0..1024 (0: one per core)",
-        "CPU threads for the engine; 0 = one per core",
-        short="-t",
-        metavar="N",
-    ),
-    "ctx_size": Spec(
-        int, lambda v: 16 <= v <= 1 << 20, "in 16..1048576", "context size in tokens", short="-c", metavar="N"
-    ),
-    "chat_template": Spec(str, _any, "a file path", "Jinja chat template overriding the GGUF's", metavar="FILE"),
-    "n_predict": Spec(int, lambda v: v > 0, "> 0", "most tokens per reply", short="-n", metavar="N"),
-    "temp": Spec(float, _nonneg, ">= 0", "temperature; 0 = greedy", metavar="T"),
-    "top_k": Spec(int, lambda v: v >= 0, ">= 0", "sample from the K likeliest tokens; 0 = all", metavar="K"),
-    "top_p": Spec(float, lambda v: 0 < v <= 1, "in (0, 1]", "nucleus sampling", metavar="P"),
-    "min_p": Spec(float, lambda v: 0 <= v < 1, "in [0, 1)", "drop tokens below P x the likeliest", metavar="P"),
-    "repeat_penalty": Spec(
-        float, lambda v: v > 0, "> 0 (1 = off)", "penalty on the last 64 tokens; 1 = off", metavar="X"
-    ),
-    "seed": Spec(
-        int,
-        lambda v: v >= -1,
-        ">= -1 (-1: a new one each reply)",
-        "same seed, same reply; -1 = a new one each reply",
-        metavar="N",
-    ),
-    "system": Spec(str, _any, "text", "system prompt", metavar="TEXT"),
-    "refresh_ms": Spec(
-        int, lambda v: 50 <= v <= 10_000, "in 50..10000", "dashboard refresh interval in ms", metavar="MS"
-    ),
-    "theme": Spec(str, bool, "a theme name", "Textual theme (remembered in config.toml)"),
-}
+def _setting(default: Any, group: str, spec: Spec) -> Any:
+    """A field of `Settings` with its declaration: one place names a setting, its group and its check."""
+    return field(default=default, metadata={"group": group, "spec": spec})
 
-ENGINE = ("device", "moe_cache_mib", "moe_cache_cpu_share", "moe_cache_policy", "moe_cache_prefetch",
-          "moe_cache_trace", "load_mode", "emulate_link_gbps", "cpu_dequant_mib", "cpu_kernels", "threads",
-          "ctx_size", "chat_template")  # fmt: skip
-SAMPLING = ("n_predict", "temp", "top_k", "top_p", "min_p", "repeat_penalty", "seed")
-APP = ("system", "refresh_ms", "theme")
+
+@dataclass(frozen=True)
+class Settings:
+    """Every setting: a field each, declared with its default, its group (engine, sampling, app) and its spec.
+    The flags, variables, config keys, groups and the README's list all come from these fields."""
+
+    device: str = _setting("auto", "engine", _one_of(("auto", "cpu", "cuda"), "where the model runs"))
+    moe_cache_mib: float = _setting(
+        0.0,
+        "engine",
+        Spec(float, _nonneg, ">= 0", "device expert cache in MiB, fractions allowed; 0 = off", metavar="N"),
+    )
+    moe_cache_cpu_share: float = _setting(
+        0.0,
+        "engine",
+        Spec(float, _unit, "in [0, 1]", "share of the misses computed on the CPU once the cache is full", metavar="F"),
+    )
+    moe_cache_trace: str = _setting(
+        "", "engine", Spec(str, _any, "a file path", "write every expert lookup to this file", metavar="PATH")
+    )
+    moe_cache_policy: str = _setting(
+        "classlru",
+        "engine",
+        _one_of(
+            CACHE_POLICIES,
+            "which misses the full cache admits (the rest run on the CPU): classlru all; second-use those used in "
+            "the last 256 tokens; upload-cap at most one per token; protect those used more than what they evict",
+        ),
+    )
+    moe_cache_prefetch: str = _setting(
+        "off",
+        "engine",
+        _one_of(
+            ("off", "next-layer"),
+            "next-layer: after each block, predict the next MoE layer's experts with its router and upload the "
+            "predicted misses while the device computes",
+        ),
+    )
+    load_mode: str = _setting(
+        "mmap",
+        "engine",
+        _one_of(
+            ("mmap", "pinned"),
+            "CUDA: keep the host experts memory-mapped (fast start) or copy them to pinned memory "
+            "(uploads at full link speed, slower start, locked RAM)",
+        ),
+    )
+    emulate_link_gbps: float = _setting(
+        0.0,
+        "engine",
+        Spec(
+            float,
+            _nonneg,
+            ">= 0",
+            "CPU device: make each upload also cost bytes / X GB/s, like a PCIe link; 0 = off",
+            metavar="X",
+        ),
+    )
+    cpu_dequant_mib: float = _setting(
+        0.0,
+        "engine",
+        Spec(float, _nonneg, ">= 0", "with --cpu-kernels exact: keep up to N MiB of dequantized experts", metavar="N"),
+    )
+    cpu_kernels: str = _setting(
+        "fast", "engine", _one_of(tuple(KERNEL_MODES), "CPU matmuls. " + describe_kernel_modes())
+    )
+    threads: int = _setting(
+        0,
+        "engine",
+        Spec(
+            int,
+            lambda v: 0 <= v <= 1024,
+            "in 0..1024 (0: one per core)",
+            "CPU threads for the engine; 0 = one per core",
+            short="-t",
+            metavar="N",
+        ),
+    )
+    ctx_size: int = _setting(
+        4096,
+        "engine",
+        Spec(int, lambda v: 16 <= v <= 1 << 20, "in 16..1048576", "context size in tokens", short="-c", metavar="N"),
+    )
+    chat_template: str = _setting(
+        "", "engine", Spec(str, _any, "a file path", "Jinja chat template overriding the GGUF's", metavar="FILE")
+    )
+    n_predict: int = _setting(
+        512, "sampling", Spec(int, lambda v: v > 0, "> 0", "most tokens per reply", short="-n", metavar="N")
+    )
+    temp: float = _setting(0.7, "sampling", Spec(float, _nonneg, ">= 0", "temperature; 0 = greedy", metavar="T"))
+    top_k: int = _setting(
+        40, "sampling", Spec(int, lambda v: v >= 0, ">= 0", "sample from the K likeliest tokens; 0 = all", metavar="K")
+    )
+    top_p: float = _setting(
+        0.95, "sampling", Spec(float, lambda v: 0 < v <= 1, "in (0, 1]", "nucleus sampling", metavar="P")
+    )
+    min_p: float = _setting(
+        0.05,
+        "sampling",
+        Spec(float, lambda v: 0 <= v < 1, "in [0, 1)", "drop tokens below P x the likeliest", metavar="P"),
+    )
+    repeat_penalty: float = _setting(
+        1.0,
+        "sampling",
+        Spec(float, lambda v: v > 0, "> 0 (1 = off)", "penalty on the last 64 tokens; 1 = off", metavar="X"),
+    )
+    seed: int = _setting(
+        -1,
+        "sampling",
+        Spec(
+            int,
+            lambda v: v >= -1,
+            ">= -1 (-1: a new one each reply)",
+            "same seed, same reply; -1 = a new one each reply",
+            metavar="N",
+        ),
+    )
+    system: str = _setting("", "app", Spec(str, _any, "text", "system prompt", metavar="TEXT"))
+    refresh_ms: int = _setting(
+        250,
+        "app",
+        Spec(int, lambda v: 50 <= v <= 10_000, "in 50..10000", "dashboard refresh interval in ms", metavar="MS"),
+    )
+    theme: str = _setting(
+        "textual-dark", "app", Spec(str, bool, "a theme name", "Textual theme (remembered in config.toml)")
+    )
+    sources: Mapping[str, str] = field(default_factory=dict, compare=False)
+
+    def source(self, name: str) -> str:
+        return self.sources.get(name, "default")
+
+
+SPEC: dict[str, Spec] = {f.name: f.metadata["spec"] for f in fields(Settings) if "spec" in f.metadata}
+
+
+def _group(group: str) -> tuple[str, ...]:
+    return tuple(f.name for f in fields(Settings) if f.metadata.get("group") == group)
+
+
+ENGINE = _group("engine")
+SAMPLING = _group("sampling")
+APP = _group("app")
 
 
 # Half of each demo's routed experts, so hits, uploads and CPU-computed misses all show on the
@@ -332,7 +370,7 @@ def from_args(args: argparse.Namespace, names: Iterable[str]) -> tuple[Settings,
     dir's) and the defaults, a built-in demo's own defaults where nothing else set a value.
 
     Returns (settings, warnings, the config.toml path)."""
-    from .paths import app_paths
+    from moechat.app.paths import app_paths
 
     given = getattr(args, "config", None)
     config = Path(given) if given else app_paths().config / "config.toml"
@@ -340,6 +378,26 @@ def from_args(args: argparse.Namespace, names: Iterable[str]) -> tuple[Settings,
         raise ValueError(f"--config {config}: no such file")
     settings, warnings = resolve({n: getattr(args, n, None) for n in names}, config_path=config)
     return for_demo(settings, getattr(args, "model", None)), warnings, config
+
+
+# The engine names its parameters in its own words (engine.errors.ParameterError): the setting of each.
+ENGINE_PARAMETERS = {
+    "mib": "moe_cache_mib", "cpu_share": "moe_cache_cpu_share", "emulate_link_gbps": "emulate_link_gbps",
+    "load_mode": "load_mode", "policy": "moe_cache_policy", "device": "device", "kernels": "cpu_kernels",
+    "dequant_mib": "cpu_dequant_mib", "threads": "threads",
+}  # fmt: skip
+
+
+def error_line(e: BaseException) -> str:
+    """An error as the one line a user reads: an engine parameter's error names the setting's flag (and the
+    flag's value to try, where the engine proposes one)."""
+    text = str(e).splitlines()[0] if str(e) else type(e).__name__
+    name = ENGINE_PARAMETERS.get(e.parameter) if isinstance(e, ParameterError) else None
+    if name is None:
+        return text
+    flag = flag_name(name)
+    hint = f"; try {flag} {e.suggestion:g}" if isinstance(e, ParameterError) and e.suggestion is not None else ""
+    return f"{flag}: {text}{hint}"
 
 
 def print_warnings(warnings: Iterable[str]) -> None:
@@ -350,7 +408,7 @@ def print_warnings(warnings: Iterable[str]) -> None:
 
 def cache_settings(settings: Settings, warm_start: Path | None = None) -> CacheSettings:
     """The expert cache's settings, checked; an unusable device names where it was set."""
-    from moechat.engine.cache_settings import CacheSettings
+    from moechat.engine.cache.settings import CacheSettings
     from moechat.engine.loader import resolve_device
 
     try:
@@ -368,7 +426,7 @@ def cache_settings(settings: Settings, warm_start: Path | None = None) -> CacheS
 
 
 def sampling_params(settings: Settings) -> SamplingParams:
-    from moechat.engine.generate import SamplingParams
+    from moechat.engine.events import SamplingParams
 
     params = SamplingParams(temperature=settings.temp, top_k=settings.top_k, top_p=settings.top_p,
                             min_p=settings.min_p, repeat_penalty=settings.repeat_penalty,

@@ -12,17 +12,17 @@ from dataclasses import asdict, replace
 from pathlib import Path
 from typing import Any
 
+from moechat.app.conversations import Conversation, ConversationStore, now_iso
+from moechat.app.engine_api import ChatEngine
+from moechat.app.export import SessionStats, transcript_markdown, write_stats
+from moechat.app.paths import AppPaths, app_paths
+from moechat.app.screens.chat import ChatScreen
+from moechat.app.settings import Settings, error_line, save_config
 from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.notifications import SeverityLevel
 from textual.screen import Screen
 from textual.widgets import Label, LoadingIndicator
-
-from .conversations import Conversation, ConversationStore, now_iso
-from .engine_api import ChatEngine
-from .export import SessionStats, transcript_markdown, write_stats
-from .paths import AppPaths, app_paths
-from .settings import Settings, save_config
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class MoechatApp(App[int]):
         self.paths = paths or app_paths()
         self.config_path = config_path or self.paths.config / "config.toml"
         self.startup_warnings = list(warnings)
-        self.engine: ChatEngine = None  # type: ignore[assignment]  # set once loaded
+        self.engine: ChatEngine = None  # type: ignore[assignment,unused-ignore]  # set once loaded
         self.engine_lock = threading.Lock()  # one engine job at a time (a reply, a sweep, a cache change)
         self.store = ConversationStore(self.paths.data / "conversations")
         self.session: SessionStats = SessionStats({}, {})
@@ -91,7 +91,7 @@ class MoechatApp(App[int]):
         try:
             engine = self.factory(progress)
         except Exception as e:  # a bad file: one line, then exit 2
-            self.call_from_thread(self._failed, str(e).splitlines()[0] if str(e) else type(e).__name__)
+            self.call_from_thread(self._failed, error_line(e))
             return
         self.call_from_thread(self._engine_ready, engine)
 
@@ -115,7 +115,6 @@ class MoechatApp(App[int]):
             self.exit(2, return_code=2)
 
     def _engine_ready(self, engine: ChatEngine) -> None:
-        from .screens.chat import ChatScreen
 
         self.engine = engine
         self.cache_in_effect = engine.cache()
@@ -168,8 +167,7 @@ class MoechatApp(App[int]):
         try:
             for fmt, ext in (("json", "json"), ("csv", "csv"), ("md", "md")):
                 written.append(write_stats(d, folder / f"stats-{stamp}.{ext}", fmt))
-            from .atomic import write_atomic
-            from .screens.chat import ChatScreen
+            from moechat.app.atomic import write_atomic
 
             if isinstance(self.screen, ChatScreen):
                 written.append(write_atomic(folder / f"chat-{stamp}.md", transcript_markdown(self.screen.conv)))
@@ -191,7 +189,6 @@ class MoechatApp(App[int]):
 
     def get_system_commands(self, screen: Screen[Any]) -> Iterable[SystemCommand]:
         yield from super().get_system_commands(screen)
-        from .screens.chat import ChatScreen
 
         if isinstance(screen, ChatScreen):
             for title, help_text, action in (
@@ -219,7 +216,7 @@ def real_engine_factory(model: str | None, settings: Settings, warm_dir: Path | 
     `warm_dir`: where the expert cache keeps each model's use counts between runs (warm start)."""
 
     def build(progress: Callable[[str], None]) -> ChatEngine:
-        from .engine_process import EngineSpec, ProcessEngine
+        from moechat.app.engine_process import EngineSpec, ProcessEngine
 
         return ProcessEngine(EngineSpec(model, settings, str(warm_dir) if warm_dir else None), progress)
 

@@ -9,8 +9,8 @@ import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from .paths import app_paths
-from .settings import ENGINE
+from moechat.app.paths import app_paths
+from moechat.app.settings import ENGINE
 
 if TYPE_CHECKING:
     from moechat.tuner.simulator import Routing
@@ -25,8 +25,8 @@ TUNE_SETTINGS = tuple(
 
 
 def add_tune_arguments(p: argparse.ArgumentParser) -> None:
-    from .run_cmd import add_config_flag
-    from .settings import MODEL_HELP, add_flags
+    from moechat.app.run_cmd import add_config_flag
+    from moechat.app.settings import MODEL_HELP, add_flags
 
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--max-mib", type=float, default=None, metavar="N", help="largest cache to consider, in MiB")
@@ -43,25 +43,16 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
-    from moechat.engine.gguf_file import GGUFFile
+    from moechat.app.demo_model import resolve_model
+    from moechat.app.settings import cache_settings, from_args, print_warnings
+    from moechat.engine.gguf.reader import GGUFFile
     from moechat.engine.loader import set_threads
+    from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone
     from moechat.tuner.recommend import recommend
     from moechat.tuner.report import render, to_json
-    from moechat.tuner.sweep import (
-        ArmDone,
-        ArmProgress,
-        ArmStarted,
-        Cancelled,
-        SweepDone,
-        SweepSettings,
-        calibrate,
-        forget_runs,
-    )  # fmt: skip
+    from moechat.tuner.sweep import SweepSettings, calibrate, forget_runs
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
-
-    from .demo_model import resolve_model
-    from .settings import cache_settings, from_args, print_warnings
 
     if args.tokens < args.warmup + 8:
         raise ValueError(f"--tokens must be at least --warmup + 8 = {args.warmup + 8}, got {args.tokens}")
@@ -120,7 +111,7 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--sizes", type=float, nargs="+", default=None, metavar="MIB",
                    help="cache sizes in MiB (default: 10%%..100%% of the experts)")  # fmt: skip
     p.add_argument("--shares", type=float, nargs="+", default=[0.0], metavar="F", help="CPU shares (default 0)")
-    from moechat.engine.cache_policy import POLICIES
+    from moechat.engine.cache.policy import POLICIES
     from moechat.tuner.baselines import POLICIES as BASELINES
 
     p.add_argument("--policy", nargs="+", default=["classlru", "lru", "lfu", "min", "min-bypass"],
@@ -136,7 +127,7 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_sim(args: argparse.Namespace) -> int:
-    from moechat.engine.cache_policy import POLICIES as ENGINE_POLICIES
+    from moechat.engine.cache.policy import POLICIES as ENGINE_POLICIES
     from moechat.tuner.baselines import BaselineResult, simulate_baseline
     from moechat.tuner.report import table
     from moechat.tuner.simulator import load_routing, replay

@@ -23,8 +23,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from moechat.engine.cache_policy import ClassLRU, CpuShare
-from moechat.engine.cache_settings import CacheSettings
+from moechat.engine.cache.policy import ClassLRU, CpuShare
+from moechat.engine.cache.settings import CacheSettings
 from moechat.engine.generate import decode_one, prefill
 from moechat.engine.loader import load_model
 

@@ -75,8 +75,8 @@ def _no_extra_buffer_types() -> None:
 
 
 def _ids(path: Path, n_pos: int) -> list[int]:
-    from moechat.engine.gguf_file import GGUFFile
-    from moechat.engine.tokenizer import Tokenizer
+    from moechat.engine.gguf.reader import GGUFFile
+    from moechat.engine.text.tokenizer import Tokenizer
 
     tok = Tokenizer.from_metadata(GGUFFile(path).metadata, str(path))
     return tok.encode(TEXT * 20)[:n_pos]  # BOS as the model asks, as in real use
@@ -196,8 +196,8 @@ def f32_copy(path: Path, out_dir: Path) -> Path:
     copy both do fp32 arithmetic, so what is left between them is the model code itself.
     """
     from gguf import GGUFWriter
-    from moechat.engine.gguf_file import GGUFFile, copy_metadata
-    from moechat.engine.quants import dequantize
+    from moechat.engine.gguf.dequant import dequantize
+    from moechat.engine.gguf.reader import GGUFFile, copy_metadata
 
     out = out_dir / f"{path.stem}-f32.gguf"
     with GGUFFile(path) as src:

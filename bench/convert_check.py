@@ -30,7 +30,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from moechat.engine.generate import GREEDY, TokenEvent, generate
+from moechat.engine.events import GREEDY, TokenEvent
+from moechat.engine.generate import generate
 from moechat.engine.loader import LoadedModel, load_model
 
 FAMILIES = ("qwen3next", "qwen35moe", "glm4moe", "deepseek2", "qwen3moe", "qwen2moe", "llama", "olmoe")

@@ -54,7 +54,7 @@ def main() -> None:
     ap.add_argument("--big", action="store_true", help="also the generated 5 GB Qwen3-30B-A3B-shaped model")
     args = ap.parse_args()
     from moechat.app.paths import app_paths
-    from moechat.engine.demo import DEMOS, ensure_demo
+    from moechat.demo.build import DEMOS, ensure_demo
 
     cache = app_paths().cache
     print("| model | top-1 | pp t/s ours | int8 | llama.cpp | ratio | int8 | tg t/s ours | int8 | llama.cpp | ratio "

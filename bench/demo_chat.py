@@ -17,8 +17,9 @@ import json
 import os
 
 from moechat.app.paths import app_paths
-from moechat.engine.demo import DEFAULT_DEMO, DEMOS, ensure_demo
-from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
+from moechat.demo.build import DEFAULT_DEMO, DEMOS, ensure_demo
+from moechat.engine.events import DoneEvent, SamplingParams, TokenEvent
+from moechat.engine.generate import generate
 from moechat.engine.loader import LoadedModel, load_model
 
 

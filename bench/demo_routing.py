@@ -18,11 +18,12 @@ import time
 from pathlib import Path
 
 from moechat.app.paths import app_paths
-from moechat.engine.cache_settings import CacheSettings
-from moechat.engine.demo import ensure_demo
-from moechat.engine.generate import SamplingParams, TokenEvent, generate
+from moechat.demo.build import ensure_demo
+from moechat.engine.cache.settings import CacheSettings
+from moechat.engine.cache.trace import read_trace
+from moechat.engine.events import SamplingParams, TokenEvent
+from moechat.engine.generate import generate
 from moechat.engine.loader import load_model
-from moechat.engine.trace import read_trace
 from moechat.tuner.routing_stats import lru_hit_rate, reuse_rate, top_share
 
 PROMPTS = [

@@ -28,10 +28,11 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from moechat.engine.cache_settings import CacheSettings
-from moechat.engine.generate import GREEDY, TokenEvent, decode_one, generate, prefill
+from moechat.engine.cache.settings import CacheSettings
+from moechat.engine.events import GREEDY, TokenEvent
+from moechat.engine.generate import decode_one, generate, prefill
 from moechat.engine.loader import LoadedModel, load_model
-from moechat.engine.moe import run_experts
+from moechat.engine.moe.host_experts import run_experts
 
 
 def timed(fn: object, repeats: int = 5) -> float:

@@ -30,11 +30,11 @@ from gguf import GGMLQuantizationType as Q
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from moechat.engine import cpu_kernels
-from moechat.engine.fused_moe import run_fused
-from moechat.engine.jit import set_kernel_threads
-from moechat.engine.moe import ExpertTensor, LayerExperts
-from moechat.engine.quants import dequantize
+from moechat.engine.gguf.dequant import dequantize
+from moechat.engine.kernels import cpu as cpu_kernels
+from moechat.engine.kernels.jit import set_kernel_threads
+from moechat.engine.moe.expert_tensors import ExpertTensor, LayerExperts
+from moechat.engine.moe.kernel_calls import run_fused
 from testkit.ggufgen import quantized
 
 TYPES = (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.Q8_0, Q.Q4_0, Q.MXFP4, Q.IQ4_XS)
@@ -107,7 +107,7 @@ def measure_moe(qtype: Q, mib: int, rng: np.random.Generator, bits: int) -> floa
         ids = rng.choice(n_expert, k, replace=False).astype(np.int64)[None]
         run_fused(lx, (lx.gate.raw.numpy(), lx.up.raw.numpy(), lx.down.raw.numpy()), None, 0, x, ids, w,
                   sorted(ids[0].tolist()), contrib, bits)  # fmt: skip
-        cpu_kernels.combine(contrib, ids)
+        cpu_kernels.sum_by_token(contrib, ids)
 
     return timed(step, len(layers), layers[0].bytes_per_expert * k)
 

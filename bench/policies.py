@@ -19,7 +19,7 @@ import random
 import tempfile
 from pathlib import Path
 
-from moechat.engine.cache_policy import POLICIES
+from moechat.engine.cache.policy import POLICIES
 from moechat.tuner.baselines import simulate_baseline
 from moechat.tuner.simulator import Group, Routing, load_routing, replay
 
@@ -39,9 +39,10 @@ PROMPTS = [
 def demo_trace(name: str, tokens: int, out: Path) -> Routing:
     from moechat.app.paths import app_paths
     from moechat.app.settings import DEMO_DEFAULTS
-    from moechat.engine.cache_settings import CacheSettings
-    from moechat.engine.demo import ensure_demo
-    from moechat.engine.generate import SamplingParams, generate
+    from moechat.demo.build import ensure_demo
+    from moechat.engine.cache.settings import CacheSettings
+    from moechat.engine.events import SamplingParams
+    from moechat.engine.generate import generate
     from moechat.engine.loader import load_model
 
     path = ensure_demo(app_paths().cache, name=name)

@@ -23,10 +23,10 @@ from collections import defaultdict
 from pathlib import Path
 
 import torch
-from moechat.engine.cache_policy import ClassLRU, CpuShare, bypasses
-from moechat.engine.layers import rms_norm
+from moechat.engine.cache.policy import ClassLRU, CpuShare, bypasses
 from moechat.engine.models.decoder import MoeFFN
-from moechat.engine.moe import route
+from moechat.engine.moe.routing import route
+from moechat.engine.nn.layers import rms_norm
 
 PROMPTS = [
     "Write a short letter to a neighbour about a lost umbrella.",
@@ -39,11 +39,12 @@ PROMPTS = [
 def main() -> None:
     from moechat.app.paths import app_paths
     from moechat.app.settings import DEMO_DEFAULTS
-    from moechat.engine.cache_settings import CacheSettings
-    from moechat.engine.demo import ensure_demo
-    from moechat.engine.generate import SamplingParams, TokenEvent, generate
+    from moechat.demo.build import ensure_demo
+    from moechat.engine.cache.settings import CacheSettings
+    from moechat.engine.cache.trace import read_trace
+    from moechat.engine.events import SamplingParams, TokenEvent
+    from moechat.engine.generate import generate
     from moechat.engine.loader import load_model
-    from moechat.engine.trace import read_trace
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--demo", default="smollm2")
@@ -164,9 +165,10 @@ def main() -> None:
 def speed(name: str, tokens: int, repeats: int = 3) -> None:
     from moechat.app.paths import app_paths
     from moechat.app.settings import DEMO_DEFAULTS
-    from moechat.engine.cache_settings import CacheSettings
-    from moechat.engine.demo import ensure_demo
-    from moechat.engine.generate import GREEDY, DoneEvent, generate
+    from moechat.demo.build import ensure_demo
+    from moechat.engine.cache.settings import CacheSettings
+    from moechat.engine.events import GREEDY, DoneEvent
+    from moechat.engine.generate import generate
     from moechat.engine.loader import load_model
 
     demo = DEMO_DEFAULTS[name]

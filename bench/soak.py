@@ -19,10 +19,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
-from moechat.app.engine_api import RealEngine
 from moechat.app.export import SERIES_MAX, SessionStats
-from moechat.engine.cache_settings import CacheSettings
-from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent
+from moechat.app.real_engine import RealEngine
+from moechat.engine.cache.settings import CacheSettings
+from moechat.engine.events import DoneEvent, SamplingParams, TokenEvent
 from moechat.engine.loader import load_model
 
 

@@ -31,13 +31,13 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
 from moechat.app.demo_model import resolve_model
-from moechat.app.engine_api import RealEngine
 from moechat.app.paths import AppPaths
+from moechat.app.real_engine import RealEngine
 from moechat.app.screens.chat import ChatScreen
 from moechat.app.settings import Settings, for_demo
 from moechat.app.tui import MoechatApp, real_engine_factory
-from moechat.engine.cache_settings import CacheSettings
-from moechat.engine.generate import GREEDY, DoneEvent
+from moechat.engine.cache.settings import CacheSettings
+from moechat.engine.events import GREEDY, DoneEvent
 from moechat.engine.loader import load_model, set_threads
 
 MIB = 64  # the expert cache of a generated or given model

@@ -18,9 +18,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
+from moechat.tuner.events import SweepDone
 from moechat.tuner.recommend import observations, predict_rows
 from moechat.tuner.simulator import load_routing
-from moechat.tuner.sweep import SweepDone, SweepSettings, calibrate, run_arm
+from moechat.tuner.sweep import SweepSettings, calibrate, run_arm
 from moechat.tuner.time_model import fit
 from testkit.ggufgen import tiny_moe
 
@@ -32,7 +33,7 @@ def main() -> None:
     ap.add_argument("--links", type=float, nargs="+", default=[0.5, 1.5], help="GB/s")
     ap.add_argument("--tokens", type=int, default=160)
     args = ap.parse_args()
-    from moechat.engine.cache_settings import CacheSettings
+    from moechat.engine.cache.settings import CacheSettings
     from moechat.engine.loader import load_model
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -25,7 +25,7 @@ from typing import Any
 
 from moechat.app.settings import Settings
 from moechat.app.tui import real_engine_factory
-from moechat.engine.generate import GREEDY, TokenEvent
+from moechat.engine.events import GREEDY, TokenEvent
 from tui_overhead import PROMPT, add_model_args, bench_model  # the same prompt and models (bench/ is on the path)
 
 SETTLE = 0.2  # seconds after a phase switch whose tokens count for neither phase

@@ -25,11 +25,12 @@ from pathlib import Path
 
 from moechat.app.paths import app_paths
 from moechat.app.settings import DEMO_DEFAULTS
-from moechat.engine.cache_settings import CacheSettings
-from moechat.engine.demo import DEFAULT_DEMO, DEMOS, ensure_demo
-from moechat.engine.generate import SamplingParams, TokenEvent, generate
+from moechat.demo.build import DEFAULT_DEMO, DEMOS, ensure_demo
+from moechat.engine.cache.settings import CacheSettings
+from moechat.engine.cache.stats import CountersSnapshot
+from moechat.engine.events import SamplingParams, TokenEvent
+from moechat.engine.generate import generate
 from moechat.engine.loader import load_model
-from moechat.engine.stats import CountersSnapshot
 
 
 def first_tokens_hit_rate(path: Path, settings: CacheSettings, question: str, n_decode: int) -> tuple[float, int]:

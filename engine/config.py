@@ -14,18 +14,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from .gguf_file import GGUFError
+from .gguf.reader import GGUFError
+from .kernels.codes import GATING_SOFTMAX
 
 if TYPE_CHECKING:
-    from .weights import ModelFile
-
-# How each family turns router logits into expert weights (gguf's expert_gating_func values).
-GATING_SOFTMAX = 1
-GATING_SIGMOID = 2
-GATING_SOFTMAX_SELECTED = 3  # softmax over the selected logits only (gpt-oss)
-# Our own: the router only selects, each selected expert counts with weight 1 (the MoEfied demo,
-# where all experts together are exactly the dense FFN). The demo's family gives it as a default.
-GATING_SELECT = 100
+    from .gguf.sources import ModelFile
 
 
 @dataclass(frozen=True)

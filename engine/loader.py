@@ -9,20 +9,21 @@ from pathlib import Path
 
 import torch
 
-from .cache_settings import CacheSettings
-from .chat_template import ChatTemplate, load_chat_template
+from .cache.expert_cache import ExpertCache
+from .cache.settings import CacheSettings
+from .cache.stats import summary_lines
 from .config import ModelConfig
-from .expert_cache import ExpertCache
-from .gguf_file import GGUFFile
-from .layers import KVCache, kv_cache_bytes, recurrent_state_bytes
-from .model_file import open_model
+from .errors import ParameterError
+from .gguf.reader import GGUFFile
 from .models import build_model
 from .models.decoder import MoeDecoder
 from .models.gemma3 import Gemma3
-from .qlinear import set_activation_bits
-from .stats import summary_lines
-from .tokenizer import Tokenizer
-from .weights import load_weights
+from .models.opening import open_model
+from .nn.layers import KVCache, kv_cache_bytes, recurrent_state_bytes
+from .nn.qlinear import set_activation_bits
+from .nn.weights import load_weights
+from .text.chat_template import ChatTemplate, load_chat_template
+from .text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -84,9 +85,9 @@ def resolve_device(name: str) -> str:
     if name == "auto":
         return "cuda" if torch.cuda.is_available() else "cpu"
     if name not in ("cpu", "cuda"):
-        raise ValueError(f"--device must be auto, cpu or cuda, got '{name}'")
+        raise ParameterError("device", f"the device must be auto, cpu or cuda, got '{name}'")
     if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("--device cuda: torch sees no CUDA device")
+        raise ParameterError("device", "cuda: torch sees no CUDA device")
     return name
 
 
@@ -94,10 +95,10 @@ def set_threads(n: int) -> int:
     """The engine's CPU threads (torch's intra-op threads and the kernels' threads) for this
     thread: n > 0 sets them, 0 keeps torch's default (one per core). Returns the count in use.
     Fewer than the cores leaves room for other work (the app's UI), at the engine's cost."""
-    from .jit import set_kernel_threads
+    from .kernels.jit import set_kernel_threads
 
     if n < 0:
-        raise ValueError(f"--threads must be >= 0, got {n}")
+        raise ParameterError("threads", f"the thread count must be >= 0, got {n}")
     # The kernels' thread pool first: starting it resets the OpenMP thread count torch reads too.
     set_kernel_threads(n if n > 0 else torch.get_num_threads())
     if n > 0:
@@ -111,7 +112,7 @@ class ContextTooLarge(ValueError):
 
 
 def check_context(cfg: ModelConfig, n_ctx: int, device: torch.device) -> None:
-    from .device_memory import device_free_bytes
+    from .cache.device_memory import device_free_bytes
 
     need = kv_cache_bytes(cfg, n_ctx) + recurrent_state_bytes(cfg)
     free = device_free_bytes(device)

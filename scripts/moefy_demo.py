@@ -45,10 +45,11 @@ from typing import Any
 
 import numpy as np
 import torch
-from moechat.engine.demo import DEFAULT_DEMO, DEMOS, DemoSpec, recipe_path
-from moechat.engine.generate import GREEDY, DoneEvent, SamplingParams, TokenEvent, generate
-from moechat.engine.layers import load_weight
+from moechat.demo.build import DEFAULT_DEMO, DEMOS, DemoSpec, recipe_path
+from moechat.engine.events import GREEDY, DoneEvent, SamplingParams, TokenEvent
+from moechat.engine.generate import generate
 from moechat.engine.loader import LoadedModel
+from moechat.engine.nn.layers import load_weight
 from moechat.tuner.routing_stats import lru_hit_rate, reuse_rate, top_share
 from torch.nn import functional as F
 
@@ -352,7 +353,7 @@ def check(spec: DemoSpec, texts_path: Path, recipe: Path) -> None:
     `down`, as users get it) and compare it with the dense source file."""
     import tempfile
 
-    from moechat.engine.demo import build_demo
+    from moechat.demo.build import build_demo
     from moechat.engine.loader import load_model
 
     _, test = read_texts(texts_path)

@@ -27,14 +27,14 @@ def tiny_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def gemma_gguf(test_cache: Path) -> Path:
-    from moechat.engine.demo_source import gemma_gguf
+    from moechat.demo.source import gemma_gguf
 
     return gemma_gguf(test_cache / "sources")
 
 
 @pytest.fixture(scope="session")
 def smollm2_gguf(test_cache: Path) -> Path:
-    from moechat.engine.demo_source import smollm2_gguf
+    from moechat.demo.source import smollm2_gguf
 
     return smollm2_gguf(test_cache / "sources")
 
@@ -43,7 +43,7 @@ def smollm2_gguf(test_cache: Path) -> Path:
 def demo_gguf(test_cache: Path) -> Path:
     """The built-in (default) demo from the shipped recipe, built once and kept beside its source
     (test_cache/sources, where `smollm2_gguf` also finds it)."""
-    from moechat.engine.demo import ensure_demo
+    from moechat.demo.build import ensure_demo
 
     return ensure_demo(test_cache)
 

@@ -7,11 +7,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from moechat.engine.layers import KVCache
 from moechat.engine.loader import load_model
 from moechat.engine.models import build_model, config_for
 from moechat.engine.models.decoder import MoeFFN
-from moechat.engine.weights import load_weights, pending
+from moechat.engine.nn.layers import KVCache
+from moechat.engine.nn.weights import load_weights, pending
 from testkit.ggufgen import ARCHS, MemoryModel, tiny_moe_parts, write_gguf
 
 
@@ -25,6 +25,7 @@ class CountingModel(MemoryModel):
         return super().tensor_data(name)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_a_model_builds_without_its_bytes_and_loads_to_what_the_file_gives(arch: str, tmp_path: Path) -> None:
     parts = tiny_moe_parts(arch=arch, n_layers=2, dense_layers=1 if arch == "deepseek2" else 0)
@@ -61,7 +62,7 @@ def test_a_tied_embedding_is_read_once_and_shared() -> None:
 
 
 def test_a_missing_tensor_is_named_at_build_time() -> None:
-    from moechat.engine.gguf_file import GGUFError
+    from moechat.engine.gguf.reader import GGUFError
 
     arch, meta, tensors, _ = tiny_moe_parts(n_layers=1)
     del tensors["blk.0.attn_k.weight"]

@@ -8,7 +8,7 @@ import random
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moechat.engine.cache_policy import (
+from moechat.engine.cache.policy import (
     N_CLASS,
     POLICIES,
     SECOND_USE_WINDOW,

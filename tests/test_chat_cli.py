@@ -16,6 +16,7 @@ from testkit.ggufgen import tiny_moe
 DECODE_COUNTS = re.compile(r"batch <= 8: hits = (\d+), misses = (\d+) \((\d+) on the CPU\)")
 
 
+@pytest.mark.slow
 def test_chat_two_turns_from_stdin(tmp_path: Path) -> None:
     """One reply per non-empty line, the second one answering the whole conversation."""
     model = tiny_moe(tmp_path / "m.gguf", n_vocab=512)
@@ -35,6 +36,7 @@ def test_chat_two_turns_from_stdin(tmp_path: Path) -> None:
     assert len(replies) >= 2 and r.stdout != one.stdout and not r.stdout.endswith(one.stdout)
 
 
+@pytest.mark.slow
 def test_line_mode_drops_the_oldest_turns_when_the_context_is_full(tmp_path: Path) -> None:
     """As the app does: a long chat keeps going, the oldest messages left out, and says so."""
     model = tiny_moe(tmp_path / "m.gguf", n_vocab=512)
@@ -46,6 +48,7 @@ def test_line_mode_drops_the_oldest_turns_when_the_context_is_full(tmp_path: Pat
     assert r.stdout.count("\n") == 8  # every line was answered
 
 
+@pytest.mark.slow
 def test_moechat_alone_chats_with_the_demo(demo_home: Path) -> None:
     r = subprocess.run([sys.executable, "-m", "moechat", "chat", "--temp", "0"],
                        input="What is bread made of?\n", capture_output=True, text=True, timeout=300)  # fmt: skip
@@ -56,6 +59,7 @@ def test_moechat_alone_chats_with_the_demo(demo_home: Path) -> None:
     assert r.returncode == 0 and r.stdout.strip() == ""  # empty stdin: the chat ends at once
 
 
+@pytest.mark.slow
 def test_moechat_run_on_the_demo_uses_its_expert_cache(demo_home: Path) -> None:
     # The demo's own defaults turn the cache on (half its experts), with a CPU share, unless the
     # user says otherwise.
@@ -76,6 +80,7 @@ def test_moechat_run_on_the_demo_uses_its_expert_cache(demo_home: Path) -> None:
     assert off.returncode == 0 and "MoE cache" not in off.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without CUDA")
 def test_line_chat_names_where_an_unusable_device_came_from(tmp_path: Path) -> None:
     model = tiny_moe(tmp_path / "m.gguf", n_vocab=512)
@@ -86,6 +91,7 @@ def test_line_chat_names_where_an_unusable_device_came_from(tmp_path: Path) -> N
     assert r.stderr.strip().splitlines()[-1].startswith("moechat: error: device from env MOECHAT_DEVICE:"), r.stderr
 
 
+@pytest.mark.slow
 def test_moechat_run_on_the_demo_samples_as_the_demo_does(demo_home: Path) -> None:
     # Without sampling flags, `run` on the demo takes the demo's own temperature and repeat penalty.
     def run(*flags: str) -> str:

@@ -6,8 +6,8 @@ import logging
 from pathlib import Path
 
 import pytest
-from moechat.engine.chat_template import PLAIN_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template
-from moechat.engine.gguf_file import GGUFFile
+from moechat.engine.gguf.reader import GGUFFile
+from moechat.engine.text.chat_template import PLAIN_TEMPLATE, ChatTemplate, ChatTemplateError, load_chat_template
 
 CHAT = [
     {"role": "system", "content": "Be brief."},

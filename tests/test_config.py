@@ -6,8 +6,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from moechat.engine.config import GATING_SIGMOID, GATING_SOFTMAX_SELECTED, ModelConfig
-from moechat.engine.gguf_file import GGUFError, GGUFFile
+from moechat.engine.config import ModelConfig
+from moechat.engine.gguf.reader import GGUFError, GGUFFile
+from moechat.engine.kernels.codes import GATING_SIGMOID, GATING_SOFTMAX_SELECTED
 from moechat.engine.models import ARCHITECTURES, config_for
 from testkit.ggufgen import Q, write_gguf
 

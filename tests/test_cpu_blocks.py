@@ -9,11 +9,17 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
-from moechat.engine.config import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_SELECTED
-from moechat.engine.cpu_blocks import decode_attention, ffn_block, route_rows
-from moechat.engine.cpu_kernels import ACT_GELU_TANH, ACT_SILU
-from moechat.engine.layers import LayerCache, Rope, attention
-from moechat.engine.moe import route
+from moechat.engine.kernels.codes import (
+    ACT_GELU_TANH,
+    ACT_SILU,
+    GATING_SELECT,
+    GATING_SIGMOID,
+    GATING_SOFTMAX,
+    GATING_SOFTMAX_SELECTED,
+)
+from moechat.engine.kernels.layer_halves import decode_attention, ffn_block, route_rows
+from moechat.engine.moe.routing import route
+from moechat.engine.nn.layers import LayerCache, Rope, attention
 from testkit.ggufgen import Q, quantized
 
 

@@ -14,13 +14,16 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
-from moechat.engine import cpu_kernels
-from moechat.engine.fused_moe import run_fused
+from moechat.engine.kernels import cpu as cpu_kernels
+from moechat.engine.kernels.codes import GEMM_TOKENS
+from moechat.engine.kernels.qblocks import LAYOUTS
 from moechat.engine.models.gemma3 import gelu_gate
 from moechat.engine.models.gpt_oss import oai_swiglu
-from moechat.engine.moe import ExpertTensor, LayerExperts, combine, run_experts, swiglu
-from moechat.engine.qblocks import LAYOUTS
-from moechat.engine.qlinear import GEMM_TOKENS, QLinear
+from moechat.engine.moe.expert_tensors import ExpertTensor, LayerExperts
+from moechat.engine.moe.host_experts import run_experts, sum_parts
+from moechat.engine.moe.kernel_calls import run_fused
+from moechat.engine.nn.activations import swiglu
+from moechat.engine.nn.qlinear import QLinear
 from testkit.ggufgen import Q, quantized
 
 BOUND = {16: 1e-4, 8: 1e-2}  # by the activations' bits
@@ -100,7 +103,7 @@ def test_qlinear_agrees_below_and_above_the_gemm_switch(qtype: Q, monkeypatch: p
     # Tiles smaller than the matrix (64 rows, the last one short): every row is still computed once.
     x = torch.randn(GEMM_TOKENS + 3, 512)
     whole = lin(x)
-    monkeypatch.setattr("moechat.engine.qlinear.GEMM_TILE_BYTES", 64 * 512 * 4 + 4)
+    monkeypatch.setattr("moechat.engine.nn.qlinear.GEMM_TILE_BYTES", 64 * 512 * 4 + 4)
     assert torch.allclose(lin_tiles(x), whole, rtol=1e-6, atol=1e-6)
 
 
@@ -136,12 +139,12 @@ def test_fused_moe_matches_the_exact_path(qtypes: tuple[Q, Q, Q], act: object, c
         # Experts repeat across tokens, and expert 5 is never selected.
         ids = torch.stack([torch.from_numpy(rng.permutation(5)[:k]) for _ in range(t)])
         w = torch.rand(t, k)
-        ref = combine(x, run_experts(lx, x, ids, w, act, ids.unique().tolist()))
+        ref = sum_parts(x, run_experts(lx, x, ids, w, act, ids.unique().tolist()))
         contrib = np.full((t * k, e), np.nan, np.float32)
         chosen = sorted(set(ids.flatten().tolist()))
         run_fused(lx, mats, None, code, x.numpy(), ids.numpy(), w.numpy(), chosen, contrib, bits)
         assert not np.isnan(contrib).any()
-        got = cpu_kernels.combine(contrib, ids.numpy())
+        got = cpu_kernels.sum_by_token(contrib, ids.numpy())
         assert _rel(got, ref.double().numpy()) <= MOE_BOUND[bits], t
 
 
@@ -164,7 +167,7 @@ def test_fused_moe_parts_add_up_bit_for_bit() -> None:
     run_fused(lx, (bank[0], bank[1], bank[2]), slot_of, 0, x, ids, w, [0, 1, 2, 3], parts)
     run_fused(lx, mats, None, 0, x, ids, w, [4, 5, 6, 7], parts)
     assert np.array_equal(parts, whole)
-    assert np.array_equal(cpu_kernels.combine(parts, ids), cpu_kernels.combine(whole, ids))
+    assert np.array_equal(cpu_kernels.sum_by_token(parts, ids), cpu_kernels.sum_by_token(whole, ids))
 
 
 def test_combine_sums_in_expert_order() -> None:
@@ -174,8 +177,8 @@ def test_combine_sums_in_expert_order() -> None:
     ids = np.array([[4, 1, 7], [0, 9, 3]], np.int64)
     swapped = np.array([[7, 4, 1], [3, 0, 9]], np.int64)
     perm = np.array([2, 0, 1, 5, 3, 4])  # the rows of each token, in the swapped listing's order
-    a = cpu_kernels.combine(contrib, ids)
-    b = cpu_kernels.combine(contrib[perm], swapped)
+    a = cpu_kernels.sum_by_token(contrib, ids)
+    b = cpu_kernels.sum_by_token(contrib[perm], swapped)
     assert np.array_equal(a, b)
     assert np.allclose(a, contrib.reshape(2, 3, 16).sum(1), rtol=1e-6, atol=1e-6)
 

@@ -11,10 +11,11 @@ import numpy as np
 import pytest
 import torch
 from gguf import GGMLQuantizationType as Q
-from moechat.engine.demo import DEMOS, DemoError, build_demo, read_recipe, recipe_path
-from moechat.engine.demo_source import DemoSourceMissing, smollm2_gguf
-from moechat.engine.generate import GREEDY, DoneEvent, TokenEvent, decode_one, generate, prefill
-from moechat.engine.gguf_file import GGUFFile
+from moechat.demo.build import DEMOS, DemoError, build_demo, read_recipe, recipe_path
+from moechat.demo.source import DemoSourceMissing, smollm2_gguf
+from moechat.engine.events import GREEDY, DoneEvent, TokenEvent
+from moechat.engine.generate import decode_one, generate, prefill
+from moechat.engine.gguf.reader import GGUFFile
 from moechat.engine.loader import load_model
 from moechat.tuner.routing_stats import lru_hit_rate
 
@@ -46,6 +47,7 @@ def dense_logits(gemma_gguf: Path) -> tuple[list[int], torch.Tensor]:
         return ids, lm.model(torch.tensor(ids), 0, lm.new_cache())
 
 
+@pytest.mark.slow
 def test_all_experts_reproduce_the_dense_model(
     gemma_gguf: Path, tmp_path: Path, dense_logits: tuple[list[int], torch.Tensor]
 ) -> None:
@@ -68,6 +70,7 @@ def test_all_experts_reproduce_the_dense_model(
         assert float((lm0.model(torch.tensor(ids), 0, lm0.new_cache()) - dense).abs().max()) > 1e-2
 
 
+@pytest.mark.slow
 def test_the_build_keeps_everything_but_the_ffn_bit_identical(gemma_gguf: Path, tmp_path: Path) -> None:
     recipe = _partition_recipe(tmp_path / "r.npz")
     steps: list[float] = []
@@ -137,6 +140,7 @@ def test_the_shipped_recipe_routes_one_expert_beside_a_shared_one(demo: str, sha
     assert len(np.unique(rec.routed[0])) > width and len(np.unique(rec.routed[0])) <= n_ff - n_shared
 
 
+@pytest.mark.slow
 def test_the_demo_routes_like_a_real_moe(demo_gguf: Path) -> None:
     # Skewed, input-dependent routing with reuse between nearby tokens is what makes an expert
     # cache pay: an LRU cache of half the experts must beat what uniform routing gets from it.
@@ -172,6 +176,7 @@ def test_the_demo_chats(demo_gguf: Path) -> None:
     assert any(word in reply for word in ("flour", "wheat", "yeast", "water", "grain")), reply
 
 
+@pytest.mark.slow
 def test_a_llama_demo_with_every_neuron_is_the_dense_model(smollm2_gguf: Path, tmp_path: Path) -> None:
     # Shared expert + two routed experts that each hold every other neuron: whichever the router
     # picks, the FFN is the dense one (llama's top-1 weight is exactly 1), so the logits match.

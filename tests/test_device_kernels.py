@@ -17,10 +17,11 @@ import pytest
 import torch
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
-from moechat.engine import device_kernels
-from moechat.engine.cache_settings import CacheSettings
-from moechat.engine.expert_cache import ExpertCache
-from moechat.engine.generate import GREEDY, TokenEvent, generate
+from moechat.engine.cache.expert_cache import ExpertCache
+from moechat.engine.cache.settings import CacheSettings
+from moechat.engine.events import GREEDY, TokenEvent
+from moechat.engine.generate import generate
+from moechat.engine.kernels import device as device_kernels
 from moechat.engine.loader import LoadedModel, load_model
 from testkit.ggufgen import Q, quantized, tiny_moe
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
@@ -113,6 +114,7 @@ def _rel(got: np.ndarray, ref: np.ndarray) -> float:
     return float(np.abs(got - ref).max() / np.abs(ref).max())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("n_tok", [1, 2, 8])
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: t.name)
 def test_layer_kernels_match_gguf_py(qtype: Q, n_tok: int) -> None:
@@ -127,6 +129,7 @@ def test_layer_kernels_match_gguf_py(qtype: Q, n_tok: int) -> None:
     assert _rel(got, ref) <= BOUND, (qtype.name, n_tok, _rel(got, ref))
 
 
+@pytest.mark.slow
 def test_down_of_256_weight_types_and_all_pairs_on_device() -> None:
     """The K-quants as the down projection (F = 256 columns), every selected expert in a slot."""
     for qtype in (Q.Q4_K, Q.Q5_K, Q.Q6_K, Q.IQ4_XS):
@@ -162,6 +165,7 @@ def _triton_model(path: Path, share: float, kernels: str = "triton", cpu_kernels
     return load_model(path, n_ctx=64, cache=settings, cpu_kernels=cpu_kernels)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("arch", "qtype"), [("qwen3moe", Q.Q4_K), ("gpt-oss", Q.MXFP4)], ids=["qwen3moe", "gpt-oss"])
 def test_cache_on_triton_kernels_computes_what_the_cache_off_does(arch: str, qtype: Q, tmp_path: Path) -> None:
     path = tiny_moe(tmp_path / "m.gguf", arch=arch, expert_type=qtype, down_type=Q.Q6_K if qtype == Q.Q4_K else None)
@@ -187,7 +191,7 @@ def test_cache_on_triton_kernels_computes_what_the_cache_off_does(arch: str, qty
 
 def test_types_without_kernels_fall_back_with_a_log_line(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tiny_moe(tmp_path / "m.gguf", expert_type=Q.Q4_1)
-    with caplog.at_level("INFO", logger="moechat.engine.expert_cache"):
+    with caplog.at_level("INFO", logger="moechat.engine.cache.expert_cache"):
         lm = _triton_model(path, share=0.0)
     assert lm.cache is not None and not any(lm.cache.triton.values())
     assert "no device kernel for Q4_1" in caplog.text
@@ -261,6 +265,7 @@ def _expert_ops_per_layer(path: Path, kernels: str, monkeypatch: pytest.MonkeyPa
 LAUNCH_BOUND = 6
 
 
+@pytest.mark.slow
 def test_a_fixed_number_of_launches_per_moe_layer_whatever_k(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     counts = {}
     for k in (2, 4):
@@ -301,7 +306,7 @@ def test_compiled_kernels_on_the_gpu(qtype: Q) -> None:
 def test_dense_matrices_on_the_device_match_gguf_py(qtype: Q, n_tok: int) -> None:
     """Attention projections and the output head on the device: the file's bytes under the dense kernel
     (few tokens) or decoded once into a GEMM (many), both against gguf-py."""
-    from moechat.engine.qlinear import DeviceQLinear, QLinear
+    from moechat.engine.nn.qlinear import DeviceQLinear, QLinear
 
     rng = np.random.default_rng(n_tok)
     k_dim = 512 if GGML_QUANT_SIZES[qtype][0] == 256 else 288
@@ -317,7 +322,7 @@ def test_dense_matrices_on_the_device_match_gguf_py(qtype: Q, n_tok: int) -> Non
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (bench/gpu.py runs these)")
 def test_gpu_cache_with_device_kernels_keeps_the_greedy_tokens(tmp_path: Path) -> None:
     """On a GPU: experts from the slots and dense matrices from their bytes, under the compiled kernels."""
-    from moechat.engine.qlinear import DeviceQLinear
+    from moechat.engine.nn.qlinear import DeviceQLinear
 
     path = tiny_moe(tmp_path / "m.gguf", expert_type=Q.Q4_K, down_type=Q.Q6_K, dense_type=Q.Q8_0)
     plain = load_model(path, n_ctx=64)

@@ -5,19 +5,20 @@ from __future__ import annotations
 import logging
 import subprocess
 import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
-from moechat.engine.cache_policy import POLICIES, ClassLRU, CpuShare, bypasses
-from moechat.engine.cache_settings import CacheError, CacheSettings
-from moechat.engine.generate import GREEDY, TokenEvent, generate
+from moechat.engine.cache.policy import POLICIES, ClassLRU, CpuShare, bypasses
+from moechat.engine.cache.settings import CacheError, CacheSettings
+from moechat.engine.cache.trace import read_trace
+from moechat.engine.errors import ParameterError
+from moechat.engine.events import GREEDY, TokenEvent
+from moechat.engine.generate import generate
 from moechat.engine.loader import LoadedModel, load_model
-from moechat.engine.moe import load_layer_experts
-from moechat.engine.trace import read_trace
+from moechat.engine.moe.expert_tensors import load_layer_experts
 from testkit.ggufgen import ARCHS, MemoryModel, Q, tiny_moe, tiny_moe_parts
 
 PROMPT = "In the spring the river rose and the ferry stopped, so the villagers"
@@ -81,12 +82,27 @@ def _memory_layer() -> MemoryModel:
     return MemoryModel(*tiny_moe_parts(n_layers=1, n_expert=4)[:3])
 
 
+class StepClock:
+    """The emulated link's clock, stepped by the test: sleeping advances it and is counted."""
+
+    def __init__(self) -> None:
+        self.t = 100.0
+        self.slept = 0.0
+
+    def now(self) -> float:
+        return self.t
+
+    def sleep(self, seconds: float) -> None:
+        self.t += seconds
+        self.slept += seconds
+
+
 def test_an_upload_ahead_runs_on_the_emulated_link_while_the_device_computes() -> None:
     """Demand uploads make the device wait bytes / speed; an upload made ahead costs only what the
     compute meanwhile did not cover (the bound is the link time itself, set here to 80 ms)."""
-    from moechat.engine.slot_groups import SlotGroup
-    from moechat.engine.stats import GroupInfo
-    from moechat.engine.uploads import Uploader
+    from moechat.engine.cache.slot_groups import SlotGroup
+    from moechat.engine.cache.stats import GroupInfo
+    from moechat.engine.cache.uploads import Uploader
 
     lx = load_layer_experts(_memory_layer(), 0)
     link_s = 0.08
@@ -95,18 +111,20 @@ def test_an_upload_ahead_runs_on_the_emulated_link_while_the_device_computes() -
         None,
         tuple(torch.empty((2, *t.raw.shape[1:]), dtype=torch.uint8) for t in (lx.gate, lx.up, lx.down)),
     )
-    up = Uploader(torch.device("cpu"), emulate_link_gbps=1.0)  # one "expert" costs link_s seconds
+    clock = StepClock()
+    up = Uploader(torch.device("cpu"), emulate_link_gbps=1.0, clock=clock)  # one "expert" costs link_s seconds
 
-    def run(ahead: bool) -> float:
-        t0 = time.perf_counter()
+    def run(ahead: bool, compute_s: float) -> float:
+        """Seconds the device waited for the link around `compute_s` of its own work."""
+        waited = clock.slept
         up.upload(group, lx, ((1, 0),), ahead=ahead)
-        time.sleep(link_s)  # the device computes meanwhile
+        clock.t += compute_s  # the device computes meanwhile
         up.wait_ahead()
-        return time.perf_counter() - t0
+        return clock.slept - waited
 
-    demand, early = run(False), run(True)
-    assert demand >= 2 * link_s * 0.95  # the upload, then the compute
-    assert early < link_s * 1.5  # the compute covered the upload
+    assert run(ahead=False, compute_s=link_s) == pytest.approx(link_s)  # a demand upload: the whole link time
+    assert run(ahead=True, compute_s=link_s) == 0.0  # made ahead: the compute covered it
+    assert run(ahead=True, compute_s=link_s / 4) == pytest.approx(link_s * 3 / 4)  # only the rest is waited
     assert torch.equal(group.banks[0][0], lx.gate.raw[1])  # and the expert is in its slot
 
 
@@ -206,19 +224,23 @@ def test_groups_split_the_budget_by_expert_bytes(tmp_path: Path, caplog: pytest.
 
 
 @pytest.mark.parametrize(
-    ("settings", "msg"),
+    ("settings", "parameter", "msg"),
     [
-        (CacheSettings(mib=-1), "--moe-cache-mib must be >= 0"),
-        (CacheSettings(mib=1, cpu_share=1.5), r"--moe-cache-cpu-share must be in \[0, 1\]"),
-        (CacheSettings(mib=1, emulate_link_gbps=-2), "--emulate-link-gbps must be >= 0"),
-        (CacheSettings(mib=1, emulate_link_gbps=16, device="cuda"), "only applies to the CPU device"),
+        (CacheSettings(mib=-1), "mib", "cache size must be >= 0 MiB"),
+        (CacheSettings(mib=1, cpu_share=1.5), "cpu_share", r"CPU share must be in \[0, 1\]"),
+        (CacheSettings(mib=1, emulate_link_gbps=-2), "emulate_link_gbps", "emulated link must be >= 0"),
+        (CacheSettings(mib=1, emulate_link_gbps=16, device="cuda"), "emulate_link_gbps", "only applies to the CPU"),
+        (CacheSettings(mib=1, policy="fifo"), "policy", "cache policy must be one of"),
     ],
 )
-def test_bad_settings(settings: CacheSettings, msg: str) -> None:
-    with pytest.raises(CacheError, match=msg):
+def test_bad_settings(settings: CacheSettings, parameter: str, msg: str) -> None:
+    """The engine says what is wrong in its own words, naming its parameter, never a front end's flag."""
+    with pytest.raises(CacheError, match=msg) as info:
         settings.validate()
+    assert info.value.parameter == parameter and "--" not in str(info.value)
 
 
+@pytest.mark.slow
 def test_cli_cache_flags_and_env(tmp_path: Path) -> None:
     model = tiny_moe(tmp_path / "m.gguf", n_vocab=300)
     base = [sys.executable, "-m", "moechat", "run", str(model), "-p", "Hello", "-n", "8", "--ignore-eos", "--temp", "0"]
@@ -259,8 +281,8 @@ def test_snapshots_are_frozen_and_count_every_token(tmp_path: Path) -> None:
 def test_recent_window_counts_the_latest_tokens_from_cumulative_snapshots(tmp_path: Path) -> None:
     """The dashboard's "last 32 tokens": the difference of two snapshots of the real cache, per
     layer and in total, over a span of at least the window's tokens; a restarted cache restarts it."""
-    from moechat.engine.generate import TokenEvent
-    from moechat.engine.stats import RecentWindow
+    from moechat.engine.cache.stats import RecentWindow
+    from moechat.engine.events import TokenEvent
 
     lm = load_model(tiny_moe(tmp_path / "m.gguf", n_layers=3), n_ctx=256, cache=CacheSettings(mib=EXPERT_MIB / 2))
     assert lm.cache is not None
@@ -289,7 +311,7 @@ def test_recent_window_counts_the_latest_tokens_from_cumulative_snapshots(tmp_pa
 
 
 def _greedy(lm: LoadedModel, n: int = 24) -> list[int]:
-    from moechat.engine.generate import GREEDY, TokenEvent
+    from moechat.engine.events import GREEDY, TokenEvent
 
     prompt = lm.tokenizer.encode(PROMPT)
     events = generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=n, params=GREEDY, ignore_eos=True)
@@ -346,7 +368,7 @@ def test_warm_start_survives_a_corrupt_or_foreign_file(tmp_path: Path, content: 
     path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=16)
     warm = tmp_path / "m.json"
     warm.write_text(content)
-    with caplog.at_level(logging.WARNING, logger="moechat.engine.warm_start"):
+    with caplog.at_level(logging.WARNING, logger="moechat.engine.cache.warm_start"):
         lm = load_model(path, n_ctx=256, cache=CacheSettings(mib=EXPERT_MIB / 2, warm_start=warm))
     assert lm.cache is not None and lm.cache.snapshot().warm_uploads == 0  # cold, and running
     assert any("starting cold" in r.getMessage() for r in caplog.records)
@@ -409,8 +431,9 @@ def test_dequant_cache_is_exact_and_bounded(tmp_path: Path) -> None:
     got2, lm2 = logits(cpu_dequant_mib=64, cache=CacheSettings(mib=EXPERT_MIB / 2, cpu_share=0.5))
     assert torch.equal(got2, ref)
     assert lm2.model.host_experts.dequant is not None and lm2.model.host_experts.dequant.hits > 0
-    with pytest.raises(ValueError, match="cpu-dequant-mib"):
+    with pytest.raises(ParameterError, match="budget must be >= 0 MiB") as info:
         load_model(path, n_ctx=64, cpu_dequant_mib=-1)
+    assert info.value.parameter == "dequant_mib"
 
 
 @pytest.mark.cuda

@@ -38,6 +38,7 @@ def _log_softmax(x: torch.Tensor) -> torch.Tensor:
 BOUNDS = {"fast": (0.99, 1e-3), "int8": (0.93, 5e-3)}  # (top-1 agreement >=, mean KL <=)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("which", "kernels"), [("gemma_gguf", "fast"), ("demo_gguf", "fast"), ("demo_gguf", "int8")])
 def test_fast_decode_agrees_with_the_exact_path(which: str, kernels: str, request: pytest.FixtureRequest) -> None:
     path = request.getfixturevalue(which)

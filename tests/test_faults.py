@@ -8,11 +8,11 @@ import threading
 from pathlib import Path
 
 import pytest
-from moechat.app.engine_api import RealEngine
-from moechat.engine.cache_settings import CacheError, CacheSettings
-from moechat.engine.generate import GREEDY, DoneEvent, TokenEvent
+from moechat.app.real_engine import RealEngine
+from moechat.engine.cache.settings import CacheError, CacheSettings
+from moechat.engine.events import GREEDY, DoneEvent, TokenEvent
 from moechat.engine.loader import load_model
-from moechat.tuner.sweep import ArmProgress, ArmStarted, Cancelled, SweepDone
+from moechat.tuner.events import ArmProgress, ArmStarted, Cancelled, SweepDone
 from testkit.ggufgen import tiny_moe
 
 HELLO = [{"role": "user", "content": "Tell me about the river and the ferry."}]
@@ -105,20 +105,25 @@ def test_stop_in_every_calibration_arm_keeps_the_session(model: Path, reference:
 
 
 def test_a_cache_larger_than_the_device_allows_proposes_one_that_fits(
-    model: Path, monkeypatch: pytest.MonkeyPatch
+    model: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    import moechat.engine.device_memory as memory
+    import moechat.engine.cache.device_memory as memory
 
     monkeypatch.setattr(memory, "device_free_bytes", lambda device: 2 * 2**20)
-    with pytest.raises(CacheError, match=r"has 2 MiB free; try --moe-cache-mib (\d+)") as info:
+    with pytest.raises(CacheError, match=r"has 2 MiB free") as info:
         load_model(model, n_ctx=64, cache=CacheSettings(mib=3.0))
-    proposed = int(str(info.value).rsplit(" ", 1)[1])
+    assert info.value.parameter == "mib" and info.value.suggestion is not None
+    proposed = int(info.value.suggestion)
     load_model(model, n_ctx=64, cache=CacheSettings(mib=proposed)).close()  # the proposal does fit
     from moechat.app.cli import main
 
-    assert main(["run", str(model), "-p", "hi", "-n", "1", "--moe-cache-mib", "3"]) == 2
+    assert main(["run", str(model), "-p", "hi", "-n", "1", "-c", "64", "--moe-cache-mib", "3"]) == 2
+    # The command line names its own flag, and the value to try.
+    err = capsys.readouterr().err
+    assert "--moe-cache-mib: a cache of 3 MiB" in err and f"try --moe-cache-mib {proposed}" in err
 
 
+@pytest.mark.slow
 def test_full_context_drops_the_oldest_turns(model: Path) -> None:
     engine = _engine(model, n_ctx=96)
     chat = [{"role": "system", "content": "Be brief."}]

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 from moechat.app.cli import main
-from moechat.engine.model_file import open_model
+from moechat.engine.models.opening import open_model
 from testkit.gguf_fuzz import KINDS, mutate
 from testkit.gguf_layout import layout
 from testkit.ggufgen import tiny_moe

@@ -4,9 +4,11 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
 import torch
 import transformers
-from moechat.engine.generate import GREEDY, TokenEvent, generate
+from moechat.engine.events import GREEDY, TokenEvent
+from moechat.engine.generate import generate
 from moechat.engine.loader import load_model
 
 PROMPT = "The lighthouse stood at the end of a long spit of sand, and for most of the year nobody went out to it"
@@ -31,6 +33,7 @@ def _reference_logits(gguf: Path, cache: Path, ids: list[int]) -> torch.Tensor:
     return logits
 
 
+@pytest.mark.slow
 def test_dense_gemma3_matches_transformers(gemma_gguf: Path, test_cache: Path) -> None:
     lm = load_model(gemma_gguf, n_ctx=128)
     ids = lm.tokenizer.encode(PROMPT)[:32]

@@ -11,9 +11,9 @@ from typing import Any
 import numpy as np
 import pytest
 from gguf import GGUFReader, GGUFWriter
-from moechat.engine.gguf_file import GGUFError, GGUFFile
-from moechat.engine.model_file import open_model
+from moechat.engine.gguf.reader import GGUFError, GGUFFile
 from moechat.engine.models import ARCHITECTURES
+from moechat.engine.models.opening import open_model
 from testkit.ggufgen import Q, random_blocks, tiny_moe, write_gguf
 
 
@@ -76,7 +76,7 @@ def test_opening_a_large_file_reads_only_the_header(tmp_path: Path) -> None:
     assert path.stat().st_size >= 200 * 10**6
     code = (
         "import sys\n"
-        "from moechat.engine.gguf_file import GGUFFile\n"
+        "from moechat.engine.gguf.reader import GGUFFile\n"
         "def kb(field):\n"
         "    return int(next(l for l in open('/proc/self/status') if l.startswith(field)).split()[1])\n"
         "before = kb('VmRSS:')\n"
@@ -196,6 +196,7 @@ def test_unsupported_quant_type_names_tensor_and_type(tmp_path: Path) -> None:
         open_model(extra)
 
 
+@pytest.mark.slow
 def test_cli_inspect_bad_file_one_line_exit_2(good_file: Path, tmp_path: Path) -> None:
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(good_file.read_bytes()[:50])
@@ -209,6 +210,7 @@ def test_cli_inspect_bad_file_one_line_exit_2(good_file: Path, tmp_path: Path) -
     assert r.returncode == 2 and "cannot open" in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_cli_inspect_table(tiny_model: Path) -> None:
     r = subprocess.run(
         [sys.executable, "-m", "moechat", "inspect", str(tiny_model)],
@@ -224,6 +226,7 @@ def test_cli_inspect_table(tiny_model: Path) -> None:
     assert "chat template" in out and "yes" in out
 
 
+@pytest.mark.slow
 def test_cli_inspect_shows_metadata_as_written_never_as_markup(tmp_path: Path) -> None:
     """A file's own strings are untrusted: rich markup in them ("[/x]" raises, "[link=...]" makes
     a terminal link) must print as plain text."""

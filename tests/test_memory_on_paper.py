@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from gguf import GGUFWriter
 from moechat.app.inspect_cmd import summary_rows
-from moechat.engine.model_file import open_model
+from moechat.engine.models.opening import open_model
 
 
 def _paper() -> ModuleType:

@@ -9,11 +9,12 @@ from typing import Any
 
 import pytest
 import torch
-from moechat.engine.generate import GREEDY, DoneEvent, TokenEvent, generate
-from moechat.engine.layers import QuantRows
+from moechat.engine.events import GREEDY, DoneEvent, TokenEvent
+from moechat.engine.generate import generate
+from moechat.engine.kernels.qblocks import has_kernel
 from moechat.engine.loader import LoadedModel, load_model
-from moechat.engine.qblocks import has_kernel
-from moechat.engine.qlinear import QLinear
+from moechat.engine.nn.layers import QuantRows
+from moechat.engine.nn.qlinear import QLinear
 from testkit.ggufgen import Q, tiny_moe
 from testkit.hf_ref import hf_reference
 
@@ -125,6 +126,7 @@ def test_greedy_continuation_matches_transformers(model: LoadedModel) -> None:
     assert ours == out[0, len(prompt) :].tolist()
 
 
+@pytest.mark.slow
 def test_cli_run(tmp_path: Path) -> None:
     model = tiny_moe(tmp_path / "m.gguf", n_vocab=512)
     base = [sys.executable, "-m", "moechat", "run", str(model), "-p", "Hello there", "-n", "12", "--ignore-eos"]
@@ -166,8 +168,8 @@ def test_dense_models_match_transformers(tmp_path: Path, arch: str, qtype: Q) ->
 def test_dense_lead_layers_stay_out_of_the_expert_cache(tmp_path: Path) -> None:
     # Layer 0 has a dense FFN, layers 1-2 route: the cache, its statistics and its trace see only
     # the MoE layers, by their real index, and the cache still changes nothing the model computes.
-    from moechat.engine.cache_settings import CacheSettings
-    from moechat.engine.trace import read_trace
+    from moechat.engine.cache.settings import CacheSettings
+    from moechat.engine.cache.trace import read_trace
 
     path = tiny_moe(tmp_path / "lead.gguf", n_layers=3, dense_layers=1)
     plain = load_model(path, n_ctx=128)

@@ -14,15 +14,16 @@ def _py(code: str, cwd: Path) -> subprocess.CompletedProcess[str]:
 
 
 def test_one_import_root_and_no_generic_top_level_names(tmp_path: Path) -> None:
-    ok = _py("import moechat.engine, moechat.app, moechat.tuner, moechat.widgets; print('ok')", tmp_path)
+    ok = _py("import moechat.engine, moechat.app, moechat.tuner, moechat.widgets, moechat.demo; print('ok')", tmp_path)
     assert ok.returncode == 0, ok.stderr
     assert ok.stdout.strip() == "ok"
-    for generic in ("engine", "app", "tuner", "widgets"):
+    for generic in ("engine", "app", "tuner", "widgets", "demo"):
         r = _py(f"import {generic}", tmp_path)
         assert r.returncode != 0, f"'import {generic}' must fail outside the checkout"
         assert "ModuleNotFoundError" in r.stderr
 
 
+@pytest.mark.slow
 def test_headless_core_imports_no_ui_libraries(tmp_path: Path) -> None:
     code = (
         "import sys, pkgutil, importlib\n"
@@ -93,6 +94,7 @@ def test_paths_prints_four_directories(tmp_path: Path) -> None:
     assert lines["log"].startswith(str(tmp_path / "st"))
 
 
+@pytest.mark.slow
 def test_inspect_without_a_model_builds_and_shows_the_demo(tmp_path: Path, smollm2_gguf: Path) -> None:
     import os
     import shutil
@@ -126,7 +128,7 @@ def test_inspect_without_the_demo_package_says_how_to_get_it(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from moechat.app.cli import main
-    from moechat.engine.demo_source import GEMMA_PACKAGE
+    from moechat.demo.source import GEMMA_PACKAGE
 
     monkeypatch.setitem(sys.modules, GEMMA_PACKAGE, None)  # import now fails, as if not installed
     assert main(["inspect", "demo:gemma"]) == 2
@@ -135,7 +137,7 @@ def test_inspect_without_the_demo_package_says_how_to_get_it(
 
 
 def test_malloc_tuning_applies_on_glibc() -> None:
-    from moechat.engine.memory import tune_malloc
+    from moechat.engine.malloc import tune_malloc
 
     assert tune_malloc() is True
 

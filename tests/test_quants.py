@@ -10,8 +10,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, quants
 from hypothesis import given, settings
 from hypothesis import strategies as st
-from moechat.engine import quants as mq
-from moechat.engine.gguf_file import GGUFFile
+from moechat.engine.gguf import dequant as mq
+from moechat.engine.gguf.reader import GGUFFile
 from testkit.ggufgen import Q
 
 REQUIRED = [

@@ -15,6 +15,7 @@ from testkit.ggufgen import ARCHS, Q, tiny_moe
 MOECHAT = [sys.executable, "-m", "moechat"]
 
 
+@pytest.mark.slow
 def test_peak_rss_stays_near_the_file_size(tmp_path: Path) -> None:
     # 4 layers x 256 experts of Q8_0: about 214 MB of experts. Dequantized they would be 805 MB.
     path = tiny_moe(tmp_path / "big.gguf", n_layers=4, n_expert=256, n_expert_used=8, n_vocab=512)
@@ -50,6 +51,7 @@ def test_peak_rss_stays_near_the_file_size(tmp_path: Path) -> None:
     assert grown <= 1.1 * size + kv, f"peak RSS grew {grown / 2**20:.0f} MiB for a {size / 2**20:.0f} MiB file"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ARCHS)
 def test_run_each_architecture(arch: str, tmp_path: Path) -> None:
     qtype = Q.MXFP4 if arch == "gpt-oss" else Q.Q8_0
@@ -61,6 +63,7 @@ def test_run_each_architecture(arch: str, tmp_path: Path) -> None:
     assert "prompt: " in r.stderr and "generation: 10 tokens" in r.stderr
 
 
+@pytest.mark.slow
 def test_threads_flag_sets_the_engine_threads(tmp_path: Path) -> None:
     model = tiny_moe(tmp_path / "m.gguf", n_vocab=300)
     for n in ("1", "3"):
@@ -70,6 +73,7 @@ def test_threads_flag_sets_the_engine_threads(tmp_path: Path) -> None:
         assert f"{n} intra-op threads" in r.stderr
 
 
+@pytest.mark.slow
 def test_ctrl_c_keeps_the_text_and_exits_130(tmp_path: Path) -> None:
     model = tiny_moe(tmp_path / "m.gguf", n_vocab=512)
     cmd = [*MOECHAT, "run", str(model), "-p", "Hello", "-n", "100000", "--ignore-eos", "-c", "100000", "--seed", "1"]
@@ -99,6 +103,7 @@ def test_ctrl_c_keeps_the_text_and_exits_130(tmp_path: Path) -> None:
     assert out.endswith("\n") and len(out.strip()) >= 20
 
 
+@pytest.mark.slow
 def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         return subprocess.run([*MOECHAT, "run", *args], capture_output=True, text=True, timeout=120)

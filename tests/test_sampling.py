@@ -7,7 +7,8 @@ from pathlib import Path
 
 import pytest
 import torch
-from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate, sample
+from moechat.engine.events import DoneEvent, SamplingParams, TokenEvent
+from moechat.engine.generate import generate, sample
 from moechat.engine.loader import load_model
 from testkit.ggufgen import tiny_moe
 

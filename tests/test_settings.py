@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import re
 from pathlib import Path
 from typing import Any
 
 import pytest
 from moechat.app.cli import build_parser
 from moechat.app.repl import SETTINGS as CHAT
-from moechat.app.settings import ENGINE, SAMPLING, SPEC, Settings, env_name, flag_name, from_args, sampling_params
+from moechat.app.settings import (
+    APP,
+    ENGINE,
+    SAMPLING,
+    SPEC,
+    Settings,
+    env_name,
+    flag_name,
+    from_args,
+    sampling_params,
+)
 from moechat.app.tune_cmd import TUNE_SETTINGS
 
 # A valid value other than the default for every setting, as text (what a flag or variable holds).
@@ -111,8 +122,8 @@ def test_seed_reaches_the_sampler() -> None:
 def test_the_app_replies_with_the_settings_seed_and_sampling(tmp_path: Path) -> None:
     from moechat.app.paths import AppPaths
     from moechat.app.tui import MoechatApp
-    from test_tui import ready, say
     from testkit.fake_engine import FakeEngine
+    from testkit.pilot import ready, say
 
     engine = FakeEngine(["The", " sea", "."])
     paths = AppPaths(tmp_path / "config", tmp_path / "data", tmp_path / "cache", tmp_path / "log")
@@ -126,3 +137,30 @@ def test_the_app_replies_with_the_settings_seed_and_sampling(tmp_path: Path) -> 
     asyncio.run(run())
     got: Any = engine.params[-1]
     assert (got.seed, got.temperature, got.top_k) == (11, 0.2, 5)
+
+
+def test_the_readme_lists_every_setting() -> None:
+    """The README's one list of settings is the declaration's, no more and no fewer."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    start = readme.index("Settings come from flags")
+    listed = re.findall(r"`([a-z_]+)`", readme[start : readme.index("--help` lists each", start)])
+    assert sorted(n for n in listed if n not in ("chat", "run", "tune")) == sorted(SPEC)
+
+
+def test_the_groups_hold_every_setting_once() -> None:
+    groups = (*ENGINE, *SAMPLING, *APP)
+    assert sorted(groups) == sorted(SPEC) and len(set(groups)) == len(groups)
+
+
+def test_an_engine_parameter_error_names_the_setting_flag() -> None:
+    """The engine says what is wrong in its words; the command line names its own flag for it."""
+    from moechat.app.settings import ENGINE_PARAMETERS, error_line
+    from moechat.engine.cache.settings import CacheError, CacheSettings
+
+    assert set(ENGINE_PARAMETERS.values()) <= set(SPEC)
+    with pytest.raises(CacheError) as info:
+        CacheSettings(mib=1, cpu_share=2.0).validate()
+    assert error_line(info.value) == "--moe-cache-cpu-share: the CPU share must be in [0, 1], got 2.0"
+    hinted = CacheError("mib", "a cache of 9 MiB: no room", suggestion=4)
+    assert error_line(hinted) == "--moe-cache-mib: a cache of 9 MiB: no room; try --moe-cache-mib 4"
+    assert error_line(ValueError("plain\nsecond line")) == "plain"

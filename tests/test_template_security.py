@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 
 import pytest
-from moechat.engine.chat_template import MAX_RENDER_SECONDS, ChatTemplate, ChatTemplateError, load_chat_template
+from moechat.engine.text.chat_template import MAX_RENDER_SECONDS, ChatTemplate, ChatTemplateError, load_chat_template
 from testkit.timing import baseline_seconds
 
 MESSAGES = [{"role": "user", "content": "hi"}]
@@ -65,6 +65,7 @@ def test_escapes_raise_or_leak_nothing(source: str) -> None:
     assert MESSAGES == [{"role": "user", "content": "hi"}]  # nothing was mutated
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", [e for e in ESCAPES if "subclasses()" in e or ".read()" in e] + DENIALS)
 def test_hostile_templates_fail_safely_and_fall_back(source: str) -> None:
     slack = 300 * baseline_seconds()  # the limit's own overshoot and the fallback's work, on this machine
@@ -101,8 +102,8 @@ def test_a_template_that_fails_later_switches_the_session_to_plain(tmp_path: obj
     """Fine on the sample chat, refusing a real one: the engine falls back and says why."""
     from pathlib import Path
 
-    from moechat.app.engine_api import RealEngine
-    from moechat.engine.cache_settings import CacheSettings
+    from moechat.app.real_engine import RealEngine
+    from moechat.engine.cache.settings import CacheSettings
     from moechat.engine.loader import load_model
     from testkit.ggufgen import tiny_moe
 

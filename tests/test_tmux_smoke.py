@@ -54,10 +54,35 @@ def _wait(session: str, text: str, timeout: float = 90.0) -> str:
     raise AssertionError(f"{text!r} never appeared; the screen was:\n{_pane(session)}")
 
 
+def _children(pid: int) -> list[int]:
+    found = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:  # the process ended meanwhile
+            continue
+        if int(fields[1]) == pid:
+            found.append(int(stat.parent.name))
+    return found
+
+
+def _ui_process(session: str) -> int:
+    """The app's own process: the pane's shell runs `env ... moechat`, and env becomes moechat."""
+    shell = int(subprocess.run(["tmux", "display", "-p", "-t", session, "#{pane_pid}"],
+                               capture_output=True, text=True).stdout)  # fmt: skip
+    (ui,) = _children(shell)
+    return ui
+
+
+def _mapped_libraries(pid: int) -> set[str]:
+    return {line.split()[-1] for line in Path(f"/proc/{pid}/maps").read_text().splitlines() if ".so" in line}
+
+
 # SGR colour codes beyond the 16 ANSI colours: 256-colour (38;5;n) and truecolor (38;2;r;g;b), fg or bg.
 EXTENDED_COLOUR = re.compile(r"\x1b\[[0-9;]*(?:38|48);[25];")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("width", "height", "term"), [(120, 40, "xterm-256color"), (80, 24, "xterm")])
 def test_moechat_in_tmux(tmp_path: Path, width: int, height: int, term: str) -> None:
     exe = _require("moechat")
@@ -83,6 +108,13 @@ def test_moechat_in_tmux(tmp_path: Path, width: int, height: int, term: str) -> 
         _wait(session, "reply 6 tok")
         screen = _wait(session, "length")  # the status line's last word: wrapped, not cut, at 80 columns
         assert "assistant" in screen and "hit rate" in screen
+        # The UI process draws and talks to the engine process: it maps neither torch nor numba.
+        ui = _ui_process(session)
+        libraries = _mapped_libraries(ui)
+        assert any("python" in lib for lib in libraries)  # the maps were read
+        assert not [lib for lib in libraries if "torch" in lib or "numba" in lib or "llvmlite" in lib]
+        engine = [p for p in _children(ui) if any("torch" in lib for lib in _mapped_libraries(p))]
+        assert engine, "the engine process runs torch"
         colours = EXTENDED_COLOUR.findall(_pane(session, escapes=True))
         # In 16 colours nothing asks for more; in 256 the same screen does (the check can fail).
         assert (len(colours) == 0) == (term == "xterm"), colours[:5]
@@ -106,6 +138,7 @@ def _shows(unwrapped: str, *texts: str) -> bool:
     return all("".join(t.split()) in unwrapped for t in texts)
 
 
+@pytest.mark.slow
 def test_a_model_that_does_not_load_leaves_its_error_in_the_terminal(tmp_path: Path) -> None:
     """The error is on screen while the app runs, and on stderr after it exits (non-zero)."""
     exe = _require("moechat")

@@ -8,7 +8,7 @@ import gc
 import io
 import json
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +18,7 @@ from moechat.app.screens.chat import SHOWN_TURNS, ChatScreen
 from moechat.app.screens.wizard import TuneWizard
 from moechat.app.settings import Settings, resolve
 from moechat.app.tui import MoechatApp
-from moechat.engine.generate import Event
+from moechat.engine.events import Event
 from moechat.widgets.chat_log import ChatInput, EarlierMarker, ReplyMarkdown, StreamedParagraph, Turn
 from moechat.widgets.dashboard import Dashboard
 from moechat.widgets.expert_heatmap import CACHED, ExpertHeatmap, heat_rows
@@ -27,44 +27,11 @@ from moechat.widgets.rows import RowsView, plain
 from moechat.widgets.throughput import ThroughputPlot, thin
 from testkit.fake_engine import FakeEngine, K
 from testkit.ggufgen import tiny_moe
+from testkit.pilot import make_app, ready, say, until
 from textual.binding import Binding
-from textual.pilot import Pilot
 from textual.widgets import DataTable, Markdown, Static
 
 WORDS = ["The", " river", " rose", " in", " spring", "."]
-
-
-async def until(pilot: Pilot[Any], cond: Callable[[], bool], timeout: float = 20.0) -> None:
-    """Poll the condition between UI cycles; fail after `timeout` seconds."""
-    end = time.monotonic() + timeout
-    while not cond():
-        if time.monotonic() > end:
-            raise AssertionError("condition not met in time")
-        await pilot.pause(0.02)
-
-
-def make_app(tmp_path: Path, engine: FakeEngine, settings: Settings | None = None) -> MoechatApp:
-    from moechat.app.paths import AppPaths
-
-    paths = AppPaths(tmp_path / "config", tmp_path / "data", tmp_path / "cache", tmp_path / "log")
-    return MoechatApp(lambda progress: engine, settings or Settings(), paths=paths)
-
-
-async def ready(pilot: Pilot[int], timeout: float = 20.0) -> ChatScreen:
-    app = pilot.app
-    # The screen is on the stack before its widgets are: its input having the focus says both.
-    # (Asking for the input with query_one then raised when the check ran in between.)
-    await until(pilot, lambda: isinstance(app.screen, ChatScreen) and isinstance(app.focused, ChatInput)
-                and app.focused.screen is app.screen, timeout)  # fmt: skip
-    return app.screen
-
-
-async def say(pilot: Pilot[int], screen: ChatScreen, text: str) -> None:
-    n = len(screen.conv.messages)
-    for ch in text:
-        await pilot.press(ch if ch != " " else "space")
-    await pilot.press("enter")
-    await until(pilot, lambda: len(screen.conv.messages) >= n + 2 and not screen.generating)
 
 
 def on_screen(widget: Static) -> str:
@@ -113,6 +80,7 @@ def test_markdown_still_builds_paragraphs_from_the_private_class_the_chat_subcla
     assert issubclass(StreamedParagraph, MarkdownParagraph)
 
 
+@pytest.mark.slow
 async def test_a_streamed_reply_relays_out_only_as_it_grows_and_is_drawn_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     from textual.app import App, ComposeResult
 
@@ -148,6 +116,7 @@ async def test_a_streamed_reply_relays_out_only_as_it_grows_and_is_drawn_whole(m
         assert layouts.count(False) > layouts.count(True) > 1  # ... and kept its layout when it did not
 
 
+@pytest.mark.slow
 async def test_escape_stops_within_a_token_and_the_next_request_works(tmp_path: Path) -> None:
     engine = FakeEngine([f" w{i}" for i in range(400)], delay=0.01)
     app = make_app(tmp_path, engine)
@@ -184,6 +153,7 @@ async def test_regenerate_replaces_the_last_reply(tmp_path: Path) -> None:
         assert len(screen.query(Turn)) == 2
 
 
+@pytest.mark.slow
 async def test_dashboard_updates_at_a_bounded_rate(tmp_path: Path) -> None:
     engine = FakeEngine([f" t{i}" for i in range(600)], delay=0.002)  # ~500 tokens/s
     app = make_app(tmp_path, engine, Settings(refresh_ms=250, n_predict=600))
@@ -220,20 +190,22 @@ async def test_after_a_reply_the_dashboard_and_export_show_the_min_bound(tmp_pat
 
 
 def test_the_cadence_sends_at_most_once_a_period_and_always_the_last() -> None:
-    from moechat.engine.stats import Cadence
+    from moechat.engine.cache.stats import Cadence
 
-    cadence = Cadence(0.02, 0.1)
-    sends = fulls = 0
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 0.3:
+    now = [0]
+    cadence = Cadence(20, 100, clock=lambda: now[0])  # in milliseconds: exact steps
+    sent = []
+    for step in range(300):  # 0.3 s of asking every millisecond
+        now[0] = step
         send, full = cadence.due()
-        sends += send
-        fulls += full
         assert send or not full  # a full update is a sent one
-    elapsed = time.monotonic() - t0
-    assert 2 <= sends <= elapsed / 0.02 + 1 and 1 <= fulls <= elapsed / 0.1 + 1, (sends, fulls)
-    assert fulls < sends
-    assert cadence.due(last=True) == (True, True)  # right after a send: the last one still goes, full
+        if send:
+            sent.append((step, full))
+    assert [s for s, _ in sent] == list(range(0, 300, 20))  # once every 20 ms, from the first ask
+    assert [s for s, full in sent if full] == list(range(0, 300, 100))  # a full one every 100 ms
+    now[0] = 281  # just after a send
+    assert cadence.due() == (False, False)
+    assert cadence.due(last=True) == (True, True)  # the last one still goes, full
 
 
 async def test_dashboard_draws_the_final_snapshot(tmp_path: Path) -> None:
@@ -329,6 +301,7 @@ def test_throughput_chart_thins_long_series_keeping_their_shape() -> None:
     assert thin(points[:5], 40) == ([0.0, 1.0, 2.0, 3.0, 4.0], [10.0] * 5)  # short series: unchanged
 
 
+@pytest.mark.slow
 async def test_engine_failure_is_shown_and_the_app_stays_usable(tmp_path: Path) -> None:
     engine = FakeEngine(WORDS, fail_after=3)
     app = make_app(tmp_path, engine)
@@ -343,6 +316,7 @@ async def test_engine_failure_is_shown_and_the_app_stays_usable(tmp_path: Path) 
         assert screen.conv.messages[-1]["content"] == "The river rose in spring."
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", ["missing", "fake", "truncated"])
 async def test_a_model_that_does_not_load_stays_on_screen_and_the_app_exits_non_zero(tmp_path: Path, kind: str) -> None:
     """The real engine process on a bad file: its one-line error replaces the spinner until a key is pressed."""
@@ -425,6 +399,7 @@ async def test_wizard_confirms_the_recommendation_before_applying_it(
             assert app.screen is wizard and engine.set_cache_calls == [] and not app.config_path.exists()
 
 
+@pytest.mark.slow
 async def test_wizard_says_what_it_measures_and_how_long_is_left(tmp_path: Path) -> None:
     engine = FakeEngine(WORDS, sweep_delay=0.1)
     app = make_app(tmp_path, engine)
@@ -443,6 +418,7 @@ async def test_wizard_says_what_it_measures_and_how_long_is_left(tmp_path: Path)
         assert labels[0].startswith("run 1/6: cache 0.5 MiB, CPU share 0: 100.0 t/s")
 
 
+@pytest.mark.slow
 async def test_wizard_estimates_before_it_starts_and_measures_again(tmp_path: Path) -> None:
     engine = FakeEngine(WORDS, sweep_delay=0.02)
     app = make_app(tmp_path, engine)
@@ -464,6 +440,7 @@ async def test_wizard_estimates_before_it_starts_and_measures_again(tmp_path: Pa
         assert len(wizard.query_one("#runs", DataTable).rows) == 6  # one table, not the old one twice
 
 
+@pytest.mark.slow
 async def test_wizard_cancel_changes_nothing(tmp_path: Path) -> None:
     engine = FakeEngine(WORDS, sweep_delay=0.05)
     app = make_app(tmp_path, engine)
@@ -573,6 +550,7 @@ def shown(screen: ChatScreen) -> list[str]:
     return [t.query_one(Markdown).source.strip() for t in screen.query(Turn)]
 
 
+@pytest.mark.slow
 async def test_long_chats_keep_the_recent_turns_and_bring_earlier_ones_back(tmp_path: Path) -> None:
     # Each text update relays out every widget in the log: a long chat keeps only its recent turns.
     engine = FakeEngine(["ok"])
@@ -603,6 +581,7 @@ async def test_long_chats_keep_the_recent_turns_and_bring_earlier_ones_back(tmp_
         assert screen.conv.messages[-1]["content"] == "ok" and len(screen.conv.messages) == 18
 
 
+@pytest.mark.slow
 async def test_reopened_long_chat_mounts_its_last_turns_and_a_click_shows_more(tmp_path: Path) -> None:
     engine = FakeEngine(["ok"])
     app = make_app(tmp_path, engine)
@@ -624,6 +603,7 @@ async def test_reopened_long_chat_mounts_its_last_turns_and_a_click_shows_more(t
         assert screen.first_shown == 0 and not screen.query_one(EarlierMarker).display
 
 
+@pytest.mark.slow
 async def test_command_palette_has_every_chat_action(tmp_path: Path) -> None:
     engine = FakeEngine(["ok"])
     app = make_app(tmp_path, engine)
@@ -649,6 +629,7 @@ async def test_command_palette_has_every_chat_action(tmp_path: Path) -> None:
         assert shown(screen) == [f"m{i}" for i in range(20)]
 
 
+@pytest.mark.slow
 def test_the_shipped_app_chats_through_its_engine_process(tmp_path: Path) -> None:
     """The app as `moechat` runs it: real_engine_factory starts the engine process (a real model,
     its expert cache); the chat screen streams a reply from it and shows the cache's counters."""
@@ -741,6 +722,7 @@ def test_bad_settings_name_the_setting_and_source(tmp_path: Path) -> None:
     assert resolve({}, {}, config)[0].theme == "nord"
 
 
+@pytest.mark.slow
 async def test_conversations_reopen_and_theme_is_remembered(tmp_path: Path) -> None:
     from moechat.app.screens.dialogs import OpenChat
 
@@ -795,11 +777,12 @@ def test_export_command_renders_a_saved_session(tmp_path: Path, capsys: pytest.C
     assert main(["export", str(bad)]) == 2
 
 
+@pytest.mark.slow
 def test_process_engine_streams_stops_and_reports_errors(tmp_path: Path) -> None:
     import threading
 
     from moechat.app.engine_process import EngineSpec, ProcessEngine
-    from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent
+    from moechat.engine.events import DoneEvent, SamplingParams, TokenEvent
     from testkit.ggufgen import tiny_moe
 
     path = tiny_moe(tmp_path / "m.gguf")
@@ -841,6 +824,7 @@ def test_process_engine_streams_stops_and_reports_errors(tmp_path: Path) -> None
         ProcessEngine(EngineSpec(str(bad), Settings(ctx_size=256, device="cpu")))
 
 
+@pytest.mark.slow
 async def test_a_failing_save_is_reported_and_the_old_file_kept(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -873,6 +857,7 @@ async def test_a_failing_save_is_reported_and_the_old_file_kept(
 MARKUP = "[/x] a [b]b[/b] [@click=app.quit]q[/] [/]"
 
 
+@pytest.mark.slow
 async def test_text_from_users_files_and_errors_is_shown_as_written_never_as_markup(tmp_path: Path) -> None:
     """Square brackets in a prompt, a system prompt or an error are text: Textual's markup would
     swallow them ("[stopped]"), run them ("[@click=...]") or fail on them ("[/x]": MarkupError)."""
@@ -913,10 +898,11 @@ def test_the_session_export_adds_up_every_cache_the_session_ran(tmp_path: Path) 
     # The wizard and a settings change rebuild the engine's cache, whose counters start again:
     # the session's export still counts everything since the session began.
     from moechat.app.export import SessionStats
-    from moechat.engine.cache_settings import CacheSettings
-    from moechat.engine.generate import GREEDY, generate
+    from moechat.engine.cache.settings import CacheSettings
+    from moechat.engine.cache.stats import StatsSnapshot
+    from moechat.engine.events import GREEDY
+    from moechat.engine.generate import generate
     from moechat.engine.loader import load_model
-    from moechat.engine.stats import StatsSnapshot
 
     lm = load_model(tiny_moe(tmp_path / "m.gguf"), n_ctx=128, cache=CacheSettings(mib=1.0, cpu_share=0.5))
     session = SessionStats({"name": "tiny"}, {"moe_cache_mib": 1.0, "moe_cache_cpu_share": 0.5})

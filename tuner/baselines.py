@@ -14,10 +14,9 @@ from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
-from moechat.engine.cache_policy import bypasses
-from moechat.engine.stats import GroupInfo
-
-from .simulator import WARMUP_TOKENS, Group, Routing
+from moechat.engine.cache.policy import bypasses
+from moechat.engine.cache.stats import GroupInfo
+from moechat.tuner.simulator import WARMUP_TOKENS, Group, Routing
 
 POLICIES = ("lru", "lfu", "min", "min-bypass")
 NEVER = 1 << 62
@@ -139,8 +138,8 @@ class _Cache:
             lru[k] = None
         return hit, missed
 
-    def _peek(self, request: set[int]) -> tuple[int, int] | None:
-        """The live heap entry of the best victim outside the request (left in the heap)."""
+    def _peek(self, request: set[int]) -> tuple[int, int, int] | None:
+        """The live heap entry (a, b, key) of the best victim outside the request (left in the heap)."""
         skipped = []
         found = None
         while self.heap:
@@ -151,14 +150,16 @@ class _Cache:
             if k in request:
                 skipped.append(heapq.heappop(self.heap))
                 continue
-            found = (a, b)
+            found = (a, b, k)
             break
         for item in skipped:
             heapq.heappush(self.heap, item)
         return found
 
     def _evict(self, request: set[int]) -> None:
-        if self._peek(request) is None:
+        # The victim is the entry _peek found, not the heap's top: the request's own entries, which
+        # _peek skipped and put back, may lead the heap and must not be evicted.
+        found = self._peek(request)
+        if found is None:
             raise ValueError("no expert can be evicted: the cache is smaller than one lookup")
-        _, _, k = heapq.heappop(self.heap)
-        del self.state[k]
+        del self.state[found[2]]  # its heap entry is stale from now on

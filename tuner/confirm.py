@@ -8,44 +8,18 @@ between repeats of one setting: a gain smaller than the noise is no gain.
 
 from __future__ import annotations
 
-import statistics
 import tempfile
 import threading
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from pathlib import Path
 
 from moechat.engine.loader import LoadedModel
-
-from .sweep import ArmDone, ArmStarted, SweepEvent, SweepSettings, run_arm
+from moechat.tuner.events import ArmDone, ArmStarted, ConfirmDone, ConfirmEvent
+from moechat.tuner.sweep import SweepSettings, run_arm
 
 CONFIRM_TOKENS = 96  # generated per confirm run
 CONFIRM_WARMUP = 16
-
-
-@dataclass(frozen=True)
-class ConfirmDone:
-    current: tuple[float, float]  # (MiB, CPU share)
-    recommended: tuple[float, float]
-    current_tps: tuple[float, ...]  # one per repeat, in the order run
-    recommended_tps: tuple[float, ...]
-
-    @property
-    def spread(self) -> float:
-        """t/s between repeats of one setting: the larger range of the two."""
-        return max(max(v) - min(v) for v in (self.current_tps, self.recommended_tps))
-
-    @property
-    def gain(self) -> float:
-        return statistics.median(self.recommended_tps) - statistics.median(self.current_tps)
-
-    @property
-    def wins(self) -> bool:
-        """The recommendation is faster by more than the repeats vary."""
-        return self.gain > self.spread
-
-
-ConfirmEvent = SweepEvent | ConfirmDone
 
 
 def confirm(

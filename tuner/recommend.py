@@ -7,9 +7,9 @@ from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
-from .simulator import Routing, load_routing, replay
-from .sweep import Arm, SweepDone, nice_mib
-from .time_model import FitError, Observation, TimeModel, fit
+from moechat.tuner.events import Arm, SweepDone, nice_mib
+from moechat.tuner.simulator import Routing, load_routing, replay
+from moechat.tuner.time_model import FitError, Observation, TimeModel, fit
 
 TABLE_SHARES = (0.0, 0.5, 0.8, 0.9, 0.95, 0.98)
 TABLE_FRACTIONS = (0.05, 0.10, 0.20, 0.30, 0.40, 0.50)

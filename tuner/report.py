@@ -8,8 +8,8 @@ from collections.abc import Sequence
 from dataclasses import asdict
 from typing import Any
 
-from .recommend import TuneReport
-from .time_model import TimeModel
+from moechat.tuner.recommend import TuneReport
+from moechat.tuner.time_model import TimeModel
 
 
 def table(header: Sequence[str], rows: Sequence[Sequence[str]], markdown: bool = False) -> str:

@@ -12,10 +12,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from moechat.engine.cache_policy import ClassLRU, CpuShare, bypasses, count, count_prefetch, split_budget
-from moechat.engine.stats import CountersSnapshot, LayerCounters
-from moechat.engine.trace import read_trace
-from moechat.engine.warm_start import hottest
+from moechat.engine.cache.policy import ClassLRU, CpuShare, bypasses, count, count_prefetch, split_budget
+from moechat.engine.cache.stats import CountersSnapshot, LayerCounters
+from moechat.engine.cache.trace import read_trace
+from moechat.engine.cache.warm_start import hottest
 
 WARMUP_TOKENS = 64
 

@@ -26,15 +26,16 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import torch
-from moechat.engine.cache_settings import CacheSettings
-from moechat.engine.device_memory import device_free_bytes
-from moechat.engine.generate import DoneEvent, SamplingParams, TokenEvent, generate
+from moechat.engine.cache.device_memory import device_free_bytes
+from moechat.engine.cache.settings import CacheSettings
+from moechat.engine.cache.slot_groups import layer_groups
+from moechat.engine.events import DoneEvent, SamplingParams, TokenEvent
+from moechat.engine.generate import generate
 from moechat.engine.loader import LoadedModel, load_model
-from moechat.engine.slot_groups import layer_groups
+from moechat.tuner.events import Arm, ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone, SweepEvent, nice_mib
+from moechat.tuner.simulator import load_routing, replay
 
 from moechat import __version__
-
-from .simulator import load_routing, replay
 
 logger = logging.getLogger(__name__)
 
@@ -46,10 +47,6 @@ PROMPT = (
     "stairs to light the lamp. He kept a journal of the ships he saw, the weather, and the birds that "
     "rested on the rail. One autumn night a small boat without lights drifted toward the rocks, and"
 )
-
-
-class Cancelled(Exception):
-    """The sweep was stopped between tokens."""
 
 
 @dataclass(frozen=True)
@@ -82,72 +79,6 @@ class SweepSettings:
             "threads": torch.get_num_threads(), "version": __version__,
         }  # fmt: skip
         return hashlib.sha256(json.dumps(ident, sort_keys=True).encode()).hexdigest()[:16]
-
-
-@dataclass(frozen=True)
-class Arm:
-    """One measured run."""
-
-    mib: float
-    share: float
-    tokens: int  # timed tokens
-    ms_per_token: float
-    hit_rate: float
-    upload_gib: float  # per timed token
-    cpu_gib: float
-    first_half_tps: float
-    second_half_tps: float
-    attempts: int
-    trace: str  # file name in the run directory
-
-    @property
-    def tps(self) -> float:
-        return 1000.0 / self.ms_per_token
-
-
-@dataclass(frozen=True)
-class ArmStarted:
-    index: int  # 0-based
-    n_arms: int
-    mib: float
-    share: float
-
-
-@dataclass(frozen=True)
-class ArmProgress:
-    index: int
-    n_arms: int
-    tokens_done: int
-    tokens_total: int
-
-
-@dataclass(frozen=True)
-class ArmDone:
-    index: int
-    n_arms: int
-    arm: Arm
-    cached: bool  # reused from an earlier sweep
-
-
-@dataclass(frozen=True)
-class SweepDone:
-    run_dir: Path
-    arms: tuple[Arm, ...]
-    expert_mib: float
-    room_mib: float  # largest cache the device has room for (or --max-mib)
-    device: str
-
-
-SweepEvent = ArmStarted | ArmProgress | ArmDone | SweepDone
-
-
-def nice_mib(x: float) -> float:
-    """Round a cache size down to something a person would type: 64 MiB steps when large."""
-    if x >= 256:
-        return float(int(x) // 64 * 64)
-    if x >= 1:
-        return float(f"{x:.3g}")
-    return float(f"{x:.2g}")
 
 
 def available_mib(device: str) -> float:

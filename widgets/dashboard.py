@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-from moechat.engine.stats import Recent, StatsSnapshot
+from moechat.engine.cache.stats import Recent, StatsSnapshot
+from moechat.widgets.expert_heatmap import ExpertHeatmap
+from moechat.widgets.layer_stats import LayerStats
+from moechat.widgets.rows import RowsView
+from moechat.widgets.throughput import ThroughputPlot
 from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
-
-from .expert_heatmap import ExpertHeatmap
-from .layer_stats import LayerStats
-from .rows import RowsView
-from .throughput import ThroughputPlot
 
 
 class Dashboard(VerticalScroll):

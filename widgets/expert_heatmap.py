@@ -6,10 +6,9 @@ import math
 from itertools import groupby
 from operator import itemgetter
 
-from moechat.engine.stats import StatsSnapshot
-
-from .layer_stats import fold_layers
-from .rows import Row, RowsView
+from moechat.engine.cache.stats import StatsSnapshot
+from moechat.widgets.layer_stats import fold_layers
+from moechat.widgets.rows import Row, RowsView
 
 SHADES = " .:-=+*#%@"
 MAX_COLUMNS = 64  # wider layers are folded: a column then shows the busiest of its experts

@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from moechat.engine.stats import CountersSnapshot, LayerSnapshot, StatsSnapshot
-
-from .rows import Row, RowsView
+from moechat.engine.cache.stats import CountersSnapshot, LayerSnapshot, StatsSnapshot
+from moechat.widgets.rows import Row, RowsView
 
 BAR = 12  # characters of the hit-rate bar
 HEADER = f"{'layer':>5} {'hit rate':<{BAR}} {'%':>4} {'cpu':>7} {'slots':>5}"

@@ -9,9 +9,16 @@ from __future__ import annotations
 import gc
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
-from moechat.engine.generate import SamplingParams
+from moechat.app.conversations import Conversation
+from moechat.app.messages import BoundUpdate, ContextTrimmed, ReplyDone, ReplyFailed, StatsUpdate, TokenText
+from moechat.app.reply_stream import stream_reply
+from moechat.app.screens.dialogs import OpenChat, SettingsDialog
+from moechat.app.screens.host import ScreenHost
+from moechat.app.screens.wizard import TuneWizard
+from moechat.app.settings import sampling_params
+from moechat.engine.events import SamplingParams
 from moechat.widgets.chat_log import ChatInput, EarlierMarker, Turn, turn_for
 from moechat.widgets.dashboard import Dashboard
 from textual import on, work
@@ -21,14 +28,6 @@ from textual.containers import Horizontal, Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import Footer, Markdown, Static
 from textual.widgets.markdown import MarkdownStream
-
-from ..conversations import Conversation
-from ..messages import BoundUpdate, ContextTrimmed, ReplyDone, ReplyFailed, StatsUpdate, TokenText
-from ..reply_stream import stream_reply
-from ..settings import sampling_params
-
-if TYPE_CHECKING:
-    from ..tui import MoechatApp
 
 logger = logging.getLogger(__name__)
 
@@ -77,8 +76,8 @@ class ChatScreen(Screen[None]):
         self.first_shown = 0  # index in conv.messages of the oldest turn in the log
 
     @property
-    def moechat(self) -> MoechatApp:
-        return self.app  # type: ignore[return-value]
+    def moechat(self) -> ScreenHost:
+        return self.app  # the app meets ScreenHost
 
     def compose(self) -> ComposeResult:
         with Horizontal():
@@ -307,7 +306,6 @@ class ChatScreen(Screen[None]):
         if self.generating:
             self.notify("stop the reply first (Esc)", severity="warning")
             return
-        from .dialogs import OpenChat
 
         async def opened(conv: Conversation | None) -> None:
             if conv is not None:
@@ -316,7 +314,6 @@ class ChatScreen(Screen[None]):
         self.app.push_screen(OpenChat(self.moechat.store.list()), opened)
 
     def action_settings(self) -> None:
-        from .dialogs import SettingsDialog
 
         def done(changed: bool | None) -> None:
             if changed:
@@ -329,7 +326,6 @@ class ChatScreen(Screen[None]):
         if self.generating:
             self.notify("stop the reply first (Esc)", severity="warning")
             return
-        from .wizard import TuneWizard
 
         self.app.push_screen(TuneWizard(), lambda _: self.refresh_info())
 

@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import replace
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
+from moechat.app.conversations import Conversation
+from moechat.app.screens.host import ScreenHost
+from moechat.app.settings import SettingError, Settings, coerce
 from textual import on
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
@@ -13,12 +16,6 @@ from textual.content import Content
 from textual.screen import ModalScreen
 from textual.widgets import Button, Input, Label, OptionList, Static
 from textual.widgets.option_list import Option
-
-from ..conversations import Conversation
-from ..settings import SettingError, Settings, coerce
-
-if TYPE_CHECKING:
-    from ..tui import MoechatApp
 
 DIALOG_CSS = """
 ModalScreen { align: center middle; }
@@ -58,8 +55,8 @@ class SettingsDialog(ModalScreen[bool]):
         self.settings = settings
 
     @property
-    def moechat(self) -> MoechatApp:
-        return self.app  # type: ignore[return-value]
+    def moechat(self) -> ScreenHost:
+        return self.app  # the app meets ScreenHost
 
     def compose(self) -> ComposeResult:
         with Vertical():

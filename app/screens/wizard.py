@@ -11,12 +11,14 @@ import statistics
 import threading
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-from moechat.tuner.confirm import ConfirmDone
+from moechat.app.messages import CacheApplied, ConfirmUpdate, SweepFailed, SweepUpdate, TuneReady
+from moechat.app.screens.host import ScreenHost
+from moechat.app.settings import save_config
+from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, ConfirmDone, SweepDone
 from moechat.tuner.recommend import TuneReport
 from moechat.tuner.report import cpu_speed, error_bar
-from moechat.tuner.sweep import ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone
 from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
@@ -24,12 +26,6 @@ from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, ProgressBar, Static
-
-from ..messages import CacheApplied, ConfirmUpdate, SweepFailed, SweepUpdate, TuneReady
-from ..settings import save_config
-
-if TYPE_CHECKING:
-    from ..tui import MoechatApp
 
 N_ARMS = 6
 
@@ -61,8 +57,8 @@ class TuneWizard(Screen[bool]):
         self._done_tokens = 0  # tokens of finished runs
 
     @property
-    def moechat(self) -> MoechatApp:
-        return self.app  # type: ignore[return-value]
+    def moechat(self) -> ScreenHost:
+        return self.app  # the app meets ScreenHost
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():

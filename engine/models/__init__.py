@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 from ..config import ModelConfig, model_config
-from ..gguf_file import GGUFError
-from ..weights import Layout, ModelFile
+from ..gguf.reader import GGUFError
+from ..gguf.sources import Layout, ModelFile
 from . import deepseek2, gemma3, glm4moe, gpt_oss, llama_moe, olmoe, qwen3next, qwen_moe
 from .decoder import Family, MoeDecoder
 from .gemma3 import Gemma3

@@ -15,11 +15,15 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import ModelConfig
-from ..cpu_blocks import FEW_ROWS, attention_block, decode_attention, route_rows
-from ..layers import KVCache, LayerCache, QuantRows, Rope, attention, host_rows, move_tensors, rms_norm
-from ..moe import Activation, ExpertExecutor, HostExperts, load_layer_experts, route, swiglu
-from ..qlinear import QLinear, Weight, ffn_one_token, gated, linear, linears
-from ..weights import DENSE, LINEAR, ROWS, Layout, Source, linear_form, maybe, want
+from ..gguf.sources import Layout, Source
+from ..kernels.layer_halves import FEW_ROWS, attention_block, decode_attention, route_rows
+from ..moe.expert_tensors import load_layer_experts
+from ..moe.host_experts import ExpertExecutor, HostExperts
+from ..moe.routing import route
+from ..nn.activations import Activation, swiglu
+from ..nn.layers import KVCache, LayerCache, QuantRows, Rope, attention, host_rows, move_tensors, rms_norm
+from ..nn.qlinear import QLinear, Weight, ffn_one_token, gated, linear, linears
+from ..nn.weights import DENSE, LINEAR, ROWS, linear_form, maybe, want
 
 
 class SelfAttention(Protocol):

@@ -25,11 +25,12 @@ import torch
 from torch import nn
 
 from ..config import ModelConfig
-from ..gguf_file import GGUFError
-from ..layers import LayerCache, Rope, attention, rms_norm
-from ..moe import swiglu
-from ..qlinear import linear
-from ..weights import Layout, Source, linear_form, maybe, want
+from ..gguf.reader import GGUFError
+from ..gguf.sources import Layout, Source
+from ..nn.activations import swiglu
+from ..nn.layers import LayerCache, Rope, attention, rms_norm
+from ..nn.qlinear import linear
+from ..nn.weights import linear_form, maybe, want
 from .decoder import Family
 
 

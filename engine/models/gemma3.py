@@ -18,12 +18,13 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from ..config import GATING_SELECT, ModelConfig
-from ..cpu_kernels import ACT_GELU_TANH
-from ..fused_moe import register_activation
-from ..layers import KVCache, LayerCache, Rope, move_tensors, rms_norm
-from ..moe import ExpertExecutor
-from ..weights import Layout, want
+from ..config import ModelConfig
+from ..gguf.sources import Layout
+from ..kernels.codes import ACT_GELU_TANH, GATING_SELECT
+from ..moe.host_experts import ExpertExecutor
+from ..nn.activations import register_activation
+from ..nn.layers import KVCache, LayerCache, Rope, move_tensors, rms_norm
+from ..nn.weights import want
 from .decoder import Attention, DecoderBase, DenseFFN, Family, ffn_for
 
 

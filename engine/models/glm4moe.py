@@ -8,7 +8,7 @@ shared expert added without a gate; the pre-FFN norm named `post_attention_norm`
 NextN/MTP blocks (`nextn_predict_layers`) are neither run nor loaded, nor cached.
 """
 
-from ..moe import swiglu
+from ..nn.activations import swiglu
 from .decoder import Family
 
 FAMILY = Family(neox_rope=True, act=swiglu, ffn_norm="post_attention_norm")

@@ -9,9 +9,8 @@ fractional, where ggml floors/ceils it (docs/design.md).
 
 import torch
 
-from ..config import GATING_SOFTMAX_SELECTED
-from ..cpu_kernels import ACT_OAI, SWIGLU_ALPHA, SWIGLU_LIMIT
-from ..fused_moe import register_activation
+from ..kernels.codes import ACT_OAI, GATING_SOFTMAX_SELECTED, SWIGLU_ALPHA, SWIGLU_LIMIT
+from ..nn.activations import register_activation
 from .decoder import Family
 
 

@@ -30,12 +30,13 @@ from torch import nn
 from torch.nn import functional as F
 
 from ..config import ModelConfig
-from ..cpu_blocks import delta_rule_rows
-from ..gguf_file import GGUFError
-from ..layers import LayerCache, Rope, host_rows, rms_norm
-from ..moe import swiglu
-from ..qlinear import Weight, linear, linears
-from ..weights import Layout, Source, linear_form, maybe, want
+from ..gguf.reader import GGUFError
+from ..gguf.sources import Layout, Source
+from ..kernels.layer_halves import delta_rule_rows
+from ..nn.activations import swiglu
+from ..nn.layers import LayerCache, Rope, host_rows, rms_norm
+from ..nn.qlinear import Weight, linear, linears
+from ..nn.weights import linear_form, maybe, want
 from .decoder import Attention, Family, SelfAttention
 
 

@@ -3,7 +3,7 @@
 and the dense qwen3 and qwen2 on the same decoder. The features come from the tensors a file
 holds; what the files leave implicit is the renormalisation, which Qwen3's routers do."""
 
-from ..moe import swiglu
+from ..nn.activations import swiglu
 from .decoder import Family
 
 QWEN2 = Family(neox_rope=True, act=swiglu)

@@ -11,11 +11,20 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from moechat.app.engine_api import Message, ModelInfo
-from moechat.engine.generate import DoneEvent, Event, SamplingParams, TokenEvent
-from moechat.engine.stats import CountersSnapshot, GroupInfo, LayerSnapshot, StatsSnapshot
-from moechat.tuner.confirm import ConfirmDone, ConfirmEvent
+from moechat.engine.cache.stats import CountersSnapshot, GroupInfo, LayerSnapshot, StatsSnapshot
+from moechat.engine.events import DoneEvent, Event, SamplingParams, TokenEvent
+from moechat.tuner.events import (
+    Arm,
+    ArmDone,
+    ArmProgress,
+    ArmStarted,
+    Cancelled,
+    ConfirmDone,
+    ConfirmEvent,
+    SweepDone,
+    SweepEvent,
+)
 from moechat.tuner.recommend import Recommendation, Row, TuneReport
-from moechat.tuner.sweep import Arm, ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone, SweepEvent
 from moechat.tuner.time_model import TimeModel
 
 N_LAYERS, N_EXPERT, K = 4, 8, 2

@@ -398,7 +398,7 @@ class MemoryModel:
 
     def __init__(self, arch: str, metadata: Mapping[str, Any],
                  tensors: Mapping[str, tuple[np.ndarray, GGMLQuantizationType]]) -> None:  # fmt: skip
-        from moechat.engine.gguf_file import TensorInfo
+        from moechat.engine.gguf.reader import TensorInfo
 
         self.path = "<memory>"
         self.metadata = {"general.architecture": arch, **metadata}

@@ -6,8 +6,12 @@ from typing import Any
 
 import torch
 from moechat.engine.config import ModelConfig
-from moechat.engine.gguf_file import GGUFFile
-from moechat.engine.layers import load_weight, maybe_weight
+from moechat.engine.gguf.reader import GGUFFile
+from moechat.engine.nn.layers import load_weight
+
+
+def maybe_weight(source: Any, name: str) -> torch.Tensor | None:
+    return load_weight(source, name) if name in source.tensors else None
 
 
 def _unpermute(w: torch.Tensor, n_head: int) -> torch.Tensor:

@@ -1,18 +1,21 @@
 """Real vocabularies for tests, built offline.
 
-Qwen's byte-level BPE comes from `qwen.tiktoken` in the dashscope wheel: tiktoken stores
-only ranks, so the merges are recovered by running BPE over each token's bytes with the
-ranks below its own (the last step that forms the token is its merge).
+Qwen's byte-level BPE: its first 32768 tokens by rank, from Qwen's published `qwen.tiktoken`
+(data/qwen_ranks_32k.tiktoken.gz; the 256 single bytes and every merge of a kept token rank
+lower, so the prefix is a vocabulary of its own). tiktoken stores only ranks, so the merges
+are recovered by running BPE over each token's bytes with the ranks below its own (the last
+step that forms the token is its merge).
 """
 
 from __future__ import annotations
 
 import base64
-import importlib.resources
+import gzip
 from dataclasses import dataclass
 from functools import cache
+from pathlib import Path
 
-from moechat.engine.tokenizer import CONTROL, NORMAL, byte_to_unicode
+from moechat.engine.text.tokenizer import CONTROL, NORMAL, byte_to_unicode
 
 QWEN_PATTERN = (
     r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -56,9 +59,9 @@ class Vocab:
 
 @cache
 def qwen_ranks() -> dict[bytes, int]:
-    path = importlib.resources.files("dashscope").joinpath("resources/qwen.tiktoken")
+    path = Path(__file__).parent / "data" / "qwen_ranks_32k.tiktoken.gz"
     ranks: dict[bytes, int] = {}
-    for line in path.read_text().splitlines():
+    for line in gzip.decompress(path.read_bytes()).decode().splitlines():
         if line:
             tok, rank = line.split()
             ranks[base64.b64decode(tok)] = int(rank)

@@ -1,0 +1,410 @@
+"""The device expert cache: slots on the device, misses uploaded or computed on the CPU.
+
+`ExpertCache` is an `ExpertExecutor`: the MoE block calls it exactly as it calls the host
+experts. Per call (one MoE layer, one batch):
+
+1. the policy (`cache_policy.ClassLRU`, shared with the simulator) plans the lookup: hits,
+   misses to upload into victim slots, misses left to the CPU;
+2. the CPU part starts on a worker thread, reading the host copy;
+3. uploads copy the host bytes into the slots (runs of consecutive experts and slots in one
+   copy; with an emulated link each upload also costs bytes / link speed);
+4. the device computes the hits and the uploaded experts from the slots;
+5. the contributions are summed in expert order, so the result does not depend on where
+   each expert ran.
+
+Batches of more than `max_batch` tokens (prefill), and lookups that could select more experts
+than the group has slots, bypass the cache: they read the experts from the host and leave the
+cache state as it was.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from array import array
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+
+import numpy as np
+import torch
+
+from ..gguf.dequant import dequantize
+from ..kernels import device as device_kernels
+from ..kernels.jit import concurrent_calls_safe, set_kernel_threads
+from ..moe.expert_tensors import LayerExperts
+from ..moe.host_experts import Contribution, HostExperts, run_experts, sum_parts
+from ..moe.kernel_calls import host_arrays, layer_output, run_fused
+from . import warm_start
+from .device_memory import pinned
+from .policy import ClassLRU, CpuShare, Plan, bypasses, count, count_prefetch
+from .settings import CacheSettings
+from .slot_groups import SlotGroup, build_groups
+from .stats import LayerCounters, LayerSnapshot, StatsSnapshot
+from .trace import TraceWriter
+from .uploads import Uploader
+
+logger = logging.getLogger(__name__)
+
+
+CachedPath = Callable[
+    [int, SlotGroup, ClassLRU, LayerExperts, Plan, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+
+
+class ExpertCache:
+    def __init__(self, host: HostExperts, n_expert_used: int, settings: CacheSettings) -> None:
+        settings.validate()
+        self.settings = settings
+        self.device = torch.device(settings.device)
+        self.host = pinned(host) if settings.load_mode == "pinned" and self.device.type == "cuda" else host
+        if settings.load_mode == "pinned" and self.device.type != "cuda":
+            logger.info("the pinned load mode only matters with a CUDA device; experts stay memory-mapped")
+        self.uploader = Uploader(self.device, settings.emulate_link_gbps)
+        # The decoder predicts each next MoE layer's experts for calls of up to this many tokens (0: never).
+        self.prefetch_tokens = settings.max_batch if settings.prefetch else 0
+        self.n_expert_used = n_expert_used
+        self.share = CpuShare(settings.cpu_share)
+        self.groups = build_groups(self.host, n_expert_used, settings.mib, settings.cpu_share, self.device,
+                                   settings.policy)  # fmt: skip
+        self.group_of = {layer: g for g in self.groups for layer in g.info.layers}
+        self.stats = {layer: LayerCounters() for layer in host.layers}
+        self.use_counts = {layer: np.zeros(lx.gate.raw.shape[0], dtype=np.int64) for layer, lx in host.layers.items()}
+        self.first_layer = min(host.layers)
+        # Every cacheable lookup since the cache was made: the session's routing, which the app
+        # replays through MIN after a reply (the bound at this size). Kept as flat int arrays, 2
+        # bytes an expert id, not as tuples (about 120 bytes a lookup).
+        self._lookup_heads = array("i")  # per lookup: layer, experts per token, ids
+        self._lookup_ids = array("h")
+        self.tokens = 0
+        # One worker with one intra-op thread: it runs beside the main thread, which drives the
+        # device (and on the CPU device computes too); two teams of intra-op threads on a small
+        # machine only oversubscribe it. The setting is per thread: the main thread keeps its own.
+        # The CPU computes the share's misses, and those the policy does not admit.
+        to_cpu = self.share.q or settings.policy != "classlru"
+        self._worker = (
+            ThreadPoolExecutor(1, thread_name_prefix="moechat-cpu", initializer=_one_thread) if to_cpu else None
+        )
+        self._lock = threading.Lock()  # guards the counters while a snapshot is taken
+        self.warm_counts: warm_start.Counts | None = None
+        self.warm_uploads = self.warm_bytes = 0  # slots filled from the saved counts, before the first token
+        if settings.warm_start is not None:
+            n_expert = {layer: lx.gate.raw.shape[0] for layer, lx in self.host.layers.items()}
+            self.warm_counts = warm_start.read(settings.warm_start, n_expert)
+            if self.warm_counts is not None:
+                self._preload(self.warm_counts)
+        self._trace = TraceWriter(settings.trace, self._trace_header()) if settings.trace else None
+        self._biases: dict[int, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = {}
+        self.triton = {layer: self._use_triton(layer, lx) for layer, lx in self.host.layers.items()}
+        # How each layer runs, chosen once: its planned lookups (hits, uploads and the CPU's part), and
+        # a batch that goes around the cache (prefill, or a layer without slots).
+        self._cached_path = {layer: self._cached_path_for(layer) for layer in self.host.layers}
+        self._uncached_path = self.host if self.device.type == "cpu" else self._run_uncached_on_device
+
+    def _cached_path_for(self, layer: int) -> CachedPath:
+        if self.triton[layer]:
+            return self._run_triton
+        if self.device.type == "cpu" and self.host.fused[layer]:
+            return self._run_fused
+        return self._run_exact
+
+    def _use_triton(self, layer: int, lx: LayerExperts) -> bool:
+        want = self.settings.device_kernels
+        if want == "torch" or (want == "auto" and self.device.type != "cuda"):
+            return False
+        qtypes = (lx.gate.qtype, lx.up.qtype, lx.down.qtype)
+        if device_kernels.supports(qtypes) and self.host.act_code >= 0:
+            return True
+        why = "triton is not installed" if not device_kernels.available() else (
+            f"no device kernel for {'/'.join(t.name for t in qtypes)} or this activation")  # fmt: skip
+        logger.info("MoE layer %d: %s; its cached experts are dequantized on each use", layer, why)
+        return False
+
+    # -- set-up --------------------------------------------------------------------------
+
+    def _preload(self, counts: warm_start.Counts) -> None:
+        """Fill each group's slots with the hottest saved experts (the simulator does the same)."""
+        for group in self.groups:
+            if group.policy is None:
+                continue
+            placed = group.policy.preload(warm_start.hottest(counts, group.info.layers, group.policy.n_slots))
+            for layer in group.info.layers:
+                uploads = tuple(sorted((e, slot) for lay, e, slot in placed if lay == layer))
+                self.uploader.upload(group, self.host.layers[layer], uploads)
+            self.warm_uploads += len(placed)
+            self.warm_bytes += len(placed) * group.info.expert_bytes
+        logger.info("warm start: %d experts (%.1f MiB) in their slots before the first token", self.warm_uploads,
+                    self.warm_bytes / 2**20)  # fmt: skip
+
+    def save_warm_start(self) -> None:
+        """Write the experts' decayed use counts for the next run (layers no slot group covers keep the old)."""
+        if self.settings.warm_start is None:
+            return
+        counts = dict(self.warm_counts or {})
+        for group in self.groups:
+            if group.policy is not None:
+                for layer in group.info.layers:
+                    counts[layer] = group.policy.decayed_crf(layer)
+        if counts:
+            warm_start.write(self.settings.warm_start, counts)
+
+    def _trace_header(self) -> dict[str, object]:
+        return {
+            "version": 1,
+            "max_batch": self.settings.max_batch,
+            "n_expert_used": self.n_expert_used,
+            "budget_mib": self.settings.mib,
+            "cpu_share": self.settings.cpu_share,
+            "policy": self.settings.policy,
+            "prefetch": self.settings.prefetch,
+            "groups": [
+                {
+                    "layers": list(g.info.layers),
+                    "n_expert": g.info.n_expert,
+                    "expert_bytes": g.info.expert_bytes,
+                    "n_slots": g.info.n_slots,
+                    "budget_bytes": g.info.budget_bytes,
+                }
+                for g in self.groups
+            ],
+            # The saved counts the slots were filled from: a replay fills its slots the same way.
+            "warm": {str(k): v for k, v in self.warm_counts.items()} if self.warm_counts is not None else None,
+        }
+
+    # -- execution -------------------------------------------------------------------------
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        n_tokens = x.shape[0]
+        ids = ids.cpu()  # the one host sync the routing needs
+        flat = ids.reshape(-1).tolist()
+        if n_tokens <= self.settings.max_batch:  # larger batches go around any cache: no bound to compute
+            self._lookup_heads.extend((layer, ids.shape[1], len(flat)))
+            self._lookup_ids.extend(flat)
+        if self._trace is not None:
+            self._trace.write(layer, ids.shape[1], ids.reshape(-1).numpy())
+        np.add.at(self.use_counts[layer], flat, 1)
+        if layer == self.first_layer:
+            self.tokens += n_tokens
+        group = self.group_of[layer]
+        lx = self.host.layers[layer]
+        counters = self.stats[layer].of(n_tokens)
+        uniq = sorted(set(flat))
+        policy = group.policy
+        if policy is not None and bypasses(n_tokens, ids.shape[1], group.info.n_expert, policy.n_slots,
+                                           self.settings.max_batch):  # fmt: skip
+            policy = None
+        with self._lock:
+            plan = policy.plan(layer, flat, n_tokens, self.share.active()) if policy is not None else None
+            count(counters, n_tokens, plan, len(uniq), group.info.expert_bytes)
+        if plan is None or policy is None:
+            return self._uncached_path(layer, x, ids, weights)
+        if plan.prefetched_hits:
+            self.uploader.wait_ahead()  # experts a prefetch uploaded are read now: their copies must be in
+        return self._cached_path[layer](layer, group, policy, lx, plan, x, ids, weights)
+
+    def lookups(self) -> list[tuple[int, int, tuple[int, ...]]]:
+        """The cacheable lookups so far, in order: (layer, experts per token, ids token-major)."""
+        out, at, heads = [], 0, self._lookup_heads
+        for i in range(0, len(heads), 3):
+            n = heads[i + 2]
+            out.append((heads[i], heads[i + 1], tuple(self._lookup_ids[at : at + n])))
+            at += n
+        return out
+
+    def prefetch(self, layer: int, ids: torch.Tensor) -> None:
+        """Upload `layer`'s predicted experts (ids [T, k]) ahead of its lookup, without waiting for them.
+
+        The decoder calls this after the block before `layer`, with `layer`'s router applied to
+        that block's output; the lookup then waits only for the copies it reads (`Uploader.wait_ahead`).
+        """
+        group = self.group_of.get(layer)
+        policy = group.policy if group is not None else None
+        n_tokens, n_used = ids.shape
+        if group is None or policy is None or bypasses(n_tokens, n_used, group.info.n_expert, policy.n_slots,
+                                                       self.settings.max_batch):  # fmt: skip
+            return
+        ids = ids.cpu()
+        if self._trace is not None:
+            self._trace.write(-1 - layer, n_used, ids.reshape(-1).numpy())  # a prefetch record
+        with self._lock:
+            uploads = policy.prefetch(layer, ids.reshape(-1).tolist())
+            count_prefetch(self.stats[layer].of(n_tokens), len(uploads), group.info.expert_bytes)
+        self.uploader.upload(group, self.host.layers[layer], uploads, ahead=True)
+
+    def _run_uncached_on_device(
+        self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor
+    ) -> torch.Tensor:
+        """A batch around the cache on a device: each selected expert from the host copy."""
+        lx = self.host.layers[layer]
+        uniq = ids.unique().tolist()
+        return sum_parts(x, run_experts(lx, x, ids, weights, self.host.act, uniq, fetch=self._host_fetch(lx)))
+
+    def _run_exact(
+        self, layer: int, group: SlotGroup, policy: ClassLRU, lx: LayerExperts, plan: Plan, x: torch.Tensor,
+        ids: torch.Tensor, weights: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """Layers without kernels (or `--cpu-kernels exact`): each expert dequantized and multiplied, the
+        CPU's part in the worker meanwhile."""
+        future: Future[list[Contribution]] | None = None
+        if plan.cpu and self._worker is not None:
+            xh, wh = x.cpu(), weights.cpu()  # the CPU part reads host copies
+            future = self._worker.submit(run_experts, lx, xh, ids, wh, self.host.act, list(plan.cpu),
+                                         fetch=self.host.fetcher(layer))  # fmt: skip
+        self.uploader.upload(group, lx, plan.uploads)
+        on_device = sorted([*plan.hits, *(e for e, _ in plan.uploads)])
+        # On the CPU device a slot holds the host expert's very bytes: the dequant cache, when
+        # there is one, serves both.
+        host_fetch = self.host.fetcher(layer) if self.device.type == "cpu" else None
+        fetch = host_fetch or self._slot_fetch(policy, group.banks, lx, layer)
+        parts = run_experts(lx, x, ids, weights, self.host.act, on_device, fetch=fetch)
+        if future is not None:
+            parts += future.result()
+        return sum_parts(x, parts)
+
+    def _run_fused(
+        self, layer: int, group: SlotGroup, policy: ClassLRU, lx: LayerExperts, plan: Plan, x: torch.Tensor,
+        ids: torch.Tensor, weights: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """CPU device, fused kernels: hits and uploads from the slots, the CPU share from the host copy.
+
+        Both parts fill their own rows of one contribution buffer, summed once in expert order.
+        """
+        xh, ih, wh = host_arrays(x, ids, weights)
+        contrib = np.empty((ih.size, xh.shape[1]), np.float32)  # [T*k, E]
+        future: Future[None] | None = None
+        on_device = sorted([*plan.hits, *(e for e, _ in plan.uploads)])
+        if plan.cpu:
+            # The worker only when the device has work of its own meanwhile: handing over costs.
+            if on_device and self._worker is not None and concurrent_calls_safe():
+                future = self._worker.submit(self.host.run_host_part, layer, xh, ih, wh, list(plan.cpu), contrib)
+            else:
+                self.host.run_host_part(layer, xh, ih, wh, list(plan.cpu), contrib)
+        self.uploader.upload(group, lx, plan.uploads)
+        if on_device:
+            banks = tuple(b.numpy() for b in group.banks)
+            slots = np.asarray(policy.slot_map[layer], dtype=np.int64)
+            run_fused(lx, (banks[0], banks[1], banks[2]), slots, self.host.act_code, xh, ih, wh, on_device, contrib,
+                      self.host.bits)  # fmt: skip
+        if future is not None:
+            future.result()
+        return layer_output(contrib, ih)
+
+    def _run_triton(
+        self, layer: int, group: SlotGroup, policy: ClassLRU, lx: LayerExperts, plan: Plan, x: torch.Tensor,
+        ids: torch.Tensor, weights: torch.Tensor,
+    ) -> torch.Tensor:  # fmt: skip
+        """The device's experts in three launches (device_kernels), the CPU share from the host copy meanwhile."""
+        # The CPU share's inputs cross now, while the device is idle after the routing's sync.
+        host_in = host_arrays(x, ids, weights) if plan.cpu else None
+        self.uploader.upload(group, lx, plan.uploads)
+        on_device = np.zeros(group.info.n_expert, dtype=bool)
+        on_device[[*plan.hits, *(e for e, _ in plan.uploads)]] = True
+        ih = ids.cpu().numpy()  # the routing's one sync: the policy has read these ids already
+        table, n_pairs = device_kernels.pair_table(ih, np.asarray(policy.slot_map[layer], dtype=np.int64), on_device)
+        table_d = torch.from_numpy(table).to(self.device, non_blocking=True)
+
+        def host_part() -> torch.Tensor | None:
+            if host_in is None:
+                return None
+            contrib = self._host_rows(layer, lx, host_in, list(plan.cpu))
+            return torch.from_numpy(contrib).to(self.device, non_blocking=True)
+
+        biases = (lx.gate.bias, lx.up.bias, lx.down.bias)
+        banks = (group.banks[0], group.banks[1], group.banks[2])
+        return device_kernels.run_layer(
+            banks, (lx.gate.qtype, lx.up.qtype, lx.down.qtype), self._device_biases(layer, biases),
+            self.host.act_code, x.float().contiguous(), weights.float().contiguous(), table_d, n_pairs, ih.shape[1],
+            host_part,
+        ).to(x.dtype)  # fmt: skip
+
+    def _host_rows(
+        self, layer: int, lx: LayerExperts, host_in: tuple[np.ndarray, ...], experts: list[int]
+    ) -> np.ndarray:
+        """The contributions of `experts` computed on the CPU, in their rows t*k + j of [T*k, E]."""
+        xh, ih, wh = host_in
+        contrib = np.empty((ih.size, xh.shape[1]), np.float32)  # only the rows of `experts` get set
+        if self.host.fused[layer]:
+            self.host.run_host_part(layer, xh, ih, wh, experts, contrib)
+            return contrib
+        ids = torch.from_numpy(ih)
+        for e, tok, y in run_experts(lx, torch.from_numpy(xh), ids, torch.from_numpy(wh), self.host.act, experts,
+                                     fetch=self.host.fetcher(layer)):  # fmt: skip
+            j = (ids[tok] == e).int().argmax(-1)  # where e sits in each of its tokens' selections
+            contrib[(tok * ih.shape[1] + j).numpy()] = y.numpy()
+        return contrib
+
+    def _device_biases(
+        self, layer: int, biases: tuple[torch.Tensor | None, ...]
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+        """The experts' biases [n_expert, rows] float32 on the device, moved there once per layer."""
+        got = self._biases.get(layer)
+        if got is None:
+            moved = [None if b is None else b.float().contiguous().to(self.device) for b in biases]
+            got = self._biases[layer] = (moved[0], moved[1], moved[2])
+        return got
+
+    def _host_fetch(self, lx: LayerExperts) -> Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Bypass on a device: upload an expert for this call only, without caching it."""
+        dev = self.device
+
+        def fetch(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            return (
+                dequantize(lx.gate.raw[e].to(dev, non_blocking=True), lx.gate.qtype),
+                dequantize(lx.up.raw[e].to(dev, non_blocking=True), lx.up.qtype),
+                dequantize(lx.down.raw[e].to(dev, non_blocking=True), lx.down.qtype),
+            )
+
+        return fetch
+
+    @staticmethod
+    def _slot_fetch(
+        policy: ClassLRU, banks: tuple[torch.Tensor, ...], lx: LayerExperts, layer: int
+    ) -> Callable[[int], tuple[torch.Tensor, torch.Tensor, torch.Tensor]]:
+        """Dequantized (gate, up, down) of an expert of `layer`, read from its slot."""
+        gate_bank, up_bank, down_bank = banks
+
+        def fetch(e: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+            s = policy.slot_of(layer, e)
+            return (
+                dequantize(gate_bank[s], lx.gate.qtype),
+                dequantize(up_bank[s], lx.up.qtype),
+                dequantize(down_bank[s], lx.down.qtype),
+            )
+
+        return fetch
+
+    # -- statistics --------------------------------------------------------------------------
+
+    def snapshot(self) -> StatsSnapshot:
+        with self._lock:
+            layers = []
+            for layer in sorted(self.host.layers):
+                group = self.group_of[layer]
+                st = self.stats[layer]
+                cached: tuple[int, ...] = ()
+                if group.policy is not None:
+                    cached = tuple(e for e, s in enumerate(group.policy.slot_map[layer]) if s >= 0)
+                layers.append(
+                    LayerSnapshot(
+                        layer, group.info.index, st.small.frozen(), st.large.frozen(), len(cached), cached,
+                        tuple(int(c) for c in self.use_counts[layer]),
+                    )
+                )  # fmt: skip
+            return StatsSnapshot(
+                time.time(), self.tokens, tuple(g.info for g in self.groups), tuple(layers), self.settings.cpu_share,
+                self.warm_uploads, self.warm_bytes, self.settings.policy,
+            )  # fmt: skip
+
+    def close(self) -> None:
+        self.save_warm_start()
+        if self._trace is not None:
+            self._trace.close()
+            self._trace = None
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
+
+
+def _one_thread() -> None:
+    torch.set_num_threads(1)
+    set_kernel_threads(1)

@@ -1,0 +1,209 @@
+"""Expert-cache statistics: mutable counters inside the engine, frozen snapshots for everyone else."""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+SMALL_BATCH = 8  # statistics split batches at 8 tokens, like the seed
+
+
+@dataclass
+class Counters:
+    lookups: int = 0  # distinct experts looked up
+    hits: int = 0
+    misses: int = 0  # uploads + cpu
+    cpu: int = 0  # misses computed on the CPU from the host copy
+    uploads: int = 0
+    uploaded_bytes: int = 0
+    bypassed: int = 0  # distinct experts of batches that bypass the cache
+    bypassed_bytes: int = 0
+    calls: int = 0
+    tokens: int = 0
+    prefetched: int = 0  # experts uploaded ahead of their lookup, on a prediction
+    prefetched_bytes: int = 0
+    prefetch_hits: int = 0  # hits on a prefetched expert (the prediction was right)
+
+    def frozen(self) -> CountersSnapshot:
+        return CountersSnapshot(**self.__dict__)
+
+
+@dataclass(frozen=True)
+class CountersSnapshot:
+    lookups: int = 0
+    hits: int = 0
+    misses: int = 0
+    cpu: int = 0
+    uploads: int = 0
+    uploaded_bytes: int = 0
+    bypassed: int = 0
+    bypassed_bytes: int = 0
+    calls: int = 0
+    tokens: int = 0
+    prefetched: int = 0
+    prefetched_bytes: int = 0
+    prefetch_hits: int = 0
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    def __add__(self, other: CountersSnapshot) -> CountersSnapshot:
+        return CountersSnapshot(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
+
+    def __sub__(self, other: CountersSnapshot) -> CountersSnapshot:
+        return CountersSnapshot(**{k: getattr(self, k) - getattr(other, k) for k in self.__dataclass_fields__})
+
+
+@dataclass
+class LayerCounters:
+    small: Counters = field(default_factory=Counters)  # batches of <= 8 tokens
+    large: Counters = field(default_factory=Counters)
+
+    def of(self, n_tokens: int) -> Counters:
+        return self.small if n_tokens <= SMALL_BATCH else self.large
+
+    @property
+    def total(self) -> CountersSnapshot:
+        return self.small.frozen() + self.large.frozen()
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    index: int
+    layers: tuple[int, ...]
+    n_expert: int
+    expert_bytes: int  # one expert: gate + up + down
+    n_slots: int  # 0: not cached
+    budget_bytes: int
+
+    @property
+    def fraction(self) -> float:
+        return self.n_slots / (len(self.layers) * self.n_expert) if self.layers else 0.0
+
+
+@dataclass(frozen=True)
+class LayerSnapshot:
+    layer: int
+    group: int
+    small: CountersSnapshot
+    large: CountersSnapshot
+    occupancy: int  # slots holding an expert of this layer
+    cached: tuple[int, ...]  # experts of this layer in a slot
+    use_counts: tuple[int, ...]  # selections per expert since the start
+
+    @property
+    def total(self) -> CountersSnapshot:
+        return self.small + self.large
+
+
+@dataclass(frozen=True)
+class StatsSnapshot:
+    time: float  # time.time() when taken
+    tokens: int  # tokens through the MoE layers (per layer)
+    groups: tuple[GroupInfo, ...]
+    layers: tuple[LayerSnapshot, ...]
+    cpu_share: float
+    warm_uploads: int = 0  # experts put in slots from the saved counts before the first token (warm start)
+    warm_bytes: int = 0
+    policy: str = "classlru"  # what the slots admit (cache_policy.POLICIES)
+
+    @property
+    def total(self) -> CountersSnapshot:
+        out = CountersSnapshot()
+        for layer in self.layers:
+            out = out + layer.total
+        return out
+
+
+RECENT_TOKENS = 32  # the dashboard's and the export's recent window
+
+
+@dataclass(frozen=True)
+class Recent:
+    """The counters of the most recent tokens: `span` tokens (at least the window's, as snapshots fall)."""
+
+    span: int
+    total: CountersSnapshot
+    layers: tuple[tuple[int, CountersSnapshot], ...]  # (layer, its counters over the span)
+
+    def worst(self, n: int = 2) -> list[tuple[int, float]]:
+        """The n layers with the lowest hit rate over the span, (layer, rate), among those looked up."""
+        looked = [(c.hit_rate, layer) for layer, c in self.layers if c.lookups]
+        return [(layer, rate) for rate, layer in sorted(looked)[:n]]
+
+
+class RecentWindow:
+    """Counters over the last `tokens` tokens, from the cumulative snapshots a reader receives.
+
+    Snapshots come at a bounded rate, not per token, so the window runs from the newest kept
+    snapshot at least `tokens` tokens before the latest one: its span is reported, never assumed.
+    Counters that start again (a cache rebuilt) start the window again.
+    """
+
+    def __init__(self, tokens: int = RECENT_TOKENS) -> None:
+        self.tokens = tokens
+        self._snaps: deque[StatsSnapshot] = deque()
+
+    def add(self, snap: StatsSnapshot) -> Recent | None:
+        """Take the latest snapshot; the recent counters, or None until two snapshots differ in tokens."""
+        if self._snaps and snap.tokens < self._snaps[-1].tokens:
+            self._snaps.clear()
+        self._snaps.append(snap)
+        while len(self._snaps) > 2 and self._snaps[1].tokens <= snap.tokens - self.tokens:
+            self._snaps.popleft()
+        base = self._snaps[0]
+        if base.tokens >= snap.tokens:
+            return None
+        before = {ls.layer: ls.total for ls in base.layers}
+        layers = tuple((ls.layer, ls.total - before.get(ls.layer, CountersSnapshot())) for ls in snap.layers)
+        total = CountersSnapshot()
+        for _, c in layers:
+            total = total + c
+        return Recent(snap.tokens - base.tokens, total, layers)
+
+
+def summary_lines(snap: StatsSnapshot) -> list[str]:
+    """The seed-style summary printed at exit: hits, misses, uploads per batch class."""
+    lines = []
+    for name in ("small", "large"):
+        tot = None
+        for layer in snap.layers:
+            c = getattr(layer, name)
+            tot = c if tot is None else tot + c
+        if tot is None or not (tot.lookups or tot.bypassed):
+            continue
+        label = "<= 8" if name == "small" else " > 8"
+        lines.append(
+            f"MoE cache: batch {label}: hits = {tot.hits}, misses = {tot.misses} ({tot.cpu} on the CPU), "
+            f"hit rate = {100 * tot.hit_rate:.1f}%, uploaded = {tot.uploaded_bytes / 2**20:.1f} MiB, "
+            f"bypassed = {tot.bypassed}"
+        )
+    return lines
+
+
+class Cadence:
+    """When a publisher of snapshots sends: at most once every `every` seconds, and a full update
+    (one the costly views redraw for) at most once every `full_every`; the last of a stream always
+    goes, full. The one throttle of the snapshots' way to the screen: the engine process and the
+    reply worker publish through it, the widgets draw what they are sent."""
+
+    def __init__(
+        self, every: float, full_every: float | None = None, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.every, self.full_every = every, max(every, full_every or every)
+        self._clock = clock
+        self._last = self._last_full = -float("inf")
+
+    def due(self, last: bool = False) -> tuple[bool, bool]:
+        """(send now, and whether it is a full update)."""
+        now = self._clock()
+        if not last and now - self._last < self.every:
+            return False, False
+        self._last = now
+        full = last or now - self._last_full >= self.full_every
+        if full:
+            self._last_full = now
+        return True, full

@@ -1,0 +1,297 @@
+"""CPU matmul kernels that read GGUF blocks where they lie (numba), one call per MoE layer per matrix kind.
+
+A kernel first quantizes the activation rows it reads (`qblocks.quantize_rows`, one scale per
+32) to int16, or to int8 where the caller asks for `bits=8` (about twice the speed per weight),
+then reads each row of a quantized matrix once for all the tokens that need it, four at a time
+(`qblocks.dot_row`: integer products per 32 weights, float32 accumulation). A token's result
+never depends on how many tokens share the call. Results are within 1e-4 (int16) or 1e-2 (int8)
+of the exact product (dequantize, then matmul), relative to the largest output; the tests hold that.
+
+The MoE kernels take a layer's stacked expert matrices `[S, rows, row_bytes]` (the file's
+experts, or a cache's slots holding the same bytes) and a selection in CSR form: for each
+selected expert u, the matrix it lives in (`sel[u]`), its expert id (`eid[u]`, for biases), and
+its assignments `ptr[u]..ptr[u+1]` (input row `a_in`, output row `a_out`). The work is split over
+threads by (expert, tile of rows), so one call covers all the experts of a layer.
+
+- `gate_up`: h = act(x @ gate.T + bg) * (x @ up.T + bu) per assignment, for all selected experts.
+- `matmul`: y = scale * (x @ w.T + b) per assignment: the experts' down projection with the
+  routing weights (each assignment's contribution kept apart, summed afterwards in expert order
+  by `sum_by_token`, so where an expert ran never changes the result), and every dense matrix.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from .codes import ACT_GELU_TANH, ACT_SILU, SWIGLU_ALPHA, SWIGLU_LIMIT
+from .jit import njit, prange
+from .qblocks import TOKENS, decode_row, dot_row, quantize_rows
+
+ROWS = 16  # rows per work item: enough items to balance the threads, few enough to amortize them
+
+
+@njit(inline="always")
+def _job(job: int, n_tiles: int, n_rows: int, sel: np.ndarray, ptr: np.ndarray) -> tuple[int, int, int, int, int, int]:
+    """Work item `job` of (selected matrix, tile of rows): (u, its matrix, first assignment, count, rows r0..r1)."""
+    u, tile = job // n_tiles, job % n_tiles
+    return u, sel[u], ptr[u], ptr[u + 1] - ptr[u], tile * ROWS, min(n_rows, tile * ROWS + ROWS)
+
+
+@njit(inline="always")
+def act(kind: int, g: np.float32, u: np.float32) -> np.float32:
+    if kind == ACT_SILU:
+        return g / (np.float32(1) + np.exp(-g)) * u
+    if kind == ACT_GELU_TANH:
+        c = np.float32(0.7978845608028654)  # sqrt(2 / pi)
+        return np.float32(0.5) * g * (np.float32(1) + np.tanh(c * (g + np.float32(0.044715) * g * g * g))) * u
+    g = min(g, np.float32(SWIGLU_LIMIT))
+    u = min(max(u, np.float32(-SWIGLU_LIMIT)), np.float32(SWIGLU_LIMIT))
+    return (u + np.float32(1)) * (g / (np.float32(1) + np.exp(-np.float32(SWIGLU_ALPHA) * g)))
+
+
+@njit(inline="always")
+def dots(code: int, w: np.ndarray, o: int, k: int, q: Any, a_in: np.ndarray, c0: int, nc: int, acc: np.ndarray) -> None:
+    """acc[i] = the row at byte o of w times activation row a_in[c0 + i], i < nc, four tokens a pass."""
+    xq, dx, bs = q
+    i = 0
+    while nc - i >= TOKENS:
+        r = (a_in[c0 + i], a_in[c0 + i + 1], a_in[c0 + i + 2], a_in[c0 + i + 3])
+        acc[i], acc[i + 1], acc[i + 2], acc[i + 3] = dot_row(code, w, o, k, xq, dx, bs, r)
+        i += TOKENS
+    for j in range(i, nc):
+        acc[j] = dot_row(code, w, o, k, xq, dx, bs, a_in[c0 + j])
+
+
+@njit(inline="always")
+def _row(w: np.ndarray, m: int, r: int) -> int:
+    """Byte offset of row r of matrix m in a stack [S, rows, row_bytes]."""
+    return m * w.strides[0] + r * w.strides[1]
+
+
+@functools.cache
+def _gate_up_kernel(gate_type: Q, up_type: Q, bits: int) -> Any:
+    # The kernels close over type codes (ints): numba compiles them as constants, and caches each
+    # type's kernel on disk apart (a closure over a compiled function would defeat that cache).
+    code_g, code_u = int(gate_type), int(up_type)
+
+    @njit(parallel=True, fastmath=False)
+    def gate_up(gate, up, x, x_rows, sel, eid, ptr, a_in, a_out, bias_g, bias_u, act_code, out):
+        n_rows, k = gate.shape[1], x.shape[1]
+        n_tiles = (n_rows + ROWS - 1) // ROWS
+        q = quantize_rows(x, x_rows, bits)
+        for job in prange(sel.shape[0] * n_tiles):
+            u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
+            ag = np.empty(nc, np.float32)
+            au = np.empty(nc, np.float32)
+            for r in range(r0, r1):
+                dots(code_g, gate, _row(gate, m, r), k, q, a_in, c0, nc, ag)
+                dots(code_u, up, _row(up, m, r), k, q, a_in, c0, nc, au)
+                for i in range(nc):
+                    gv, uv = ag[i], au[i]
+                    if bias_g.shape[0]:
+                        gv += bias_g[eid[u], r]
+                        uv += bias_u[eid[u], r]
+                    out[a_out[c0 + i], r] = act(act_code, gv, uv)
+
+    return gate_up
+
+
+@functools.cache
+def _matmul_kernel(qtype: Q, bits: int) -> Any:
+    code = int(qtype)
+
+    @njit(parallel=True, fastmath=False)
+    def matmul(w, x, x_rows, sel, eid, ptr, a_in, a_out, bias, scale, out):
+        n_rows, k = w.shape[1], x.shape[1]
+        n_tiles = (n_rows + ROWS - 1) // ROWS
+        q = quantize_rows(x, x_rows, bits)
+        for job in prange(sel.shape[0] * n_tiles):
+            u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
+            acc = np.empty(nc, np.float32)
+            for r in range(r0, r1):
+                dots(code, w, _row(w, m, r), k, q, a_in, c0, nc, acc)
+                for i in range(nc):
+                    v = acc[i]
+                    if bias.shape[0]:
+                        v += bias[eid[u], r]
+                    a = a_out[c0 + i]
+                    out[a, r] = v * scale[a] if scale.shape[0] else v
+
+    return matmul
+
+
+@functools.cache
+def _dense_many_kernel(qtype: Q, bits: int) -> Any:
+    code = int(qtype)
+
+    @njit(parallel=True, fastmath=False)
+    def dense_many(ws, x, rows, first_tile, outs):
+        """outs[m] = x @ ws[m].T for every matrix m of the tuple ws: one parallel region, x quantized once."""
+        k = x.shape[1]
+        q = quantize_rows(x, rows, bits)
+        nc = rows.shape[0]
+        for job in prange(first_tile[-1]):
+            m = np.searchsorted(first_tile, job, side="right") - 1
+            w, out = ws[m], outs[m]
+            r0 = (job - first_tile[m]) * ROWS
+            acc = np.empty(nc, np.float32)
+            for r in range(r0, min(w.shape[0], r0 + ROWS)):
+                dots(code, w, r * w.strides[0], k, q, rows, 0, nc, acc)
+                for i in range(nc):
+                    out[i, r] = acc[i]
+
+    return dense_many
+
+
+@functools.cache
+def _dequantize_kernel(qtype: Q) -> Any:
+    code = int(qtype)
+
+    @njit(parallel=True)
+    def dequantize(w, k, out):
+        n_rows = w.shape[0]
+        for tile in prange((n_rows + ROWS - 1) // ROWS):
+            for r in range(tile * ROWS, min(n_rows, tile * ROWS + ROWS)):
+                decode_row(code, w, r * w.strides[0], k, out, r * out.strides[0])
+
+    return dequantize
+
+
+@njit
+def _selection(ids, chosen):
+    """The selection in CSR form (see the module's doc) of the pairs of ids [T, k] whose expert is in
+    `chosen` (empty: all): assignments a grouped by ascending expert (stable), the experts, ptr,
+    each assignment's token, and the tokens named, ascending."""
+    t_n, k = ids.shape
+    flat = ids.reshape(-1)
+    n_expert = flat.max() + 1 if flat.size else 0
+    wanted = np.ones(n_expert, np.bool_)
+    if chosen.size:
+        wanted[:] = False
+        for e in chosen:
+            if e < n_expert:
+                wanted[e] = True
+    counts = np.zeros(n_expert + 1, np.int64)
+    for e in flat:
+        if wanted[e]:
+            counts[e + 1] += 1
+    eids = np.flatnonzero(counts[1:])
+    starts = np.cumsum(counts)  # [n_expert + 1]: where each expert's assignments begin
+    a = np.empty(starts[-1], np.int64)
+    fill = starts[:-1].copy()
+    token_named = np.zeros(t_n, np.bool_)
+    for i in range(flat.size):
+        e = flat[i]
+        if wanted[e]:
+            a[fill[e]] = i
+            fill[e] += 1
+            token_named[i // k] = True
+    ptr = np.empty(eids.size + 1, np.int64)
+    for u in range(eids.size):
+        ptr[u] = starts[eids[u]]
+    ptr[eids.size] = a.size
+    return a, eids, ptr, a // k, np.flatnonzero(token_named)
+
+
+@njit
+def _sum_by_token(contrib, ids, out):
+    t_n, k = ids.shape
+    for t in range(t_n):
+        order = np.argsort(ids[t], kind="mergesort")
+        out[t, :] = 0
+        for j in order:
+            out[t, :] += contrib[t * k + j]
+
+
+# -- Python side ---------------------------------------------------------------------------------
+
+_NO_BIAS = np.zeros((0, 0), np.float32)
+_NO_SCALE = np.zeros(0, np.float32)
+_I64 = np.int64
+
+
+def _blocks(w: np.ndarray) -> np.ndarray:
+    """The kernels read a row's bytes from a pointer: each row must be contiguous (a view of the file's map is)."""
+    if w.dtype != np.uint8 or w.strides[-1] != 1:
+        raise ValueError(f"quantized rows must be contiguous uint8, got {w.dtype} with strides {w.strides}")
+    return w
+
+
+def _acts(x: np.ndarray) -> np.ndarray:
+    return np.ascontiguousarray(x, dtype=np.float32)
+
+
+def gate_up(
+    gate: np.ndarray, gate_type: Q, up: np.ndarray, up_type: Q,
+    x: np.ndarray, x_rows: np.ndarray, sel: np.ndarray, eid: np.ndarray, ptr: np.ndarray, a_in: np.ndarray,
+    a_out: np.ndarray, out: np.ndarray, act: int, bias_g: np.ndarray | None = None, bias_u: np.ndarray | None = None,
+    bits: int = 16,
+) -> None:  # fmt: skip
+    """out[a_out] = act(x[a_in] @ gate[sel].T + bg, x[a_in] @ up[sel].T + bu) for every selected expert.
+
+    x_rows: the rows of x that a_in names, each once (the kernel quantizes them before the products,
+    to `bits`: 8 or 16).
+    """
+    bg = _NO_BIAS if bias_g is None else bias_g
+    bu = _NO_BIAS if bias_u is None else bias_u
+    kernel = _gate_up_kernel(gate_type, up_type, bits)
+    kernel(_blocks(gate), _blocks(up), _acts(x), x_rows, sel, eid, ptr, a_in, a_out, bg, bu, act, out)
+
+
+def matmul(
+    w: np.ndarray, qtype: Q, x: np.ndarray, x_rows: np.ndarray, sel: np.ndarray, eid: np.ndarray, ptr: np.ndarray,
+    a_in: np.ndarray, a_out: np.ndarray, out: np.ndarray, scale: np.ndarray | None = None,
+    bias: np.ndarray | None = None, bits: int = 16,
+) -> None:  # fmt: skip
+    """out[a_out] = scale[a_out] * (x[a_in] @ w[sel].T + b) for every selected matrix (x_rows as for gate_up)."""
+    b, s = _NO_BIAS if bias is None else bias, _NO_SCALE if scale is None else scale
+    _matmul_kernel(qtype, bits)(_blocks(w), _acts(x), x_rows, sel, eid, ptr, a_in, a_out, b, s, out)
+
+
+@functools.cache
+def one_matrix(t: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The selection arrays of one matrix used by t tokens: (sel = eid, ptr, rows), made once per t."""
+    return np.zeros(1, _I64), np.array([0, t], _I64), np.arange(t, dtype=_I64)
+
+
+def dense(w: np.ndarray, qtype: Q, x: np.ndarray, bits: int = 16) -> np.ndarray:
+    """x [T, K] @ w.T for one quantized matrix w [N, row_bytes] -> [T, N]."""
+    t = x.shape[0]
+    out = np.empty((t, w.shape[0]), np.float32)
+    one, ptr, rows = one_matrix(t)
+    _matmul_kernel(qtype, bits)(_blocks(w)[None], _acts(x), rows, one, one, ptr, rows, rows, _NO_BIAS, _NO_SCALE, out)
+    return out
+
+
+def dense_many(ws: tuple[np.ndarray, ...], qtype: Q, x: np.ndarray, bits: int = 16) -> tuple[np.ndarray, ...]:
+    """x [T, K] @ w.T for several matrices of one type and width (a layer's q, k and v) in one call."""
+    t = x.shape[0]
+    outs = tuple(np.empty((t, w.shape[0]), np.float32) for w in ws)
+    first_tile = np.zeros(len(ws) + 1, _I64)
+    np.cumsum([(w.shape[0] + ROWS - 1) // ROWS for w in ws], out=first_tile[1:])
+    _dense_many_kernel(qtype, bits)(tuple(_blocks(w) for w in ws), _acts(x), one_matrix(t)[2], first_tile, outs)
+    return outs
+
+
+def dequantize_rows(w: np.ndarray, qtype: Q, k: int) -> np.ndarray:
+    """A quantized matrix [N, row_bytes] -> float32 [N, k], decoded in parallel."""
+    out = np.empty((w.shape[0], k), np.float32)
+    _dequantize_kernel(qtype)(_blocks(w), k, out)
+    return out
+
+
+def selection(ids: np.ndarray, chosen: np.ndarray) -> tuple[np.ndarray, ...]:
+    """(a, eids, ptr, a_in, x_rows) for gate_up: the pairs of ids [T, k] (int64) whose expert is in
+    `chosen` (empty: all)."""
+    return _selection(ids, chosen)
+
+
+def sum_by_token(contrib: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """Per token, the sum of its k contributions [T*k, D] in ascending expert order -> [T, D]."""
+    out = np.empty((ids.shape[0], contrib.shape[1]), np.float32)
+    _sum_by_token(contrib, ids, out)
+    return out

@@ -1,0 +1,76 @@
+"""numba, set up once for the engine: where compiled kernels are cached, and how many threads they use.
+
+Kernels compile on first use (LLVM, for this machine's CPU) and are cached on disk, so later
+runs load them in well under a second. The cache lives in moechat's cache folder (platformdirs;
+`NUMBA_CACHE_DIR` overrides it), not beside the installed sources, which may be read-only.
+
+numba checks a cached kernel against its own source file only, while a kernel also inlines the
+block decoders of another file: the cache folder is therefore named after a hash of every file
+that kernels are compiled from (the codes they share with models included: kernels read no model
+code, so editing a model recompiles nothing), and folders of other hashes are removed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+import platformdirs
+
+KERNEL_SOURCES = ("jit.py", "qblocks.py", "cpu.py", "layer_halves.py", "codes.py", "../gguf/codebooks.py")
+
+
+def _default_cache_dir() -> Path:
+    digest = hashlib.sha256()
+    here = Path(__file__).parent
+    for name in KERNEL_SOURCES:
+        digest.update((here / name).read_bytes())
+    root = Path(platformdirs.user_cache_dir("moechat")) / "kernels"
+    path = root / digest.hexdigest()[:16]
+    if root.is_dir():
+        for old in root.iterdir():
+            if old != path and old.is_dir():
+                shutil.rmtree(old, ignore_errors=True)
+    return path
+
+
+if "NUMBA_CACHE_DIR" not in os.environ:
+    os.environ["NUMBA_CACHE_DIR"] = str(_default_cache_dir())
+
+import numba  # noqa: E402  (after the cache folder is set: numba reads it at import)
+from numba import prange, types  # noqa: E402
+from numba.core.errors import NumbaIRAssumptionWarning  # noqa: E402
+from numba.extending import intrinsic, overload  # noqa: E402
+
+# numba's own pedantic check on the IR of inlined functions, not a problem of ours: its text would
+# reach the user's terminal on every first compile.
+warnings.filterwarnings("ignore", category=NumbaIRAssumptionWarning)
+
+__all__ = ["intrinsic", "njit", "overload", "prange", "types"]
+
+
+def njit(*args: Any, **kwargs: Any) -> Any:
+    """numba.njit with the engine's defaults: cached on disk, fast math, the GIL released."""
+    kwargs.setdefault("cache", True)
+    kwargs.setdefault("fastmath", True)
+    kwargs.setdefault("nogil", True)
+    return numba.njit(*args, **kwargs)
+
+
+def set_kernel_threads(n: int) -> int:
+    """Threads of the parallel kernels for the calling thread (numba's setting is per thread)."""
+    n = max(1, min(n, int(numba.config.NUMBA_NUM_THREADS)))  # type: ignore[attr-defined]
+    numba.set_num_threads(n)
+    return n
+
+
+def concurrent_calls_safe() -> bool:
+    """Whether two threads may run parallel kernels at once (numba's workqueue layer may not)."""
+    try:
+        return numba.threading_layer() != "workqueue"
+    except ValueError:  # no parallel kernel has run yet: the layer is not chosen
+        return numba.config.THREADING_LAYER in ("omp", "tbb", "safe")  # type: ignore[attr-defined]

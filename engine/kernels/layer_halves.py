@@ -1,0 +1,346 @@
+"""A layer's halves for one new token on the CPU, each in one compiled call.
+
+At one token a layer is dozens of tiny eager torch ops, each costing more than its work. Here
+each half is one numba call. `attention_block` takes the residual stream x and returns x plus
+the attention's output: RMS norm, the q, k and v projections (from the file's blocks, one
+parallel region), biases and per-head q/k norms where the model has them, rotary embedding, the
+KV cache write, attention over the cached positions (grouped-query, optionally a sliding window),
+the output projection (a second parallel region), a post-attention norm where the model has one
+(Gemma), and the residual add. `decode_attention` is the part between the projections.
+`ffn_block` does the same for a dense gated FFN (RMS norm, gate and up with the activation, down,
+post-norm, residual add), or without norm and residual for a MoE layer's shared expert.
+`rms_rows` and `route_rows` are a few rows' RMS norm and a MoE layer's routing.
+
+Prefill, attention sinks and logit soft-capping keep the torch path (`layers.attention`), which
+is also the reference the tests hold this one to.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from .codes import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_SELECTED
+from .cpu import ROWS, act, dots
+from .jit import njit, prange
+from .qblocks import quantize_rows
+
+FEW_ROWS = 8  # up to this many rows (decode), RMS norm and routing run as compiled calls
+
+
+@njit(inline="always")
+def _rotate(x: np.ndarray, cis: np.ndarray, pos: int, neox: bool) -> None:
+    """Rotary embedding of the first 2 * cis.shape[1] values of each row of x [H, D], in place."""
+    half = cis.shape[1]
+    for h in range(x.shape[0]):
+        for i in range(half):
+            c, s = cis[pos, i, 0], cis[pos, i, 1]
+            j, k = (i, i + half) if neox else (2 * i, 2 * i + 1)
+            a, b = x[h, j], x[h, k]
+            x[h, j] = a * c - b * s
+            x[h, k] = a * s + b * c
+
+
+@njit(inline="always")
+def _project(code: int, w: np.ndarray, q: Any, one: np.ndarray, r0: int, y: np.ndarray) -> None:
+    """y[r] = row r of w times the one quantized activation row q, for the ROWS rows from r0 (a work item)."""
+    acc = np.empty(1, np.float32)
+    for r in range(r0, min(w.shape[0], r0 + ROWS)):
+        dots(code, w, r * w.strides[0], q[0].shape[1], q, one, 0, 1, acc)
+        y[r] = acc[0]
+
+
+@njit(inline="always")
+def _rms(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
+    """out = x / rms(x) * w over the last axis of x [R, D] (w [D])."""
+    for r in range(x.shape[0]):
+        ss = np.float32(0)
+        for d in range(x.shape[1]):
+            ss += x[r, d] * x[r, d]
+        inv = np.float32(1) / np.sqrt(ss / np.float32(x.shape[1]) + np.float32(eps))
+        for d in range(x.shape[1]):
+            out[r, d] = x[r, d] * inv * w[d]
+
+
+@njit
+def _rms_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    out = np.empty_like(x)
+    _rms(x, w, eps, out)
+    return out
+
+
+def rms_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """RMS norm of each row of x [R, D] (float32) times w [D]: one compiled call, for a few rows."""
+    return _rms_rows(x, w, np.float32(eps))
+
+
+def _check_position(pos: int, k_cache: np.ndarray) -> None:
+    # Compiled code does not check bounds: a position past the cache would write outside it.
+    if not 0 <= pos < k_cache.shape[0]:
+        raise IndexError(f"position {pos} is outside the KV cache of {k_cache.shape[0]} positions")
+
+
+@njit
+def _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, scale, out):
+    """q [H, D], k [Hkv, D], v [Hkv, Dv] of the token at `pos` -> out [H, Dv]; writes the cache at pos."""
+    _rotate(q, cis, pos, neox)
+    _rotate(k, cis, pos, neox)
+    k_cache[pos] = k
+    v_cache[pos] = v
+    n_head, group = q.shape[0], q.shape[0] // k.shape[0]
+    n = pos + 1 - start
+    p = np.empty(n, np.float32)
+    for h in range(n_head):
+        kv = h // group
+        top = np.float32(-np.inf)
+        for s in range(n):
+            dot = np.float32(0)
+            for d in range(q.shape[1]):
+                dot += q[h, d] * k_cache[start + s, kv, d]
+            p[s] = dot * scale
+            top = max(top, p[s])
+        total = np.float32(0)
+        for s in range(n):
+            p[s] = np.exp(p[s] - top)
+            total += p[s]
+        for d in range(out.shape[1]):
+            out[h, d] = 0
+        for s in range(n):
+            w = p[s] / total
+            for d in range(out.shape[1]):
+                out[h, d] += w * v_cache[start + s, kv, d]
+
+
+def decode_attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, cis: np.ndarray, neox: bool, k_cache: np.ndarray,
+    v_cache: np.ndarray, pos: int, window: int, scale: float,
+) -> np.ndarray:  # fmt: skip
+    """One token's attention: q [H, D], k [Hkv, D], v [Hkv, Dv] (rotated here, in place) -> [H, Dv].
+
+    cis [n_ctx, rope_dim / 2, 2]: cos and sin per position; k_cache/v_cache [n_ctx, Hkv, D]: the
+    layer's cache, written at `pos`; window: 0, or the sliding window's length.
+    """
+    _check_position(pos, k_cache)
+    start = max(0, pos - window + 1) if window else 0
+    out = np.empty((q.shape[0], v.shape[1]), np.float32)
+    _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, np.float32(scale), out)
+    return out
+
+
+@functools.cache
+def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q, bits: int) -> Any:
+    cq, ck, cv, co = int(tq), int(tk), int(tv), int(to)
+
+    @njit(parallel=True, fastmath=False)
+    def block(x, norm, eps, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, post_norm, n_head, n_kv, head_dim,
+              cis, neox, k_cache, v_cache, pos, start, scale, out):  # fmt: skip
+        e = x.shape[1]
+        one = np.zeros(1, np.int64)
+        h = np.empty((1, e), np.float32)
+        _rms(x, norm, eps, h)
+        qa = quantize_rows(h, one, bits)
+        nq, nk, nv = wq.shape[0], wk.shape[0], wv.shape[0]
+        tiles_q, tiles_k = (nq + ROWS - 1) // ROWS, (nk + ROWS - 1) // ROWS
+        yq, yk, yv = np.empty(nq, np.float32), np.empty(nk, np.float32), np.empty(nv, np.float32)
+        for job in prange(tiles_q + tiles_k + (nv + ROWS - 1) // ROWS):
+            if job < tiles_q:
+                _project(cq, wq, qa, one, job * ROWS, yq)
+            elif job < tiles_q + tiles_k:
+                _project(ck, wk, qa, one, (job - tiles_q) * ROWS, yk)
+            else:
+                _project(cv, wv, qa, one, (job - tiles_q - tiles_k) * ROWS, yv)
+        if bq.size:
+            yq += bq
+            yk += bk
+            yv += bv
+        q = yq.reshape(n_head, head_dim)
+        k = yk.reshape(n_kv, head_dim)
+        if q_norm.size:
+            _rms(q.copy(), q_norm, eps, q)
+        if k_norm.size:
+            _rms(k.copy(), k_norm, eps, k)
+        a = np.empty((n_head, v_cache.shape[2]), np.float32)
+        _decode_attention(q, k, yv.reshape(n_kv, v_cache.shape[2]), cis, neox, k_cache, v_cache, pos, start, scale, a)
+        a2 = a.reshape(1, -1)
+        qo = quantize_rows(a2, one, bits)
+        y = np.empty((1, e), np.float32)
+        for job in prange((e + ROWS - 1) // ROWS):
+            _project(co, wo, qo, one, job * ROWS, y[0])
+        if bo.size:
+            y[0] += bo
+        if post_norm.size:
+            _rms(y.copy(), post_norm, eps, y)
+        for r in range(e):
+            out[0, r] = x[0, r] + y[0, r]
+
+    return block
+
+
+_NONE = np.zeros(0, np.float32)
+
+
+def attention_block(
+    x: np.ndarray, norm: np.ndarray, eps: float, ws: tuple[tuple[np.ndarray, Q], ...],
+    biases: tuple[np.ndarray | None, ...], q_norm: np.ndarray | None, k_norm: np.ndarray | None,
+    post_norm: np.ndarray | None, shape: tuple[int, int, int], cis: np.ndarray, neox: bool, k_cache: np.ndarray,
+    v_cache: np.ndarray, pos: int, window: int, scale: float, bits: int = 16,
+) -> np.ndarray:  # fmt: skip
+    """x [1, E] + the attention of its normed self at `pos` (see the module's doc) -> [1, E].
+
+    ws: (raw bytes, type) of q, k, v and output; biases: of q, k, v, output (None: none; q, k
+    and v have them all or none); q_norm/k_norm: per-head weights [head_dim]; post_norm: the
+    norm after the output projection; shape: (heads, KV heads, head_dim); bits: the activations'
+    integers in the products (8 or 16).
+    """
+    _check_position(pos, k_cache)
+    (wq, tq), (wk, tk), (wv, tv), (wo, to) = ws
+    bq, bk, bv, bo = (_NONE if b is None else b for b in biases)
+    start = max(0, pos - window + 1) if window else 0
+    out = np.empty_like(x)
+    _block_kernel(tq, tk, tv, to, bits)(
+        x, norm, np.float32(eps), wq, wk, wv, wo, bq, bk, bv, bo, _NONE if q_norm is None else q_norm,
+        _NONE if k_norm is None else k_norm, _NONE if post_norm is None else post_norm, *shape, cis, neox, k_cache,
+        v_cache, pos, start, np.float32(scale), out,
+    )  # fmt: skip
+    return out
+
+
+@njit(inline="always")
+def _ffn(cg, cu, cd, bits, h, gate, up, down, code, y):
+    """y [1, E] = down @ act(gate @ h, up @ h) for one token h [1, E]: two parallel regions."""
+    e, f = h.shape[1], gate.shape[0]
+    one = np.zeros(1, np.int64)
+    qh = quantize_rows(h, one, bits)
+    g = np.empty((1, f), np.float32)
+    for job in prange((f + ROWS - 1) // ROWS):
+        ag, au = np.empty(1, np.float32), np.empty(1, np.float32)
+        for r in range(job * ROWS, min(f, job * ROWS + ROWS)):
+            dots(cg, gate, r * gate.strides[0], e, qh, one, 0, 1, ag)
+            dots(cu, up, r * up.strides[0], e, qh, one, 0, 1, au)
+            g[0, r] = act(code, ag[0], au[0])
+    qg = quantize_rows(g, one, bits)
+    for job in prange((e + ROWS - 1) // ROWS):
+        _project(cd, down, qg, one, job * ROWS, y[0])
+
+
+@functools.cache
+def _ffn_kernel(tg: Q, tu: Q, td: Q, bits: int) -> Any:
+    cg, cu, cd = int(tg), int(tu), int(td)
+
+    @njit(parallel=True, fastmath=False)
+    def block(x, norm, eps, gate, up, down, code, post_norm, residual, out):
+        h = np.empty_like(x)
+        if norm.size:
+            _rms(x, norm, eps, h)
+        else:
+            h[:] = x
+        y = np.empty_like(x)
+        _ffn(cg, cu, cd, bits, h, gate, up, down, code, y)
+        if post_norm.size:
+            _rms(y.copy(), post_norm, eps, y)
+        for r in range(x.shape[1]):
+            out[0, r] = y[0, r] + (x[0, r] if residual else np.float32(0))
+
+    return block
+
+
+def ffn_block(
+    x: np.ndarray, norm: np.ndarray | None, eps: float, ws: tuple[tuple[np.ndarray, Q], ...], code: int,
+    post_norm: np.ndarray | None = None, residual: bool = True, bits: int = 16,
+) -> np.ndarray:  # fmt: skip
+    """x [1, E] (+ if residual) post_norm(down @ act(gate @ h, up @ h)), h = rms_norm(x) (x itself if
+    norm is None) -> [1, E]. ws: (raw bytes, type) of gate, up and down; code: `cpu_kernels.ACT_*`;
+    bits: as for attention_block."""
+    (gate, tg), (up, tu), (down, td) = ws
+    out = np.empty_like(x)
+    _ffn_kernel(tg, tu, td, bits)(x, _NONE if norm is None else norm, np.float32(eps), gate, up, down, code,
+                            _NONE if post_norm is None else post_norm, residual, out)  # fmt: skip
+    return out
+
+
+@njit
+def _route(h, router, router_bias, gating, k, weights_norm, scale):
+    t_n, n = h.shape[0], router.shape[0]
+    ids = np.empty((t_n, k), np.int64)
+    weights = np.empty((t_n, k), np.float32)
+    for t in range(t_n):
+        logits = np.empty(n, np.float32)
+        for e in range(n):
+            acc = np.float32(0)
+            for d in range(h.shape[1]):
+                acc += h[t, d] * router[e, d]
+            logits[e] = acc + (router_bias[e] if router_bias.size else np.float32(0))
+        probs = logits.copy()
+        if gating == GATING_SOFTMAX:
+            probs = np.exp(logits - logits.max())
+            probs /= probs.sum()
+        elif gating == GATING_SIGMOID:
+            probs = np.float32(1) / (np.float32(1) + np.exp(-logits))
+        taken = np.zeros(n, np.bool_)
+        for j in range(k):  # the k largest, descending; a tie goes to the lower id
+            best = -1
+            for e in range(n):
+                if not taken[e] and (best < 0 or probs[e] > probs[best]):
+                    best = e
+            taken[best] = True
+            ids[t, j] = best
+            weights[t, j] = probs[best]
+        if gating == GATING_SELECT:  # selection only: every weight 1, unscaled
+            weights[t, :] = 1
+            continue
+        if gating == GATING_SOFTMAX_SELECTED:
+            w = np.exp(weights[t] - weights[t].max())
+            weights[t, :] = w / w.sum()
+        elif weights_norm:
+            weights[t, :] = weights[t] / weights[t].sum()
+        weights[t, :] *= scale
+    return ids, weights
+
+
+def route_rows(h: np.ndarray, router: np.ndarray, router_bias: np.ndarray | None, gating: int, k: int,
+               weights_norm: bool, scale: float) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """A few tokens' routing in one compiled call, as `moe.route(h @ router.T + bias, cfg)` computes
+    it: ids int64 [T, k] by descending score, weights float32 [T, k]."""
+    bias = _NONE if router_bias is None else router_bias
+    return _route(h, router, bias, gating, k, weights_norm, np.float32(scale))
+
+
+@njit(parallel=True)
+def _delta_rule(q, k, v, decay, beta, state, out):
+    n_tok, n_head, dk = q.shape
+    dv = v.shape[2]
+    for h in prange(n_head):
+        s = state[h]  # [Dk, Dv]: this head's state, updated in place
+        mem = np.empty(dv, np.float32)
+        for t in range(n_tok):
+            g, b = decay[t, h], beta[t, h]
+            mem[:] = 0
+            for i in range(dk):  # decay, and what the state recalls for this key
+                ki = k[t, h, i]
+                for j in range(dv):
+                    s[i, j] *= g
+                    mem[j] += ki * s[i, j]
+            for j in range(dv):
+                mem[j] = (v[t, h, j] - mem[j]) * b  # the correction to write
+            for j in range(dv):
+                out[t, h, j] = 0
+            for i in range(dk):  # write the correction along the key, read along the query
+                ki, qi = k[t, h, i], q[t, h, i]
+                for j in range(dv):
+                    s[i, j] += ki * mem[j]
+                    out[t, h, j] += qi * s[i, j]
+
+
+def delta_rule_rows(q: np.ndarray, k: np.ndarray, v: np.ndarray, decay: np.ndarray, beta: np.ndarray,
+                    state: np.ndarray) -> np.ndarray:  # fmt: skip
+    """The gated delta rule over T tokens, heads in parallel: q, k [T, H, Dk], v [T, H, Dv],
+    decay and beta [T, H]; `state` [H, Dk, Dv] is updated in place. -> [T, H, Dv].
+
+    Per token and head the state passes through the cache twice (decay with the key's recall,
+    then the write with the query's read) instead of the six whole-state ops of the torch form."""
+    out = np.empty(v.shape, np.float32)
+    _delta_rule(q, k, v, decay, beta, state, out)
+    return out

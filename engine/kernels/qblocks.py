@@ -1,0 +1,633 @@
+"""GGUF block layouts as vector code: one entry per quant type, compiled into the kernels.
+
+Each entry turns one block of the file's bytes (a pointer to where it lies) into its weights, 32
+at a time, as small integers (LLVM vectors of 32 int8 lanes, unsigned 0..63 or signed) and their
+scale: weight = q * scale, plus a per-32 bias for the types with mins or offsets. From that one
+description come the two operations the kernels in `cpu_kernels.py` use (numba intrinsics,
+inlined where they are called, so LLVM sees the whole loop and vectorizes it for the machine's CPU):
+
+- `dot_row`: a row's dot products with one or four rows of activations quantized with one scale
+  per 32 (`quantize_rows`), to int16 or int8, in integers per 32 weights, then float32:
+  acc += float(sum q * xq) * scale * dx. int16: the products summed in pairs (pmaddwd on x86).
+  int8: unsigned weights times signed activations summed in pairs (pmaddubsw on x86 with AVX2;
+  a signed weight's sign moves onto the activation), then in fours (pmaddwd), about half the
+  instructions per weight. The weights' integers are unpacked once for the four tokens; each
+  token's operations are the same whatever the number of tokens, so how many tokens share a row
+  never changes a token's result.
+- `decode_row`: a row's weights as float32 (the tiles a float GEMM multiplies in prefill).
+
+The weights follow the reference dequantizer (`engine/quants.py`, bit-exact with gguf-py) except
+that a scale and a min (or offset) are applied in one fused multiply-add: a weight can differ by
+one unit in the last place. The dot products' error is the activations' rounding: at most 1.5e-5
+(int16) or 0.4% (int8) of the largest activation of their 32; the tests bound it against the
+exact product.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, NamedTuple
+
+import llvmlite.binding as llvm
+import numpy as np
+from gguf import GGML_QUANT_SIZES
+from gguf import GGMLQuantizationType as Q
+from llvmlite import ir
+from numba.core import cgutils
+
+from ..gguf.codebooks import IQ4_NL_VALUES, MXFP4_VALUES
+from ..gguf.quant_types import CPU, types_for
+from .jit import intrinsic, njit, overload, types
+
+LANES = 32  # weights per vector chunk
+
+I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
+
+
+def _vec(t: ir.Type, n: int = LANES) -> ir.VectorType:
+    return ir.VectorType(t, n)
+
+
+V_I8, V_I16, V_I32, V_F32, V8_F32 = _vec(I8), _vec(I16), _vec(I32), _vec(F32), _vec(F32, 8)
+
+_IQ4_NL = list(IQ4_NL_VALUES)
+_MXFP4 = list(MXFP4_VALUES)  # doubled; the scale is halved
+# x86's byte shuffle looks up 16 table entries for 16 lanes at once (32 with AVX2); elsewhere one lane at a time.
+_X86 = llvm.get_process_triple().startswith(("x86_64", "amd64"))
+# AVX2: 32-byte integer vectors, and the byte products of the int8 dot products (pmaddubsw).
+_AVX2 = _X86 and bool(llvm.get_host_cpu_features().get("avx2"))
+# A float16 converts in one instruction with x86's F16C or on ARM; elsewhere with integer operations.
+_HALF = (_X86 and bool(llvm.get_host_cpu_features().get("f16c"))) or llvm.get_process_triple().startswith(
+    ("aarch64", "arm64")
+)
+
+
+class _B:
+    """IR building shorthands over one llvmlite builder."""
+
+    def __init__(self, b: ir.IRBuilder) -> None:
+        self.b = b
+
+    def at(self, p: ir.Value, off: int | ir.Value) -> ir.Value:
+        return self.b.gep(p, [ir.Constant(I64, off) if isinstance(off, int) else off])
+
+    def load(self, p: ir.Value, off: int | ir.Value, t: ir.Type, n: int = LANES, align: int = 1) -> ir.Value:
+        return self.b.load(self.b.bitcast(self.at(p, off), _vec(t, n).as_pointer()), align=align)
+
+    def scalar(self, p: ir.Value, off: int, t: ir.Type) -> ir.Value:
+        return self.b.load(self.b.bitcast(self.at(p, off), t.as_pointer()), align=1)
+
+    def u8(self, p: ir.Value, off: int) -> ir.Value:
+        return self.b.zext(self.scalar(p, off, I8), I32)
+
+    def f16(self, p: ir.Value, off: int) -> ir.Value:
+        """A float16 as float32 (exact)."""
+        if _HALF:
+            return self.b.fpext(self.scalar(p, off, ir.HalfType()), F32)
+        # With integer operations: the magnitude's bits moved into float32's position are the value
+        # times 2^-112, for subnormals too.
+        h = self.b.zext(self.scalar(p, off, I16), I32)
+        mag = self.b.shl(self.b.and_(h, ir.Constant(I32, 0x7FFF)), ir.Constant(I32, 13))
+        is_special = self.b.icmp_unsigned("==", self.b.and_(h, ir.Constant(I32, 0x7C00)), ir.Constant(I32, 0x7C00))
+        mag = self.b.select(is_special, self.b.or_(mag, ir.Constant(I32, 0x7F800000)), mag)
+        v = self.b.fmul(self.b.bitcast(mag, F32), ir.Constant(F32, 2.0**112))
+        sign = self.b.shl(self.b.and_(h, ir.Constant(I32, 0x8000)), ir.Constant(I32, 16))
+        return self.b.bitcast(self.b.or_(self.b.bitcast(v, I32), sign), F32)
+
+    def splat(self, s: ir.Value, n: int = LANES) -> ir.Value:
+        v = self.b.insert_element(ir.Constant(_vec(s.type, n), ir.Undefined), s, ir.Constant(I32, 0))
+        return self.b.shuffle_vector(v, v, ir.Constant(_vec(I32, n), [0] * n))
+
+    def const(self, t: ir.Type, values: list[int] | int) -> ir.Constant:
+        return ir.Constant(_vec(t), values if isinstance(values, list) else [values] * LANES)
+
+    def nibbles(self, p: ir.Value, off: int) -> ir.Value:
+        """16 bytes at off -> 32 lanes: the low nibbles, then the high nibbles (the 32-weight blocks' order)."""
+        q = self.load(p, off, I8, 16)
+        lo = self.b.and_(q, ir.Constant(_vec(I8, 16), [15] * 16))
+        hi = self.b.lshr(q, ir.Constant(_vec(I8, 16), [4] * 16))
+        return self.b.shuffle_vector(lo, hi, ir.Constant(V_I32, list(range(LANES))))
+
+    def bits32(self, p: ir.Value, off: int) -> ir.Value:
+        """The 32 bits of a little-endian uint32 at off, one per lane, each moved to bit 4 (Q5_0/Q5_1's fifth bits)."""
+        qh = self.splat(self.scalar(p, off, I32))
+        bit = self.b.and_(self.b.lshr(qh, self.const(I32, list(range(LANES)))), self.const(I32, 1))
+        return self.b.shl(self.b.trunc(bit, V_I8), self.const(I8, 4))
+
+    def fma(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
+        t = a.type
+        name = f"llvm.fma.v{t.count}f32"
+        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(t, [t, t, t]), name)
+        return self.b.call(fn, [a, b, c])
+
+    def table(self, idx: ir.Value, values: list[int]) -> ir.Value:
+        """Lanes idx (0..15) looked up in a 16-entry int8 table."""
+        if _AVX2:  # one 32-byte shuffle: each 16-byte half looks up its own copy of the table
+            return _call(self.b, "llvm.x86.avx2.pshuf.b", V_I8, [ir.Constant(V_I8, values * 2), idx])
+        if _X86:
+            fnty = ir.FunctionType(_vec(I8, 16), [_vec(I8, 16), _vec(I8, 16)])
+            fn = cgutils.get_or_insert_function(self.b.module, fnty, "llvm.x86.ssse3.pshuf.b.128")
+            tab = ir.Constant(_vec(I8, 16), values)
+            halves = []
+            for h in range(2):
+                part = self.b.shuffle_vector(idx, idx, ir.Constant(_vec(I32, 16), list(range(16 * h, 16 * h + 16))))
+                halves.append(self.b.call(fn, [tab, part]))
+            out = self.b.shuffle_vector(halves[0], halves[1], ir.Constant(V_I32, list(range(LANES))))
+        else:
+            tab = ir.Constant(_vec(I8, 16), values)
+            out = ir.Constant(V_I8, ir.Undefined)
+            for lane in range(LANES):
+                i = self.b.extract_element(idx, ir.Constant(I32, lane))
+                out = self.b.insert_element(out, self.b.extract_element(tab, i), ir.Constant(I32, lane))
+        return out
+
+
+class Chunk(NamedTuple):
+    """32 weights of a block as integers and their scale: weight = q * scale (+ the block's bias)."""
+
+    q: ir.Value  # <32 x i8>: 0..63 when not signed, -128..127 when signed
+    signed: bool
+    scale: ir.Value  # float32, or <8 x float32>: lanes 0..3 scale weights 0..15, lanes 4..7 weights 16..31
+
+
+class Block(NamedTuple):
+    chunks: list[Chunk]
+    bias: ir.Value | None  # per chunk: a float32 (one chunk) or <8 x float32> (eight), added to each weight
+
+
+# A block's integers and scales; with a pointer to the activations' scales of the block's chunks
+# (one per 32, float32), every scale already multiplied by its chunk's (dot products), else not
+# (the weights themselves).
+Chunks = Callable[[_B, ir.Value, ir.Value | None], Block]
+
+
+def _scaled(v: _B, s: ir.Value, dxp: ir.Value | None) -> ir.Value:
+    """Scales s (a float32 for one chunk, 8 floats for 8 chunks, 16 for 8 chunks' halves) times the chunks' dx."""
+    if dxp is None:
+        return s
+    if isinstance(s.type, ir.FloatType):
+        return v.b.fmul(s, v.b.load(dxp, align=4))
+    dx = v.load(dxp, 0, F32, 8, align=4)
+    if s.type.count == 16:
+        dx = v.b.shuffle_vector(dx, dx, ir.Constant(_vec(I32, 16), [i // 2 for i in range(16)]))
+    return v.b.fmul(s, dx)
+
+
+# -- 32-weight blocks: one chunk each ------------------------------------------------------------
+
+
+# Q4_0 and Q5_0 keep their integers unsigned and their offset as a bias: an unsigned weight times
+# an activation is one instruction on x86, a signed one three.
+def _q4_0(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    d = v.f16(p, 0)
+    return Block([Chunk(v.nibbles(p, 2), False, _scaled(v, d, dxp))], v.b.fmul(d, ir.Constant(F32, -8.0)))
+
+
+def _q4_1(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    return Block([Chunk(v.nibbles(p, 4), False, _scaled(v, v.f16(p, 0), dxp))], v.f16(p, 2))
+
+
+def _q5_0(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    d = v.f16(p, 0)
+    q = v.b.or_(v.nibbles(p, 6), v.bits32(p, 2))
+    return Block([Chunk(q, False, _scaled(v, d, dxp))], v.b.fmul(d, ir.Constant(F32, -16.0)))
+
+
+def _q5_1(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    q = v.b.or_(v.nibbles(p, 8), v.bits32(p, 4))
+    return Block([Chunk(q, False, _scaled(v, v.f16(p, 0), dxp))], v.f16(p, 2))
+
+
+def _q8_0(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    return Block([Chunk(v.load(p, 2, I8), True, _scaled(v, v.f16(p, 0), dxp))], None)
+
+
+def _iq4_nl(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    return Block([Chunk(v.table(v.nibbles(p, 2), _IQ4_NL), True, _scaled(v, v.f16(p, 0), dxp))], None)
+
+
+def _mxfp4(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    # E8M0 scale 2^(e - 127), halved for the doubled code book: the float32 with exponent bits e - 1.
+    b = v.b
+    e = b.zext(v.scalar(p, 0, I8), I32)
+    normal = b.shl(b.sub(e, ir.Constant(I32, 1)), ir.Constant(I32, 23))
+    subnormal = b.shl(ir.Constant(I32, 0x200000), e)  # e = 0, 1: 2^-128, 2^-127
+    d = b.bitcast(b.select(b.icmp_unsigned(">=", e, ir.Constant(I32, 2)), normal, subnormal), F32)
+    return Block([Chunk(v.table(v.nibbles(p, 1), _MXFP4), True, _scaled(v, d, dxp))], None)
+
+
+# -- 256-weight super-blocks: eight chunks each --------------------------------------------------
+
+
+def _k_scales(v: _B, p: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Q4_K/Q5_K: the eight 6-bit scales and mins packed in the 12 bytes at 4, as <8 x float32>."""
+    b = v.b
+    s = v.load(p, 4, I8, 16)  # bytes 4..19: the 12 packed bytes and 4 of the quants, never used
+    zero = ir.Constant(_vec(I8, 16), None)
+
+    def pick(lanes: list[int]) -> ir.Value:  # lane 16: a zero
+        return b.shuffle_vector(s, zero, ir.Constant(_vec(I32, 8), lanes))
+
+    def c8(values: list[int]) -> ir.Constant:
+        return ir.Constant(_vec(I8, 8), values)
+
+    def top2(x: ir.Value) -> ir.Value:  # a byte's top two bits, as bits 4 and 5
+        return b.shl(b.lshr(x, c8([6] * 8)), c8([4] * 8))
+
+    # Sub-blocks 0..3: the low 6 bits of bytes 0..3 (scales) and 4..7 (mins). Sub-blocks 4..7: the
+    # low (scales) and high (mins) nibbles of bytes 8..11, with the top 2 bits of bytes 0..7 above.
+    sc = b.or_(b.and_(pick([0, 1, 2, 3, 8, 9, 10, 11]), c8([63] * 4 + [15] * 4)), top2(pick([16] * 4 + [0, 1, 2, 3])))
+    mn = b.or_(b.and_(b.lshr(pick([4, 5, 6, 7, 8, 9, 10, 11]), c8([0] * 4 + [4] * 4)), c8([63] * 8)),
+               top2(pick([16] * 4 + [4, 5, 6, 7])))  # fmt: skip
+    return b.uitofp(b.zext(sc, _vec(I32, 8)), V8_F32), b.uitofp(b.zext(mn, _vec(I32, 8)), V8_F32)
+
+
+def _k_block(v: _B, p: ir.Value, dxp: ir.Value | None, q: Callable[[int], ir.Value]) -> Block:
+    """Q4_K/Q5_K: chunk j's integers q(j) (<32 x i8>, 0..31) scaled by d * scale_j, less dmin * min_j."""
+    sc, mn = _k_scales(v, p)
+    scales = _scaled(v, v.b.fmul(sc, v.splat(v.f16(p, 0), 8)), dxp)
+    chunks = [Chunk(q(j), False, v.b.extract_element(scales, ir.Constant(I32, j))) for j in range(8)]
+    return Block(chunks, v.b.fneg(v.b.fmul(mn, v.splat(v.f16(p, 2), 8))))
+
+
+def _q4_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    def q(j: int) -> ir.Value:
+        packed = v.load(p, 16 + 32 * (j // 2), I8)  # chunks 2c and 2c + 1: low and high nibbles
+        return v.b.and_(packed, v.const(I8, 15)) if j % 2 == 0 else v.b.lshr(packed, v.const(I8, 4))
+
+    return _k_block(v, p, dxp, q)
+
+
+def _q5_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    def q(j: int) -> ir.Value:
+        packed = v.load(p, 48 + 32 * (j // 2), I8)
+        nib = v.b.and_(packed, v.const(I8, 15)) if j % 2 == 0 else v.b.lshr(packed, v.const(I8, 4))
+        high = v.b.shl(v.b.and_(v.b.lshr(v.load(p, 16, I8), v.const(I8, j)), v.const(I8, 1)), v.const(I8, 4))
+        return v.b.or_(nib, high)
+
+    return _k_block(v, p, dxp, q)
+
+
+def _q6_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    b = v.b
+    # 16 scales, each over 16 weights
+    sc = _scaled(v, b.fmul(b.sitofp(v.load(p, 192, I8, 16), _vec(F32, 16)), v.splat(v.f16(p, 208), 16)), dxp)
+    chunks = []
+    for half in range(2):
+        lo, hi, qh = v.load(p, 64 * half, I8), v.load(p, 64 * half + 32, I8), v.load(p, 128 + 32 * half, I8)
+        # Each (lo, hi, qh) byte triple holds one weight of each 32-weight quarter of this half.
+        for quarter, (src, shift) in enumerate(((lo, 0), (hi, 0), (lo, 4), (hi, 4))):
+            low = b.and_(b.lshr(src, v.const(I8, shift)), v.const(I8, 15))
+            high = b.shl(b.and_(b.lshr(qh, v.const(I8, 2 * quarter)), v.const(I8, 3)), v.const(I8, 4))
+            s = 8 * half + 2 * quarter  # scales s and s + 1: the chunk's two runs of 16
+            scale = b.shuffle_vector(sc, sc, ir.Constant(_vec(I32, 8), [s] * 4 + [s + 1] * 4))
+            chunks.append(Chunk(b.sub(b.or_(low, high), v.const(I8, 32)), True, scale))
+    return Block(chunks, None)
+
+
+def _iq4_xs(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    b = v.b
+    # The eight 6-bit scales: low nibbles of the 4 bytes at 4, high 2 bits of the uint16 at 2.
+    lo = v.load(p, 4, I8, 4)
+    lo = b.shuffle_vector(lo, lo, ir.Constant(_vec(I32, 8), [i // 2 for i in range(8)]))
+    lo = b.lshr(lo, ir.Constant(_vec(I8, 8), [4 * (i % 2) for i in range(8)]))
+    lo = b.and_(lo, ir.Constant(_vec(I8, 8), [15] * 8))
+    hi = b.lshr(v.splat(b.zext(v.scalar(p, 2, I16), I32), 8), ir.Constant(_vec(I32, 8), [2 * i for i in range(8)]))
+    hi = b.shl(b.and_(hi, ir.Constant(_vec(I32, 8), [3] * 8)), ir.Constant(_vec(I32, 8), [4] * 8))
+    sc = b.sub(b.or_(b.zext(lo, _vec(I32, 8)), hi), ir.Constant(_vec(I32, 8), [32] * 8))
+    scales = _scaled(v, b.fmul(b.sitofp(sc, V8_F32), v.splat(v.f16(p, 0), 8)), dxp)
+    chunks = [Chunk(v.table(v.nibbles(p, 8 + 16 * j), _IQ4_NL), True, b.extract_element(scales, ir.Constant(I32, j)))
+              for j in range(8)]  # fmt: skip
+    return Block(chunks, None)
+
+
+@dataclass(frozen=True)
+class Layout:
+    weights: int  # per block
+    size: int  # bytes per block
+    chunks: Chunks  # a block's weights as integers and scales, 32 at a time
+
+
+def _layout(qtype: Q, chunks: Chunks) -> Layout:
+    weights, size = GGML_QUANT_SIZES[qtype]
+    return Layout(weights, size, chunks)
+
+
+_CHUNKS: dict[Q, Chunks] = {
+    Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.IQ4_NL: _iq4_nl, Q.MXFP4: _mxfp4,
+    Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.IQ4_XS: _iq4_xs,
+}  # fmt: skip
+# One entry per quant type the registry (gguf.quant_types) gives the CPU kernels: its whole block layout.
+# A type claimed there without its chunks here fails at import.
+LAYOUTS: dict[Q, Layout] = {t: _layout(t, _CHUNKS[t]) for t in sorted(types_for(CPU))}
+
+
+def has_kernel(qtype: Q) -> bool:
+    return qtype in LAYOUTS
+
+
+# -- activations as the dot products read them ---------------------------------------------------
+
+ACTIVATION_BITS = (8, 16)
+ACT16 = 32767  # int16: the rounding is at most 1.5e-5 of the largest activation of its 32
+ACT8 = 127  # int8: at most 0.4%
+
+
+@njit(inline="always")
+def _quantize_row(x: np.ndarray, row: int, xq: np.ndarray, dx: np.ndarray, bs: np.ndarray, top: float) -> None:
+    """Row `row` of x [R, K] (float32, K a multiple of 32) as integers in -top..top (xq) with one scale
+    per 32 in dx, and per 32 activations dx times their sum in bs (what a block's bias multiplies)."""
+    for c in range(x.shape[1] // LANES):
+        m = np.float32(0)
+        for i in range(c * LANES, c * LANES + LANES):
+            m = max(m, abs(x[row, i]))
+        d = m / np.float32(top)
+        inv = np.float32(top) / m if m > 0 else np.float32(0)
+        s = 0
+        for i in range(c * LANES, c * LANES + LANES):
+            q = int(np.rint(x[row, i] * inv))
+            xq[row, i] = q
+            s += q
+        dx[row, c] = d
+        bs[row, c] = d * np.float32(s)
+
+
+def quantize_rows(x: np.ndarray, rows: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """The rows of x [R, K] a kernel reads, quantized for the dot products to int8 or int16 (`bits`,
+    a compile-time constant): (xq [R, K], dx, bs [R, K / 32]); other rows left unset. Compiled code only."""
+    raise NotImplementedError("quantize_rows runs in compiled code")
+
+
+@overload(quantize_rows, inline="always")
+def _quantize_rows(x, rows, bits):
+    if not isinstance(bits, types.IntegerLiteral):
+        return None
+    if bits.literal_value not in ACTIVATION_BITS:
+        raise ValueError(f"activations are quantized to {ACTIVATION_BITS} bits, not {bits.literal_value}")
+    dtype, top = (np.int8, ACT8) if bits.literal_value == 8 else (np.int16, ACT16)
+
+    def impl(x, rows, bits):
+        n, k = x.shape
+        xq = np.empty((n, k), dtype)
+        dx = np.empty((n, k // LANES), np.float32)
+        bs = np.empty((n, k // LANES), np.float32)
+        for i in range(rows.shape[0]):
+            _quantize_row(x, rows[i], xq, dx, bs, top)
+        return xq, dx, bs
+
+    return impl
+
+
+# -- intrinsics ----------------------------------------------------------------------------------
+
+
+def _data(context: Any, builder: ir.IRBuilder, aty: Any, arr: ir.Value, byte_off: ir.Value) -> ir.Value:
+    """An i8* to byte `byte_off` of an array's data."""
+    data = context.make_array(aty)(context, builder, arr).data
+    return builder.gep(builder.bitcast(data, I8.as_pointer()), [byte_off])
+
+
+def _hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """The lanes' sum in one fixed tree (halves added pairwise)."""
+    n = v.type.count
+    while n > 1:
+        n //= 2
+        lo = b.shuffle_vector(v, v, ir.Constant(_vec(I32, n), list(range(n))))
+        hi = b.shuffle_vector(v, v, ir.Constant(_vec(I32, n), list(range(n, 2 * n))))
+        v = b.fadd(lo, hi)
+    return b.extract_element(v, ir.Constant(I32, 0))
+
+
+def _pairs(b: ir.IRBuilder, m: ir.Value) -> ir.Value:
+    """Adjacent lanes summed: n lanes -> n / 2."""
+    n = m.type.count
+    even = b.shuffle_vector(m, m, ir.Constant(_vec(I32, n // 2), list(range(0, n, 2))))
+    odd = b.shuffle_vector(m, m, ir.Constant(_vec(I32, n // 2), list(range(1, n, 2))))
+    return b.add(even, odd)
+
+
+def _call(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, [a.type for a in args]), name)
+    return b.call(fn, args)
+
+
+_ONES16 = ir.Constant(_vec(I16, 16), [1] * 16)
+
+
+def _dot32(v: _B, q: ir.Value, magnitude: ir.Value, signed: bool, x: ir.Value) -> ir.Value:
+    """32 weights' integers q times 32 int8 activations x, summed in fours: <8 x i32> (lane i:
+    weights 4i..4i+3). `magnitude` is |q| (for signed q). On x86 with AVX2: pmaddubsw (unsigned
+    times signed bytes, summed in pairs; the weights' ranges keep it from saturating) and pmaddwd."""
+    b = v.b
+    if _AVX2:
+        if signed:  # |q| times x with q's sign
+            x = _call(b, "llvm.x86.avx2.psign.b", V_I8, [x, q])
+        p16 = _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [magnitude, x])
+        return _call(b, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [p16, _ONES16])
+    wide = b.sext(q, V_I16) if signed else b.zext(q, V_I16)
+    p16 = _pairs(b, b.mul(wide, b.sext(x, V_I16)))  # exact: |q * x| <= 128 * 127, twice
+    return _pairs(b, b.sext(p16, _vec(I32, 16)))
+
+
+def _dot32_wide(v: _B, q: ir.Value, signed: bool, x: ir.Value) -> ir.Value:
+    """32 weights' integers q times 32 int16 activations x, summed in pairs: <16 x i32> (pmaddwd)."""
+    b = v.b
+    wide = b.sext(q, V_I32) if signed else b.zext(q, V_I32)
+    return _pairs(b, b.mul(wide, b.sext(x, V_I32)))
+
+
+def _magnitude(v: _B, chunk: Chunk) -> ir.Value:
+    if not (_AVX2 and chunk.signed):
+        return chunk.q
+    return _call(v.b, "llvm.abs.v32i8", V_I8, [chunk.q, ir.Constant(ir.IntType(1), 0)])
+
+
+def _decode_intrinsic(layout: Layout) -> Any:
+    @intrinsic
+    def decode(typingctx, w, w_off, n_blocks, y, y_off):  # numba's signature: no annotations
+        """n_blocks blocks at byte w_off of w -> their weights as float32 at byte y_off of y."""
+        sig = types.void(w, types.int64, types.int64, y, types.int64)
+
+        def codegen(context, builder, sig, args):
+            v = _B(builder)
+            b = builder
+            wp = _data(context, b, sig.args[0], args[0], args[1])
+            yp = b.bitcast(_data(context, b, sig.args[3], args[3], args[4]), F32.as_pointer())
+            with cgutils.for_range(b, args[2]) as loop:
+                block = layout.chunks(v, v.at(wp, b.mul(loop.index, ir.Constant(I64, layout.size))), None)
+                row = v.at(yp, b.mul(loop.index, ir.Constant(I64, layout.weights)))
+                for c, (q, _, scale) in enumerate(block.chunks):
+                    if isinstance(scale.type, ir.VectorType):
+                        scale = b.shuffle_vector(scale, scale, ir.Constant(V_I32, [0] * 16 + [4] * 16))
+                    else:
+                        scale = v.splat(scale)
+                    w = b.sitofp(q, V_F32)
+                    if block.bias is None:
+                        w = b.fmul(w, scale)
+                    else:
+                        bias = block.bias
+                        if isinstance(bias.type, ir.VectorType):
+                            bias = b.extract_element(bias, ir.Constant(I32, c))
+                        w = v.fma(w, scale, v.splat(bias))
+                    b.store(w, b.bitcast(v.at(row, c * LANES), V_F32.as_pointer()), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return decode
+
+
+def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
+    """The dot products of one quantized row with nt rows of activations quantized to `bits` (8 or
+    16), in integers per 32 weights, then float32: acc += float(sum of q * xq) * scale * dx,
+    lane-wise, and the block biases times bs. Each token's operations are the same whatever nt is:
+    the same result."""
+    act = I8 if bits == 8 else I16
+
+    @intrinsic
+    def dot(typingctx, w, w_off, n_blocks, xq, dx, bs, rows):
+        sig = types.UniTuple(types.float32, nt)(w, types.int64, types.int64, xq, dx, bs, rows)
+
+        def codegen(context, builder, sig, args):
+            v = _B(builder)
+            b = builder
+            wp = _data(context, b, sig.args[0], args[0], args[1])
+            rows = cgutils.unpack_tuple(b, args[6], nt) if nt > 1 else [args[6]]
+
+            def row_ptr(i: int, row: ir.Value, t: ir.Type) -> ir.Value:
+                arr = context.make_array(sig.args[i])(context, b, args[i])
+                stride = cgutils.unpack_tuple(b, arr.strides, 2)[0]
+                return b.bitcast(b.gep(b.bitcast(arr.data, I8.as_pointer()), [b.mul(row, stride)]), t.as_pointer())
+
+            xps = [row_ptr(3, r, act) for r in rows]
+            dps = [row_ptr(4, r, F32) for r in rows]
+            bps = [row_ptr(5, r, F32) for r in rows]
+            # Two accumulators, for even and odd chunks: two chains of dependent FMAs, not one.
+            acc8 = [[cgutils.alloca_once_value(b, ir.Constant(V8_F32, None)) for _ in range(2)] for _ in range(nt)]
+            acc16 = [
+                [cgutils.alloca_once_value(b, ir.Constant(_vec(F32, 16), None)) for _ in range(2)] for _ in range(nt)
+            ]
+            accb = [cgutils.alloca_once_value(b, ir.Constant(V8_F32, None)) for _ in range(nt)]
+            accs = [cgutils.alloca_once_value(b, ir.Constant(F32, None)) for _ in range(nt)]
+            used = set()
+            with cgutils.for_range(b, args[2]) as loop:
+                first = b.mul(loop.index, ir.Constant(I64, layout.weights))  # the block's first weight
+                block_p = v.at(wp, b.mul(loop.index, ir.Constant(I64, layout.size)))
+                sums = b.udiv(first, ir.Constant(I64, LANES))  # the block's first chunk
+                magnitudes: list[ir.Value] = []
+                for t in range(nt):
+                    block = layout.chunks(v, block_p, v.at(dps[t], sums))
+                    if not magnitudes and bits == 8:  # the weights' integers, unpacked once for all the tokens
+                        magnitudes = [_magnitude(v, chunk) for chunk in block.chunks]
+                    for c, (q, signed, scale) in enumerate(block.chunks):
+                        x = v.load(xps[t], b.add(first, ir.Constant(I64, c * LANES)), act, align=bits // 8)
+                        if bits == 8:
+                            m = b.sitofp(_dot32(v, q, magnitudes[c], signed, x), V8_F32)
+                            acc = acc8[t][c % 2]
+                            scale = scale if isinstance(scale.type, ir.VectorType) else v.splat(scale, 8)
+                            b.store(v.fma(m, scale, b.load(acc)), acc)
+                            continue
+                        m = _dot32_wide(v, q, signed, x)  # <16 x i32>
+                        if isinstance(scale.type, ir.VectorType):
+                            acc = acc16[t][c % 2]
+                            scale = b.shuffle_vector(scale, scale, ir.Constant(_vec(I32, 16), [0] * 8 + [4] * 8))
+                            b.store(v.fma(b.sitofp(m, _vec(F32, 16)), scale, b.load(acc)), acc)
+                            used.add("16")
+                        else:  # one scale: the two halves' integer sums first
+                            halves = [b.shuffle_vector(m, m, ir.Constant(_vec(I32, 8), list(range(h, h + 8))))
+                                      for h in (0, 8)]  # fmt: skip
+                            acc = acc8[t][c % 2]
+                            b.store(v.fma(b.sitofp(b.add(*halves), V8_F32), v.splat(scale, 8), b.load(acc)), acc)
+                    if block.bias is not None:
+                        if isinstance(block.bias.type, ir.VectorType):
+                            bsum = v.load(bps[t], sums, F32, 8, align=4)
+                            b.store(v.fma(block.bias, bsum, b.load(accb[t])), accb[t])
+                            used.add("b")
+                        else:
+                            bsum = b.load(v.at(bps[t], sums), align=4)
+                            b.store(_fma1(b, block.bias, bsum, b.load(accs[t])), accs[t])
+                            used.add("s")
+            outs = []
+            for t in range(nt):
+                parts = [_hsum(b, b.fadd(b.load(acc8[t][0]), b.load(acc8[t][1])))]
+                if "16" in used:
+                    parts.append(_hsum(b, b.fadd(b.load(acc16[t][0]), b.load(acc16[t][1]))))
+                if "b" in used:
+                    parts.append(_hsum(b, b.load(accb[t])))
+                if "s" in used:
+                    parts.append(b.load(accs[t]))
+                total = parts[0]
+                for part in parts[1:]:
+                    total = b.fadd(total, part)
+                outs.append(total)
+            return context.make_tuple(b, sig.return_type, outs) if nt > 1 else outs[0]
+
+        if nt == 1:
+            sig = types.float32(w, types.int64, types.int64, xq, dx, bs, types.int64)
+        return sig, codegen
+
+    return dot
+
+
+def _fma1(b: ir.IRBuilder, x: ir.Value, y: ir.Value, z: ir.Value) -> ir.Value:
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(F32, [F32, F32, F32]), "llvm.fma.f32")
+    return b.call(fn, [x, y, z])
+
+
+TOKENS = 4  # tokens per pass over a row: each chunk of weights is unpacked once for all of them
+
+_DECODE = {t: _decode_intrinsic(lay) for t, lay in LAYOUTS.items()}
+_DOTS = {(t, nt, bits): _dot_intrinsic(lay, nt, bits) for t, lay in LAYOUTS.items() for nt in (1, TOKENS)
+         for bits in (8, 16)}  # fmt: skip
+
+
+def _literal(code: Any) -> Q | None:
+    """The quant type of a constant type code (None: numba retries with the constant's literal type)."""
+    return Q(code.literal_value) if isinstance(code, types.IntegerLiteral) else None
+
+
+def dot_row(code: int, w: np.ndarray, w_off: int, k: int, xq: np.ndarray, dx: np.ndarray, bs: np.ndarray,
+            rows: Any) -> Any:  # fmt: skip
+    """The row of k weights at byte w_off of w times activation rows `rows` (one int, or TOKENS of
+    them in a tuple) of quantize_rows' (xq, dx, bs), int8 or int16: a float32, or a tuple of them.
+
+    Compiled code only (see the overloads below). `code`, the type's gguf enum value, must be a
+    compile-time constant: a kernel closes over it, and only that type's layout is compiled in.
+    """
+    raise NotImplementedError("dot_row runs in compiled code")
+
+
+def decode_row(code: int, w: np.ndarray, w_off: int, k: int, y: np.ndarray, y_off: int) -> None:
+    """The row of k weights at byte w_off of w, as float32 into y at byte y_off."""
+    raise NotImplementedError("decode_row runs in compiled code")
+
+
+# numba compares an overload's signature with its implementation's: neither has annotations.
+@overload(dot_row, inline="always")
+def _dot_row(code, w, w_off, k, xq, dx, bs, rows):
+    qtype = _literal(code)
+    if qtype is None:
+        return None
+    per_block = LAYOUTS[qtype].weights
+    nt = TOKENS if isinstance(rows, types.BaseTuple) else 1
+    dot = _DOTS[qtype, nt, xq.dtype.bitwidth]
+
+    def impl(code, w, w_off, k, xq, dx, bs, rows):
+        return dot(w, w_off, k // per_block, xq, dx, bs, rows)
+
+    return impl
+
+
+@overload(decode_row, inline="always")
+def _decode_row(code, w, w_off, k, y, y_off):
+    qtype = _literal(code)
+    if qtype is None:
+        return None
+    per_block = LAYOUTS[qtype].weights
+    decode = _DECODE[qtype]
+
+    def impl(code, w, w_off, k, y, y_off):
+        decode(w, w_off, k // per_block, y, y_off)
+
+    return impl

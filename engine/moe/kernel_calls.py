@@ -1,0 +1,81 @@
+"""A MoE layer's selected experts in three kernel calls: gate and up with the activation, then down.
+
+`run_fused` computes the weighted contribution of every (token, selected expert) pair among the
+`experts` it is given, into rows `t * k + j` of `contrib` [T*k, E]: the host experts call it with
+all of a layer's selected experts, the expert cache with its slots for the hits and with the host
+copy for the misses left to the CPU, each part filling its own rows. `cpu_kernels.sum_by_token` then
+sums each token's rows in ascending expert order, so the result never depends on where an
+expert ran (cache on or off, any CPU share: bit-identical).
+
+An activation runs in the kernel when it is registered here with a kernel code; a layer whose
+activation or quant types have no kernel runs on the exact path (moe.run_experts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import torch
+
+from ..kernels import cpu as cpu_kernels
+from ..kernels.qblocks import has_kernel
+from ..nn.activations import activation_code
+from .expert_tensors import LayerExperts
+
+
+def fusable(lx: LayerExperts, act: Callable[..., object]) -> bool:
+    return activation_code(act) is not None and all(has_kernel(t.qtype) for t in (lx.gate, lx.up, lx.down))
+
+
+def _bias(t: torch.Tensor | None) -> np.ndarray | None:
+    return None if t is None else t.float().contiguous().numpy()
+
+
+def run_fused(
+    lx: LayerExperts,
+    mats: tuple[np.ndarray, np.ndarray, np.ndarray],
+    slot_of: np.ndarray | None,
+    act: int,
+    x: np.ndarray,
+    ids: np.ndarray,
+    weights: np.ndarray,
+    experts: Sequence[int] | None,
+    contrib: np.ndarray,
+    bits: int = 16,
+) -> None:
+    """Fill contrib[t*k + j] = weights[t, j] * expert_{ids[t, j]}(x[t]) for the pairs whose expert is in `experts`
+    (None: every pair).
+
+    mats: (gate, up, down) stacked [S, rows, row_bytes]: the layer's experts (slot_of None) or a
+    cache's slots (slot_of[e]: expert e's slot). x [T, E] float32; ids int64 and weights float32 [T, k];
+    bits: the activations' integers in the kernels (8 or 16).
+    """
+    chosen = _ALL if experts is None else np.asarray(experts, dtype=np.int64)
+    a, eids, ptr, tokens, x_rows = cpu_kernels.selection(ids, chosen)
+    if a.shape[0] == 0:
+        return
+    sel = eids if slot_of is None else slot_of[eids]
+    gate, up, down = mats
+    h = np.empty((ids.size, gate.shape[1]), np.float32)  # [T*k, F]; only the rows in `a` are set
+    cpu_kernels.gate_up(gate, lx.gate.qtype, up, lx.up.qtype, x, x_rows, sel, eids, ptr, tokens, a, h, act,
+                        _bias(lx.gate.bias), _bias(lx.up.bias), bits)  # fmt: skip
+    cpu_kernels.matmul(down, lx.down.qtype, h, a, sel, eids, ptr, a, a, contrib, weights.reshape(-1),
+                       _bias(lx.down.bias), bits)  # fmt: skip
+
+
+_ALL = np.zeros(0, np.int64)
+
+
+def layer_output(contrib: np.ndarray, ids: np.ndarray) -> torch.Tensor:
+    """Each token's pair rows [T*k, E] summed in ascending expert order: the layer's output [T, E]."""
+    return torch.from_numpy(cpu_kernels.sum_by_token(contrib, ids))
+
+
+def host_arrays(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> tuple[np.ndarray, ...]:
+    """The routing inputs as the kernels take them: float32 activations and weights, int64 ids, on the host."""
+    return (
+        x.detach().to("cpu", torch.float32).contiguous().numpy(),
+        ids.detach().to("cpu", torch.int64).contiguous().numpy(),
+        weights.detach().to("cpu", torch.float32).contiguous().numpy(),
+    )

@@ -1,0 +1,240 @@
+"""Pieces shared by the architecture families: norms, rotary embeddings, attention, KV cache."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from ..config import ModelConfig
+from ..gguf.dequant import dequantize
+from ..gguf.reader import GGUFError
+from ..kernels.layer_halves import FEW_ROWS, rms_rows
+
+if TYPE_CHECKING:
+    from ..gguf.sources import Source
+
+
+def load_weight(source: Source, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """A dense tensor from the file (or another source), dequantized (used for everything but the experts)."""
+    if name not in source.tensors:
+        raise GGUFError(f"{source.path}: tensor '{name}' is missing")
+    t = source.tensors[name]
+    return dequantize(source.tensor_data(name), t.qtype).reshape(t.shape).to(dtype)
+
+
+class QuantRows:
+    """A quantized [rows, cols] matrix looked up row by row (an embedding without a float copy)."""
+
+    def __init__(self, source: Source, name: str) -> None:
+        t = source.tensors[name]
+        self.raw = torch.from_numpy(source.tensor_data(name))  # [rows, row bytes], a view of the map
+        self.qtype = t.qtype
+        self.shape = tuple(t.shape)
+        self.device = torch.device("cpu")
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        return dequantize(self.raw[rows], self.qtype)  # [T, cols]
+
+    def moved_to(self, device: torch.device) -> QuantRows:
+        """The bytes on `device`: a token's row is decoded there (a few small ops per token)."""
+        self.raw = self.raw.to(device)
+        self.device = device
+        return self
+
+
+def move_tensors(module: torch.nn.Module, device: torch.device) -> None:
+    """Move every plain tensor attribute of `module` and its submodules to `device`.
+
+    Weights are plain attributes (not parameters): the experts, which are not, stay put. Quantized
+    matrices (anything with `moved_to`) choose their own form on the device.
+    """
+    for sub in module.modules():
+        for name, value in list(vars(sub).items()):
+            if isinstance(value, torch.Tensor):
+                setattr(sub, name, value.to(device))
+            elif callable(getattr(value, "moved_to", None)):
+                setattr(sub, name, value.moved_to(device))
+
+
+def host_rows(x: torch.Tensor) -> np.ndarray:
+    """A CPU tensor as a contiguous float32 array for a compiled call (a view when it already is one)."""
+    return np.ascontiguousarray(x.detach().numpy(), dtype=np.float32)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.Tensor:
+    # At decode a model calls this a hundred times per token: a few rows on the CPU take one
+    # compiled call (about 10 us here, torch's fused op 15 to 50), the rest one torch op.
+    if (weight is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.device.type == "cpu"
+            and x.dtype == torch.float32 and weight.dtype == torch.float32):  # fmt: skip
+        return torch.from_numpy(rms_rows(host_rows(x), weight.numpy(), eps))
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+class Rope:
+    """Rotary position embedding tables: `neox` rotates halves, otherwise adjacent pairs."""
+
+    def __init__(
+        self, dim: int, theta: float, n_ctx: int, *, neox: bool, cfg: ModelConfig | None = None, truncate: bool = True
+    ) -> None:
+        self.dim, self.neox = dim, neox
+        inv = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim)  # [dim/2]
+        self.mscale = 1.0
+        if cfg is not None and cfg.rope_scaling.kind == "linear":
+            inv = inv / cfg.rope_scaling.factor
+        elif cfg is not None and cfg.rope_scaling.kind == "yarn":
+            inv, self.mscale = _yarn(inv, dim, theta, cfg, truncate)
+        pos = torch.arange(n_ctx, dtype=torch.float64)
+        ang = torch.outer(pos, inv)  # [n_ctx, dim/2]
+        # cos + i sin, one table for both layouts: adjacent pairs are complex numbers as they lie, and
+        # one complex product rotates them, with a third of the eager ops of the real form (each op
+        # costs more than its work at one token); halves take its real and imaginary parts.
+        self.cis = torch.polar(torch.full_like(ang, self.mscale), ang).to(torch.complex64)  # [n_ctx, dim/2]
+
+    def to(self, device: torch.device) -> Rope:
+        self.cis = self.cis.to(device)
+        return self
+
+    def parts(self) -> np.ndarray:
+        """The table as float32 [n_ctx, dim/2, 2] (cos, sin), a view for the compiled decode attention (CPU)."""
+        return torch.view_as_real(self.cis).numpy()
+
+    def __call__(self, x: torch.Tensor, pos: torch.Tensor) -> torch.Tensor:
+        # x: [T, H, D]; pos: [T]
+        rot, rest = x[..., : self.dim], x[..., self.dim :]
+        if self.neox:
+            cis = self.cis[pos].unsqueeze(1)  # [T, 1, dim/2]
+            cos, sin = cis.real, cis.imag
+            a, b = rot[..., : self.dim // 2], rot[..., self.dim // 2 :]
+            out = torch.cat([a * cos - b * sin, b * cos + a * sin], dim=-1)
+        else:
+            pairs = torch.view_as_complex(rot.float().contiguous().view(*rot.shape[:-1], -1, 2))  # [T, H, dim/2]
+            out = torch.view_as_real(pairs * self.cis[pos].unsqueeze(1)).flatten(-2)
+        return torch.cat([out, rest], dim=-1) if rest.shape[-1] else out
+
+
+def _yarn(inv: torch.Tensor, dim: int, theta: float, cfg: ModelConfig, truncate: bool) -> tuple[torch.Tensor, float]:
+    """YaRN: interpolate low frequencies, keep high ones, blend between (as in the YaRN paper)."""
+    s = cfg.rope_scaling
+    orig = s.original_context or cfg.n_ctx_train
+
+    def correction_dim(n_rot: float) -> float:
+        return dim * math.log(orig / (n_rot * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(s.yarn_beta_fast), correction_dim(s.yarn_beta_slow)
+    if truncate:
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float64) - low) / max(high - low, 1e-3)).clamp(0, 1)
+    extrapolate = 1 - ramp
+    inv = inv / s.factor * (1 - extrapolate) + inv * extrapolate
+    mscale = (0.1 * math.log(s.factor) + 1.0) * s.yarn_attn_factor if s.factor > 1 else 1.0
+    if s.yarn_log_mul > 0:  # the file's magnitude goes into the attention's score scale instead (MLA)
+        mscale = 1.0
+    return inv, mscale
+
+
+@dataclass
+class LayerCache:
+    k: torch.Tensor  # [n_ctx, n_kv, head_dim]; no positions in a linear-attention layer
+    v: torch.Tensor  # [n_ctx, n_kv, head_dim_v]
+    # Linear attention: the conv's last inputs and the recurrent state, both of a fixed size.
+    conv: torch.Tensor | None = None  # [conv_kernel - 1, q|k|v channels]
+    state: torch.Tensor | None = None  # [v_heads, ssm_state, head_v]
+
+
+def kv_cache_bytes(cfg: ModelConfig, n_ctx: int, itemsize: int = 4) -> int:
+    """Bytes of a KVCache's keys and values for n_ctx positions (fp32 by default), full-attention layers only."""
+    # A latent cache (MLA) stores the value as the front of the key: no bytes of its own.
+    per_head = cfg.head_dim + (0 if cfg.kv_lora_rank else cfg.head_dim_v)
+    return sum(n_ctx * cfg.n_head_kv[i] * per_head * itemsize for i in range(cfg.n_layers) if not cfg.is_recurrent(i))
+
+
+def _conv_channels(cfg: ModelConfig) -> int:
+    return 2 * cfg.ssm_k_heads * cfg.ssm_state + cfg.ssm_inner
+
+
+def recurrent_state_bytes(cfg: ModelConfig, itemsize: int = 4) -> int:
+    """Bytes of the linear-attention layers' state (conv inputs and recurrent state), whatever the context."""
+    per_layer = (cfg.ssm_conv_kernel - 1) * _conv_channels(cfg) + cfg.ssm_state * cfg.ssm_inner
+    return sum(per_layer * itemsize for i in range(cfg.n_layers) if cfg.is_recurrent(i))
+
+
+def _layer_cache(cfg: ModelConfig, i: int, n_ctx: int, dtype: torch.dtype, device: str | torch.device) -> LayerCache:
+    if cfg.is_recurrent(i):
+        none = torch.zeros(0, 1, 1, dtype=dtype, device=device)
+        conv = torch.zeros(cfg.ssm_conv_kernel - 1, _conv_channels(cfg), dtype=dtype, device=device)
+        head_v = cfg.ssm_inner // cfg.ssm_v_heads
+        state = torch.zeros(cfg.ssm_v_heads, cfg.ssm_state, head_v, dtype=dtype, device=device)
+        return LayerCache(none, none, conv, state)
+    k = torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim, dtype=dtype, device=device)
+    if cfg.kv_lora_rank:  # MLA: the value is the latent, the key's first kv_lora_rank numbers
+        return LayerCache(k, k[..., : cfg.kv_lora_rank])
+    return LayerCache(k, torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim_v, dtype=dtype, device=device))
+
+
+class KVCache:
+    """Keys and values of every layer for positions 0..n_ctx-1."""
+
+    def __init__(
+        self, cfg: ModelConfig, n_ctx: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
+    ) -> None:
+        self.n_ctx = n_ctx
+        self.device = torch.device(device)
+        self.layers = [_layer_cache(cfg, i, n_ctx, dtype, device) for i in range(cfg.n_layers)]
+        self.pos = 0  # tokens stored
+
+
+def attention(
+    q: torch.Tensor,
+    layer: LayerCache,
+    k_new: torch.Tensor,
+    v_new: torch.Tensor,
+    pos0: int,
+    *,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Causal GQA attention of `q` [T, H, D] over the cache after storing `k_new`/`v_new` [T, Hkv, D]."""
+    t = q.shape[0]
+    end = pos0 + t
+    layer.k[pos0:end] = k_new
+    layer.v[pos0:end] = v_new
+    start = max(0, pos0 - window + 1) if window else 0
+    k, v = layer.k[start:end], layer.v[start:end]  # [S, Hkv, D]
+    if t == 1 and sinks is None and not softcap:
+        # Decode: every cached position from `start` on is visible, so no mask; one fused op instead
+        # of a dozen eager ones (per layer, per token).
+        out = F.scaled_dot_product_attention(
+            q.transpose(0, 1).unsqueeze(0),
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            scale=scale,
+            enable_gqa=True,
+        )  # [1, H, 1, Dv]
+        return out[0].transpose(0, 1)  # [1, H, Dv]
+    group = q.shape[1] // k.shape[1]
+    if group > 1:
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
+    if softcap:
+        scores = torch.tanh(scores / softcap) * softcap
+    q_pos = torch.arange(pos0, end, device=q.device).unsqueeze(1)  # [T, 1]
+    k_pos = torch.arange(start, end, device=q.device).unsqueeze(0)  # [1, S]
+    allowed = k_pos <= q_pos
+    if window:
+        allowed &= q_pos - k_pos < window
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    if sinks is not None:
+        # A learned per-head logit that takes part in the softmax but has no value.
+        sink = sinks.reshape(-1, 1, 1).expand(-1, t, 1)
+        probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = F.softmax(scores, dim=-1)
+    return torch.einsum("hts,shd->thd", probs, v)  # [T, H, Dv]

@@ -1,0 +1,1 @@
+"""Text: tokenizers from GGUF metadata, and chat templates in a Jinja sandbox."""

@@ -1,0 +1,50 @@
+"""Driving the app in UI tests: build it over an engine, wait for its chat screen, type a prompt.
+Waits poll between UI cycles, never sleep a fixed time."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from moechat.app.screens.chat import ChatScreen
+from moechat.app.settings import Settings
+from moechat.app.tui import MoechatApp
+from moechat.widgets.chat_log import ChatInput
+from textual.pilot import Pilot
+
+from .fake_engine import FakeEngine
+
+
+async def until(pilot: Pilot[Any], cond: Callable[[], bool], timeout: float = 20.0) -> None:
+    """Poll the condition between UI cycles; fail after `timeout` seconds."""
+    end = time.monotonic() + timeout
+    while not cond():
+        if time.monotonic() > end:
+            raise AssertionError("condition not met in time")
+        await pilot.pause(0.02)
+
+
+def make_app(tmp_path: Path, engine: FakeEngine, settings: Settings | None = None) -> MoechatApp:
+    from moechat.app.paths import AppPaths
+
+    paths = AppPaths(tmp_path / "config", tmp_path / "data", tmp_path / "cache", tmp_path / "log")
+    return MoechatApp(lambda progress: engine, settings or Settings(), paths=paths)
+
+
+async def ready(pilot: Pilot[int], timeout: float = 20.0) -> ChatScreen:
+    app = pilot.app
+    # The screen is on the stack before its widgets are: its input having the focus says both.
+    # (Asking for the input with query_one then raised when the check ran in between.)
+    await until(pilot, lambda: isinstance(app.screen, ChatScreen) and isinstance(app.focused, ChatInput)
+                and app.focused.screen is app.screen, timeout)  # fmt: skip
+    return app.screen
+
+
+async def say(pilot: Pilot[int], screen: ChatScreen, text: str) -> None:
+    n = len(screen.conv.messages)
+    for ch in text:
+        await pilot.press(ch if ch != " " else "space")
+    await pilot.press("enter")
+    await until(pilot, lambda: len(screen.conv.messages) >= n + 2 and not screen.generating)

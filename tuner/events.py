@@ -1,0 +1,104 @@
+"""What a calibration sweep and a confirm run report, without torch: the chat app's UI process reads
+these while the engine process measures."""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TypeAlias
+
+
+class Cancelled(Exception):
+    """The sweep was stopped between tokens."""
+
+
+@dataclass(frozen=True)
+class Arm:
+    """One measured run."""
+
+    mib: float
+    share: float
+    tokens: int  # timed tokens
+    ms_per_token: float
+    hit_rate: float
+    upload_gib: float  # per timed token
+    cpu_gib: float
+    first_half_tps: float
+    second_half_tps: float
+    attempts: int
+    trace: str  # file name in the run directory
+
+    @property
+    def tps(self) -> float:
+        return 1000.0 / self.ms_per_token
+
+
+@dataclass(frozen=True)
+class ArmStarted:
+    index: int  # 0-based
+    n_arms: int
+    mib: float
+    share: float
+
+
+@dataclass(frozen=True)
+class ArmProgress:
+    index: int
+    n_arms: int
+    tokens_done: int
+    tokens_total: int
+
+
+@dataclass(frozen=True)
+class ArmDone:
+    index: int
+    n_arms: int
+    arm: Arm
+    cached: bool  # reused from an earlier sweep
+
+
+@dataclass(frozen=True)
+class SweepDone:
+    run_dir: Path
+    arms: tuple[Arm, ...]
+    expert_mib: float
+    room_mib: float  # largest cache the device has room for (or --max-mib)
+    device: str
+
+
+SweepEvent = ArmStarted | ArmProgress | ArmDone | SweepDone
+
+
+@dataclass(frozen=True)
+class ConfirmDone:
+    current: tuple[float, float]  # (MiB, CPU share)
+    recommended: tuple[float, float]
+    current_tps: tuple[float, ...]  # one per repeat, in the order run
+    recommended_tps: tuple[float, ...]
+
+    @property
+    def spread(self) -> float:
+        """t/s between repeats of one setting: the larger range of the two."""
+        return max(max(v) - min(v) for v in (self.current_tps, self.recommended_tps))
+
+    @property
+    def gain(self) -> float:
+        return statistics.median(self.recommended_tps) - statistics.median(self.current_tps)
+
+    @property
+    def wins(self) -> bool:
+        """The recommendation is faster by more than the repeats vary."""
+        return self.gain > self.spread
+
+
+ConfirmEvent: TypeAlias = SweepEvent | ConfirmDone
+
+
+def nice_mib(x: float) -> float:
+    """Round a cache size down to something a person would type: 64 MiB steps when large."""
+    if x >= 256:
+        return float(int(x) // 64 * 64)
+    if x >= 1:
+        return float(f"{x:.3g}")
+    return float(f"{x:.2g}")
