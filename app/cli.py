@@ -47,6 +47,9 @@ def build_parser() -> argparse.ArgumentParser:
     from moechat.app.export_cmd import add_export_arguments
 
     add_export_arguments(sub.add_parser("export", help="write the last session's stats as JSON, CSV or Markdown"))
+    for command in sub.choices.values():  # `moechat chat -v` as `moechat -v chat`
+        command.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                             help="log debug messages to stderr (line-mode chat: and each reply's stats)")  # fmt: skip
     return parser
 
 

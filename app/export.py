@@ -223,7 +223,7 @@ def to_markdown(d: dict[str, Any]) -> str:
     if replies:
         out += [
             "",
-            "| reply | prompt tok | reply tok | t/s | temp | top-k | top-p | cache MiB | cpu share | system |",
+            "| reply | prompt tok read | reply tok | t/s | temp | top-k | top-p | cache MiB | cpu share | system |",
             "| ----: | ---------: | --------: | --: | ---: | ----: | ----: | --------: | --------: | ------ |",
         ]
         for i, r in enumerate(replies, 1):

@@ -22,6 +22,7 @@ from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import Event, SamplingParams, TokenEvent
 from moechat.engine.generate import generate
 from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
+from moechat.engine.prompt_cache import PromptCache
 from moechat.engine.text.chat_template import ChatTemplateError, plain_template
 from moechat.tuner.baselines import min_hit_rate
 from moechat.tuner.confirm import confirm
@@ -94,6 +95,9 @@ class RealEngine:
             template_note=lm.template.fallback_reason,
         )  # fmt: skip
         self.plain = lm.template.origin == "plain fallback"
+        # The conversation's KV cache, kept from one reply to the next.
+        recurrent = any(lm.config.is_recurrent(i) for i in range(lm.config.n_layers))
+        self.prompts = PromptCache(lm.new_cache, can_roll_back=not recurrent)
 
     def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
         msgs = list(messages)
@@ -122,22 +126,31 @@ class RealEngine:
     def reply(
         self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
     ) -> Iterator[Event]:
+        """The reply to `prompt`, read after the part of it the conversation's cache already holds: the
+        DoneEvent's `n_prompt` counts the tokens read now."""
         cutter = StopStrings(PLAIN_STOPS if self.plain else ())
         max_tokens = max(1, min(max_tokens, self.lm.n_ctx - len(prompt)))
-        for ev in generate(self.lm.model, self.lm.tokenizer, prompt, self.lm.new_cache(), max_tokens=max_tokens,
-                           params=params, stop=stop):  # fmt: skip
-            if isinstance(ev, TokenEvent):
-                text = cutter.push(ev.text)
-                if cutter.hit:
-                    stop.set()
-                yield replace(ev, text=text)
-            else:
-                tail = cutter.flush()
-                if tail:
-                    yield TokenEvent(-1, tail, ev.n_generated)
-                if cutter.hit and ev.stop_reason == "stopped":
-                    ev = replace(ev, stop_reason="eos")
-                yield ev
+        kv, held = self.prompts.resume(prompt)
+        replied: list[int] = []
+        try:
+            for ev in generate(self.lm.model, self.lm.tokenizer, prompt[held:], kv, max_tokens=max_tokens,
+                               params=params, stop=stop, before=prompt[:held]):  # fmt: skip
+                if isinstance(ev, TokenEvent):
+                    if ev.token >= 0:
+                        replied.append(ev.token)
+                    text = cutter.push(ev.text)
+                    if cutter.hit:
+                        stop.set()
+                    yield replace(ev, text=text)
+                else:
+                    tail = cutter.flush()
+                    if tail:
+                        yield TokenEvent(-1, tail, ev.n_generated)
+                    if cutter.hit and ev.stop_reason == "stopped":
+                        ev = replace(ev, stop_reason="eos")
+                    yield ev
+        finally:
+            self.prompts.record([*prompt, *replied])
 
     def snapshot(self) -> StatsSnapshot | None:
         return self.lm.cache.snapshot() if self.lm.cache is not None else None

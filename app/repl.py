@@ -7,8 +7,11 @@ Ctrl+C stops a reply (the partial reply is kept), Ctrl+D or an empty stdin ends 
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import threading
+from collections.abc import Callable
+from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
 from moechat.app.run_cmd import add_config_flag
@@ -17,6 +20,7 @@ from moechat.app.settings import (
     ENGINE,
     MODEL_HELP,
     SAMPLING,
+    Settings,
     add_flags,
     cache_settings,
     from_args,
@@ -26,7 +30,7 @@ from moechat.app.settings import (
 
 if TYPE_CHECKING:  # the engine (torch) loads when a chat starts, not for --help
     from moechat.app.real_engine import RealEngine
-    from moechat.engine.events import SamplingParams
+    from moechat.engine.events import DoneEvent, SamplingParams
 
 SETTINGS = (*SAMPLING, *ENGINE, *APP)
 
@@ -49,20 +53,34 @@ def run_chat(args: argparse.Namespace) -> int:
         app = MoechatApp(real_engine_factory(args.model, settings, warm_dir), settings,
                          config_path=config, warnings=warnings)  # fmt: skip
         return run_tui(app, app_paths().log / "moechat.log")
-    # Line mode: the engine runs in this process (the app's UI process never loads torch or numba).
-    from moechat.app.demo_model import resolve_model
-    from moechat.app.real_engine import load_for
-
     print_warnings(warnings)
-    params = sampling_params(settings)
-    cache = cache_settings(settings)
-    lm = load_for(resolve_model(args.model), settings, cache)
-    from moechat.app.real_engine import RealEngine
+    return _line_chat(args, settings)
 
-    # The app's engine in this process: the same prompt fitting (oldest turns dropped when the
-    # context is full, the plain format when the template fails) and the same stop strings.
-    engine = RealEngine(lm, cache)
-    messages: list[dict[str, str]] = [{"role": "system", "content": settings.system}] if settings.system else []
+
+def _line_chat(args: argparse.Namespace, settings: Settings) -> int:
+    """Line mode, a full citizen: the engine in this process (the app's prompt fitting and stop strings),
+    and, as the app does, the conversation and the session's stats saved after each reply and the
+    expert cache warm-started from, and saved to, this model's use counts. `-v` prints each
+    reply's stats as `moechat run` does."""
+    from moechat.app.conversations import Conversation, ConversationStore, now_iso
+    from moechat.app.demo_model import resolve_model
+    from moechat.app.export import SessionStats, write_stats
+    from moechat.app.paths import app_paths
+    from moechat.app.real_engine import RealEngine, file_identity, load_for
+    from moechat.engine.cache.stats import summary_lines
+
+    params = sampling_params(settings)
+    path = resolve_model(args.model)
+    paths = app_paths()
+    identity = file_identity(path) if path.is_file() and os.access(path, os.R_OK) else None
+    cache = cache_settings(settings, paths.data / "warm" / f"{identity}.json" if identity else None)
+    lm = load_for(path, settings, cache)
+    engine = RealEngine(lm, replace(cache, mib=0.0, cpu_share=0.0, trace=None), identity)
+    settings_now = {k: v for k, v in asdict(settings).items() if k != "sources"}
+    conv = Conversation(model=engine.info.name, system=settings.system)
+    store = ConversationStore(paths.data / "conversations")
+    session = SessionStats(asdict(engine.info), settings_now)
+    session_file = paths.data / "sessions" / f"{now_iso().replace(':', '')}.json"
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"moechat: {lm.config.name} ({lm.config.arch}). Ctrl+C stops a reply, Ctrl+D quits.", file=sys.stderr)
@@ -74,32 +92,57 @@ def run_chat(args: argparse.Namespace) -> int:
                 break
             if not line.strip():
                 continue
-            messages.append({"role": "user", "content": line})
-            prompt, dropped, note = engine.fit_messages(messages)
+            conv.messages.append({"role": "user", "content": line})
+            prompt, dropped, note = engine.fit_messages(conv.chat_messages())
             if note:
                 print(f"moechat: warning: {note}", file=sys.stderr)
             if dropped:
                 print(f"moechat: the {dropped} oldest messages no longer fit the context and are left out",
                       file=sys.stderr)  # fmt: skip
-            messages.append({"role": "assistant", "content": _reply(engine, prompt, settings.n_predict, params)})
+            text, done = _reply(engine, prompt, settings.n_predict, params)
+            stats = {"n_prompt": done.n_prompt, "n_kept": done.n_kept, "n_generated": done.n_generated,
+                     "prompt_tps": done.prompt_tps, "gen_tps": done.gen_tps}  # fmt: skip
+            conv.messages.append({"role": "assistant", "content": text, "stopped": done.stop_reason == "stopped",
+                                  "stats": stats})  # fmt: skip
+            snapshot = engine.snapshot()
+            session.add(snapshot, done.n_generated, done.gen_tps)
+            session.replies.append(stats | {"stop": done.stop_reason, "settings": settings_now})
+            _save(lambda: store.save(conv), "the conversation")
+            _save(lambda: write_stats(session.to_dict(), session_file, "json"), "the session stats")
+            if getattr(args, "verbose", False):
+                print(f"prompt: {done.n_prompt} tokens read ({done.n_kept} kept), {done.prompt_tps:.1f} t/s | "
+                      f"generation: {done.n_generated} tokens, {done.gen_tps:.1f} t/s | stop: {done.stop_reason}",
+                      file=sys.stderr)  # fmt: skip
+                for text_line in summary_lines(snapshot) if snapshot is not None else ():
+                    print(text_line, file=sys.stderr)
     finally:
-        lm.close()
+        engine.close()  # the expert cache writes this model's use counts (the next start's warm start)
     return 0
 
 
-def _reply(engine: RealEngine, prompt: list[int], n: int, params: SamplingParams) -> str:
-    from moechat.engine.events import TokenEvent
+def _save(write: Callable[[], object], what: str) -> None:
+    try:
+        write()
+    except OSError as e:
+        print(f"moechat: warning: could not save {what}: {e}", file=sys.stderr)
+
+
+def _reply(engine: RealEngine, prompt: list[int], n: int, params: SamplingParams) -> tuple[str, DoneEvent]:
+    from moechat.engine.events import DoneEvent, TokenEvent
 
     stop = threading.Event()
     text = ""
+    done = DoneEvent(len(prompt), 0, 0.0, 0.0, "stopped")
     try:
         for ev in engine.reply(prompt, params, n, stop):
             if isinstance(ev, TokenEvent) and ev.text:
                 text += ev.text
                 sys.stdout.write(ev.text)
                 sys.stdout.flush()
+            elif isinstance(ev, DoneEvent):
+                done = ev
     except KeyboardInterrupt:
         sys.stdout.write(" [stopped]")
     sys.stdout.write("\n")
     sys.stdout.flush()
-    return text.strip()
+    return text.strip(), done

@@ -51,11 +51,17 @@ def tokens_per_second(n_tokens: int, seconds_since_first: float) -> float:
 
 @dataclass(frozen=True)
 class DoneEvent:
-    n_prompt: int
+    n_prompt: int  # prompt tokens read for this reply
     n_generated: int
     prompt_seconds: float  # reading the prompt, up to the first token's logits
     gen_seconds: float  # from the first generated token to the end
     stop_reason: str  # eos | length | context | stopped
+    n_kept: int = 0  # prompt tokens the KV cache held already (from earlier replies), not read again
+
+    @property
+    def context(self) -> int:
+        """Positions of the context in use at the end: the kept and read prompt, and the reply."""
+        return self.n_kept + self.n_prompt + self.n_generated
 
     @property
     def prompt_tps(self) -> float:

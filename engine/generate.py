@@ -120,19 +120,23 @@ def generate(
     params: SamplingParams = GREEDY,
     ignore_eos: bool = False,
     stop: threading.Event | None = None,
+    before: Sequence[int] = (),
 ) -> Iterator[Event]:
-    """Prefill `prompt` after what `cache` holds, then decode; yields TokenEvents and one DoneEvent."""
+    """Prefill `prompt` after what `cache` holds, then decode; yields TokenEvents and one DoneEvent.
+
+    `before`: the tokens the cache holds ahead of `prompt` (a resumed prompt): the repeat penalty
+    looks back over them as over the prompt."""
     params.validate()
     seed = params.seed if params.seed is not None else int(time.time_ns() % 2**63)
     t0 = time.perf_counter()
     try:
         logits = prefill(model, prompt, cache, stop=stop)
     except Stopped:  # while reading the prompt
-        yield DoneEvent(len(prompt), 0, time.perf_counter() - t0, 0.0, "stopped")
+        yield DoneEvent(len(prompt), 0, time.perf_counter() - t0, 0.0, "stopped", len(before))
         return
     t1 = time.perf_counter()
     gen = torch.Generator(logits.device).manual_seed(seed)  # sampling stays on the model's device
-    history = list(prompt)
+    history = [*before, *prompt]
     decoder = tokenizer.stream_decoder()
     reason, n = "length", 0
     last = first = t1
@@ -160,4 +164,4 @@ def generate(
     tail = decoder.flush()
     if tail:
         yield TokenEvent(-1, tail, n)
-    yield DoneEvent(len(prompt), n, t1 - t0, time.perf_counter() - first if n else 0.0, reason)
+    yield DoneEvent(len(prompt), n, t1 - t0, time.perf_counter() - first if n else 0.0, reason, len(before))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
@@ -103,3 +104,28 @@ def test_moechat_run_on_the_demo_samples_as_the_demo_does(demo_home: Path) -> No
     own = run()
     assert own == run("--temp", "0.3", "--repeat-penalty", "1.1")
     assert own != run("--temp", "1.5", "--repeat-penalty", "1")
+
+
+@pytest.mark.slow
+def test_line_mode_saves_what_the_app_saves_and_prints_stats_with_v(tmp_path: Path, _isolated_home: Path) -> None:
+    """Line mode as a full citizen: the conversation, the session's stats and the expert cache's use
+    counts (the next start's warm start) are saved; `-v` after the command prints each reply's stats,
+    the second turn reading only what it appended."""
+    model = tiny_moe(tmp_path / "m.gguf", n_vocab=512)
+    cmd = [sys.executable, "-m", "moechat", "chat", str(model), "-v", "-n", "6", "--temp", "0", "--moe-cache-mib", "1"]
+    r = subprocess.run(cmd, input="Hello there\nWhat next?\n", capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    stats = re.findall(r"prompt: (\d+) tokens read \((\d+) kept\), [\d.]+ t/s \| generation: (\d+) tokens", r.stderr)
+    assert len(stats) == 2, r.stderr
+    (read1, kept1, _), (_, kept2, _) = [tuple(map(int, s)) for s in stats]
+    assert kept1 == 0 and kept2 >= read1 > 0  # the second turn: the first prompt is kept, not read again
+    assert "hits" in r.stderr  # the cache's summary lines
+    data = _isolated_home / "data"
+    (conv_file,) = (data / "conversations").glob("*.json")
+    conv = json.loads(conv_file.read_text())
+    assert [m["role"] for m in conv["messages"]] == ["user", "assistant", "user", "assistant"]
+    assert conv["messages"][-1]["stats"]["n_kept"] == kept2
+    (session_file,) = (data / "sessions").glob("*.json")
+    session = json.loads(session_file.read_text())
+    assert len(session["replies"]) == 2 and session["layers"]
+    assert list((data / "warm").glob("*.json"))  # the use counts, for the next start's warm start

@@ -192,7 +192,7 @@ class ChatScreen(Screen[None]):
     async def on_reply_done(self, msg: ReplyDone) -> None:
         d = msg.done
         await self._finish("stopped" if d.stop_reason == "stopped" else "")
-        stats = {"n_prompt": d.n_prompt, "n_generated": d.n_generated, "prompt_tps": d.prompt_tps,
+        stats = {"n_prompt": d.n_prompt, "n_kept": d.n_kept, "n_generated": d.n_generated, "prompt_tps": d.prompt_tps,
                  "gen_tps": d.gen_tps, "ttft": msg.ttft}  # fmt: skip
         self.conv.messages[-1]["stats"] = stats
         self.moechat.session.replies.append(
@@ -203,8 +203,8 @@ class ChatScreen(Screen[None]):
         self.bound()
         n_ctx = self.moechat.engine.info.n_ctx
         self.query_one("#status", Static).update(
-            f"prompt {d.n_prompt} tok, {d.prompt_tps:.1f} t/s | reply {d.n_generated} tok, {d.gen_tps:.1f} t/s | "
-            f"first token {msg.ttft:.2f} s | context {d.n_prompt + d.n_generated}/{n_ctx} | {d.stop_reason}"
+            f"prompt {d.n_prompt} tok read ({d.n_kept} kept), {d.prompt_tps:.1f} t/s | reply {d.n_generated} tok, "
+            f"{d.gen_tps:.1f} t/s | first token {msg.ttft:.2f} s | context {d.context}/{n_ctx} | {d.stop_reason}"
         )
 
     @work(thread=True, exclusive=True, group="bound")
