@@ -41,7 +41,9 @@ def build_parser() -> argparse.ArgumentParser:
         "tune", help="measure this machine and recommend cache size and CPU share",
         description="Measures 6 runs of generation, 2 expert-cache sizes x 3 CPU shares (runs already measured with "
         "the same settings are reused; --fresh measures again), fits a time model to them, predicts every other "
-        "size and share by replaying the routing they recorded, and prints the recommended flags.",
+        "size and share by replaying the routing they recorded, and prints the recommended flags. Exit status: 0 "
+        "when a recommendation is printed (a doubtful fit says so in its warnings), 2 for a bad argument or file, "
+        "130 when interrupted.",
     ))  # fmt: skip
     add_sim_arguments(sub.add_parser("sim", help="replay a routing trace at other cache sizes, shares and policies"))
     from moechat.app.export_cmd import add_export_arguments
@@ -62,6 +64,24 @@ def _fail(message: str) -> int:
 COMMANDS = ("inspect", "chat", "run", "tune", "sim", "export")
 
 
+def _check_model_file(args: argparse.Namespace) -> None:
+    """A model file named on the command line is checked before anything heavy loads (torch, the kernels,
+    the app): a missing, empty-named, truncated or foreign file is a one-line error at once. The header
+    parser validates every count and extent against the file, as loading would."""
+    model = getattr(args, "model", None)
+    if args.command not in ("inspect", "chat", "run", "tune") or model is None:
+        return
+    from moechat.app.settings import demo_name
+
+    if demo_name(model) is not None:
+        return
+    if not model.strip():
+        raise ValueError("the model path is empty")
+    from moechat.engine.gguf.reader import GGUFFile
+
+    GGUFFile(model).close()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -78,6 +98,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
+    try:
+        _check_model_file(args)
+    except (ValueError, OSError) as e:
+        return _fail(str(e))
     from moechat.engine.malloc import tune_malloc
 
     tune_malloc()

@@ -128,3 +128,40 @@ def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
         r = run(str(model), "-p", "hi", *args)
         assert r.returncode == 2, (args, r.stderr)
         assert r.stderr.count("\n") == 1 and msg in r.stderr and "Traceback" not in r.stderr
+
+
+def test_bad_files_and_values_fail_before_the_engine_loads(tmp_path: Path) -> None:
+    """Every command line's bad model file or value: the one-line error, exit 2, with neither torch, numba
+    nor textual imported, and about as fast as `--version` (the baseline this machine gives now)."""
+    truncated = tmp_path / "t.gguf"
+    truncated.write_bytes(tiny_moe(tmp_path / "m.gguf", n_vocab=300).read_bytes()[:100])
+    cases = [
+        (["/nonexistent/m.gguf"], "/nonexistent/m.gguf: cannot open: No such file or directory"),
+        (["run", "", "-p", "hi"], "the model path is empty"),
+        (["run", str(tmp_path), "-p", "hi"], "is a directory, not a GGUF file"),
+        (["tune", str(truncated)], "truncated file or bad count"),
+        (["inspect", str(truncated)], "truncated file or bad count"),
+        (["--moe-cache-mib", "-5"], "moe_cache_mib from flag --moe-cache-mib: -5.0 must be >= 0"),
+    ]
+    code = (
+        "import sys, contextlib, io\n"
+        "from moechat.app.cli import main\n"
+        "err = io.StringIO()\n"
+        "with contextlib.redirect_stderr(err):\n"
+        "    rc = main(sys.argv[1:])\n"
+        "heavy = sorted(n for n in sys.modules if n.split('.')[0] in ('torch', 'numba', 'textual'))\n"
+        "print(rc, heavy, err.getvalue().strip().replace(chr(10), ' | '))\n"
+    )
+    for argv, msg in cases:
+        r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True, timeout=120)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.startswith("2 [] moechat: error: ") and msg in r.stdout and " | " not in r.stdout, r.stdout
+
+    def seconds(*argv: str) -> float:
+        t0 = time.perf_counter()
+        subprocess.run([*MOECHAT, *argv], capture_output=True, timeout=120)
+        return time.perf_counter() - t0
+
+    baseline = min(seconds("--version") for _ in range(3))
+    for argv, _ in cases:
+        assert min(seconds(*argv) for _ in range(2)) <= 4 * baseline, argv

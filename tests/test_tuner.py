@@ -186,7 +186,7 @@ def test_dense_lead_layers_stay_out_of_trace_replay_and_tune(
     assert res.total.hits > 0 and res.total.cpu > 0
     rc = main(["tune", str(path), "--device", "cpu", "--tokens", "40", "--warmup", "8", "-c", "256", "--json"])
     out = capsys.readouterr()
-    assert rc in (0, 3), out.err  # 3: done, but timings of a tiny model may not fit the time model well
+    assert rc == 0, out.err  # a recommendation was printed (a doubtful fit says so in its warnings)
     report = json.loads(out.out)
     assert len(report["arms"]) == 6 and report["recommendation"]["command"].startswith("--moe-cache-mib ")
 
@@ -404,7 +404,7 @@ def test_tune_runs_on_a_mixtral_shaped_model(tmp_path: Path, capsys: pytest.Capt
     path = tiny_moe(tmp_path / "m.gguf", arch="llama", n_layers=2, n_expert=8, n_expert_used=2)
     rc = main(["tune", str(path), "--device", "cpu", "--tokens", "40", "--warmup", "8", "-c", "256", "--json"])
     out = capsys.readouterr()
-    assert rc in (0, 3), out.err  # 3: done, but timings of a tiny model may not fit the time model well
+    assert rc == 0, out.err  # a recommendation was printed (a doubtful fit says so in its warnings)
     report = json.loads(out.out)
     assert len(report["arms"]) == 6 and report["recommendation"]["command"].startswith("--moe-cache-mib ")
 
@@ -523,7 +523,7 @@ def test_sim_and_tune_commands(
     rc = main(["tune", str(path), "--device", "cpu", "--tokens", "40", "--warmup", "8", "-c", "256", "--json"])
     out = capsys.readouterr().out
     report = json.loads(out, parse_constant=lambda c: pytest.fail(f"not JSON: {c}"))  # Infinity, NaN
-    assert rc in (0, 3)  # 3: the fit was rejected as noisy, which a shared machine may cause
+    assert rc == 0  # a recommendation was printed
     assert len(report["arms"]) == 6 and report["recommendation"]["command"].startswith("--moe-cache-mib ")
 
     # `tune` reads the engine's settings through the same layers as `run` (flag > env > config.toml).
@@ -531,3 +531,12 @@ def test_sim_and_tune_commands(
     assert main(["tune", str(path), "--device", "cpu", "--tokens", "40", "--warmup", "8", "-c", "256"]) == 2
     err = capsys.readouterr().err
     assert "cpu_kernels from env MOECHAT_CPU_KERNELS" in err and len(err.strip().splitlines()) == 1
+
+
+def test_a_link_that_costs_nothing_is_said_in_words() -> None:
+    """No 'inf GiB/s': uploads that cost nothing measurable are said to, a real link by its speed."""
+    from moechat.tuner.report import upload_speed
+
+    free = upload_speed(TimeModel(base=5.0, up=0.0, cpu=0.0, split=0.0, overlap=0.0))
+    assert "inf" not in free and "no link" in free
+    assert upload_speed(TimeModel(base=5.0, up=400.0, cpu=0.0, split=0.0, overlap=0.0)) == "uploads 2.50 GiB/s"

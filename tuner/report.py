@@ -29,6 +29,13 @@ def _cell(tps: float, best: bool, markdown: bool) -> str:
     return f"**{text}**" if markdown else f"{text}*"
 
 
+def upload_speed(m: TimeModel) -> str:
+    """How fast uploads go, in words: where they cost nothing measurable there is no link to speak of."""
+    if not math.isfinite(m.upload_gibps):
+        return "uploads cost nothing measurable (no link: the device is the CPU)"
+    return f"uploads {m.upload_gibps:.2f} GiB/s"
+
+
 def cpu_speed(m: TimeModel) -> str:
     """How fast the CPU takes misses, in words a person reads."""
     if m.cpu_free:
@@ -64,7 +71,7 @@ def render(report: TuneReport, markdown: bool = False) -> str:
     ]  # fmt: skip
     if all(math.isfinite(e) for e in m.errors):
         out += [
-            f"machine: uploads {m.upload_gibps:.2f} GiB/s, {cpu_speed(m)}, CPU part {m.split:.2f} ms, "
+            f"machine: {upload_speed(m)}, {cpu_speed(m)}, CPU part {m.split:.2f} ms, "
             f"overlap {m.overlap:.1f} ms/GiB, rest {m.base:.2f} ms per token; fit within {100 * m.max_error:.1f}%"
             + ("" if m.physical else " (not physical)"),
             f"closed form: share ~ 1 - B_upload/B_cpu = {report.closed_form_share:.2f}",

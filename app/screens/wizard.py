@@ -18,7 +18,7 @@ from moechat.app.screens.host import ScreenHost
 from moechat.app.settings import save_config
 from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, ConfirmDone, SweepDone
 from moechat.tuner.recommend import TuneReport
-from moechat.tuner.report import cpu_speed, error_bar
+from moechat.tuner.report import cpu_speed, error_bar, upload_speed
 from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
@@ -153,7 +153,7 @@ class TuneWizard(Screen[bool]):
         self.report = r = msg.report
         m = r.time_model
         self.query_one("#machine", Static).update(
-            f"machine: uploads {m.upload_gibps:.2f} GiB/s, {cpu_speed(m)}, rest {m.base:.2f} ms/token; "
+            f"machine: {upload_speed(m)}, {cpu_speed(m)}, rest {m.base:.2f} ms/token; "
             f"fit within {100 * m.max_error:.1f}%" + "".join(f"\nwarning: {w}" for w in r.warnings)
         )
         runs = self.query_one("#runs", DataTable)

@@ -74,12 +74,15 @@ class Uploader:
             else:
                 compute.wait_event(done)  # the device computes with the new experts once they are in
             return
+        began = self.clock.now()
         _copy_runs(group, lx, runs)
         if self.link_gbps:
-            # Each upload costs bytes / link speed, serially after what the link already carries.
-            # The device's own time is now plus what it still owes: compute never absorbs link time.
+            # Each upload costs bytes / link speed, serially after what the link already carries, and
+            # the copy itself is that transfer (a link's DMA is the copy): it counts toward the link's
+            # time, not on top of it. The device's own time is when the upload began plus what it
+            # still owes: compute never absorbs link time.
             now = self.clock.now()
-            start = max(now + self._debt, self._link_free)
+            start = max(began + self._debt, self._link_free)
             self._link_free = start + len(uploads) * group.info.expert_bytes / (self.link_gbps * 1e9)
             if not ahead:
                 self._debt = self._link_free - now  # the device waits for its experts

@@ -14,6 +14,7 @@ import logging
 import mmap
 import os
 import re
+import stat
 import struct
 from collections.abc import Collection, Iterator, Mapping
 from dataclasses import dataclass
@@ -170,7 +171,12 @@ class _Shard:
         except OSError as e:
             raise GGUFError(f"{path}: cannot open: {e.strerror}") from None
         try:
-            size = os.fstat(fd).st_size
+            st = os.fstat(fd)
+            if stat.S_ISDIR(st.st_mode):
+                raise GGUFError(f"{path}: is a directory, not a GGUF file")
+            if not stat.S_ISREG(st.st_mode):
+                raise GGUFError(f"{path}: not a regular file")
+            size = st.st_size
             if size < 24:
                 raise GGUFError(f"{path}: offset 0: not a GGUF file (only {size} bytes)")
             # ACCESS_COPY gives a writable, copy-on-write view: torch can wrap it without
