@@ -172,12 +172,17 @@ def _prefetch_line(d: dict[str, Any]) -> list[str]:
                 f"{p['prefetch_hits']} of them used ({100 * p['prefetch_hits'] / p['prefetched']:.1f}%)."]  # fmt: skip
 
 
-def _bound_line(d: dict[str, Any], hit: float) -> list[str]:
-    """How far the cache's policy is from MIN at its size (none before a reply)."""
+def _bound_line(d: dict[str, Any], total: dict[str, Any]) -> list[str]:
+    """How far the cache's policy is from MIN at its size (none before a reply), both on the current cache's
+    lookups (the session's total also counts the caches it ran before)."""
     bound = d.get("min_hit_rate")
     if bound is None:
         return []
-    return ["", f"MIN (offline optimum, with bypass) at this size: hit rate {100 * bound:.1f}%, against "
+    earlier = d.get("periods") or []
+    lookups = total["lookups"] - sum(p["lookups"] for p in earlier)
+    hit = (total["hits"] - sum(p["hits"] for p in earlier)) / lookups if lookups else 0.0
+    return ["", f"MIN (offline optimum, with bypass) at this size, on the same lookups as the current cache's "
+                f"hit rate and from its start (warm-started slots included): hit rate {100 * bound:.1f}%, against "
                 f"{100 * hit:.1f}% for {d.get('policy', 'classlru')}."]  # fmt: skip
 
 
@@ -211,7 +216,7 @@ def to_markdown(d: dict[str, Any]) -> str:
         f"Expert cache: {d['tokens']} tokens, hit rate {100 * hit:.1f}%, {total['cpu']} misses on the CPU, "
         f"{total['uploaded_bytes'] / 2**20:.1f} MiB uploaded.",
         *_recent_line(d),
-        *_bound_line(d, hit),
+        *_bound_line(d, total),
         *_prefetch_line(d),
         "",
         "| layer | lookups | hits | hit rate | cpu | uploads | uploaded MiB | slots held |",

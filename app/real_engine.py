@@ -163,7 +163,9 @@ class RealEngine:
         c = self.lm.cache
         if c is None:
             return None
-        return min_hit_rate([g.info for g in c.groups], c.n_expert_used, c.settings.max_batch, c.lookups())
+        # On the lookups the cache's own hit rate counts, from the same start (its warm-started slots).
+        return min_hit_rate([g.info for g in c.groups], c.n_expert_used, c.settings.max_batch, c.lookups(),
+                            c.preloaded)  # fmt: skip
 
     def set_cache(self, mib: float, share: float) -> None:
         settings = replace(self.base, mib=mib, cpu_share=share, trace=None)

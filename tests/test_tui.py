@@ -186,7 +186,15 @@ async def test_after_a_reply_the_dashboard_and_export_show_the_min_bound(tmp_pat
         assert d["min_hit_rate"] == 0.9 and d["replies"][-1]["min_hit_rate"] == 0.9
         from moechat.app.export import to_markdown
 
-        assert "MIN (offline optimum, with bypass) at this size: hit rate 90.0%" in to_markdown(d)
+        assert "MIN (offline optimum, with bypass) at this size, on the same lookups" in to_markdown(d)
+        assert "hit rate 90.0%" in to_markdown(d)
+        # The next reply: while it streams no bound is shown (the last one covered other lookups).
+        engine.pause = True
+        await pilot.press("h", "enter")
+        await until(pilot, lambda: screen.generating)
+        await until(pilot, lambda: "MIN" not in totals.lines[0])
+        engine.pause = False
+        await until(pilot, lambda: not screen.generating and "(MIN 90.0%)" in totals.lines[0])
 
 
 def test_the_cadence_sends_at_most_once_a_period_and_always_the_last() -> None:

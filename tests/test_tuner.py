@@ -540,3 +540,27 @@ def test_a_link_that_costs_nothing_is_said_in_words() -> None:
     free = upload_speed(TimeModel(base=5.0, up=0.0, cpu=0.0, split=0.0, overlap=0.0))
     assert "inf" not in free and "no link" in free
     assert upload_speed(TimeModel(base=5.0, up=400.0, cpu=0.0, split=0.0, overlap=0.0)) == "uploads 2.50 GiB/s"
+
+
+def test_after_a_warm_start_min_starts_from_the_same_slots(tmp_path: Path) -> None:
+    """The bound is MIN on the lookups the hit rate counts, from the cache's own start: a warm-started
+    cache's slots are MIN's too, so the bound never falls below the hit rate beside it."""
+    from moechat.app.real_engine import RealEngine
+    from moechat.tuner.baselines import min_hit_rate
+
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=3, n_expert=16, n_expert_used=2)
+    warm = tmp_path / "warm.json"
+    big = CacheSettings(mib=8.0, warm_start=warm)  # every expert fits: after a warm start, every lookup hits
+    prompt = None
+    for _ in range(2):  # the first session saves the use counts, the second starts from them
+        lm = load_model(path, n_ctx=256, cache=big)
+        engine = RealEngine(lm, CacheSettings())
+        prompt = prompt or lm.tokenizer.encode(PROMPT)
+        for _ in engine.reply(prompt, SamplingParams(seed=3), 24, threading.Event()):
+            pass
+        assert lm.cache is not None
+        own, bound, preloaded = lm.cache.snapshot().total.hit_rate, engine.min_hit_rate(), lm.cache.preloaded
+        cold = min_hit_rate([g.info for g in lm.cache.groups], 2, lm.cache.settings.max_batch, lm.cache.lookups())
+        engine.close()
+    assert preloaded and own == 1.0  # warm: nothing missed
+    assert bound == 1.0 and cold is not None and cold < 1.0  # MIN from cold slots would show below the hit rate

@@ -51,16 +51,23 @@ def _events(routing: Routing, n_slots: list[int], warmup: int) -> Iterator[tuple
 
 
 def min_hit_rate(groups: Sequence[GroupInfo], n_expert_used: int, max_batch: int,
-                 records: Sequence[tuple[int, int, tuple[int, ...]]]) -> float | None:  # fmt: skip
+                 records: Sequence[tuple[int, int, tuple[int, ...]]],
+                 preload: Sequence[tuple[int, int]] = ()) -> float | None:  # fmt: skip
     """The hit rate MIN with bypass would have had on `records` with the slots of `groups` (a
-    cache's), from a cold start; None without a lookup that goes through a cache."""
+    cache's), starting with `preload` (layer, expert) in them as the cache did (a warm start); None
+    without a lookup that goes through a cache."""
     routing = Routing(tuple(Group(g.layers, g.n_expert, g.expert_bytes) for g in groups), n_expert_used, max_batch,
                       tuple(records))  # fmt: skip
-    res = simulate_baseline(routing, [g.n_slots for g in groups], "min-bypass", warmup=0)
+    res = simulate_baseline(routing, [g.n_slots for g in groups], "min-bypass", warmup=0, preload=preload)
     return res.hit_rate if res.lookups else None
 
 
-def simulate_baseline(routing: Routing, n_slots: list[int], policy: str, warmup: int = WARMUP_TOKENS) -> BaselineResult:
+def simulate_baseline(
+    routing: Routing, n_slots: list[int], policy: str, warmup: int = WARMUP_TOKENS,
+    preload: Sequence[tuple[int, int]] = (),
+) -> BaselineResult:  # fmt: skip
+    """`policy`'s counters on `routing` with `n_slots` per group; `preload`: (layer, expert) in the slots
+    before the first lookup (a warm-started cache's), as many per group as it has slots."""
     if policy not in POLICIES:
         raise ValueError(f"unknown policy '{policy}' (choose from {', '.join(POLICIES)})")
     events = list(_events(routing, n_slots, warmup))
@@ -68,14 +75,21 @@ def simulate_baseline(routing: Routing, n_slots: list[int], policy: str, warmup:
     lookups = hits = misses = compulsory = 0
     # Next use of each key after each event, for MIN: a backward pass per group.
     nxt: list[dict[int, int]] = [{} for _ in events]
+    upcoming: list[dict[int, int]] = [{} for _ in routing.groups]  # then: each key's first use
     if policy.startswith("min"):
-        upcoming: list[dict[int, int]] = [{} for _ in routing.groups]
         for i in range(len(events) - 1, -1, -1):
             gi, keys, _ = events[i]
             nxt[i] = {k: upcoming[gi].get(k, NEVER) for k in keys}
             for k in keys:
                 upcoming[gi][k] = i
     caches = [_Cache(policy, n) for n in n_slots]
+    group_of = {layer: (i, g) for i, g in enumerate(routing.groups) for layer in g.layers}
+    for layer, e in preload:
+        gi, g = group_of[layer]
+        key = layer * g.n_expert + e
+        # MIN's next use of a preloaded expert is its first; LRU and LFU start it unused.
+        first_use = upcoming[gi].get(key, NEVER) if policy.startswith("min") else 0
+        caches[gi].place(key, first_use)
     for i, (gi, keys, counted) in enumerate(events):
         n_hit, missed = caches[gi].access(i, keys, nxt[i])
         if counted:
@@ -96,6 +110,17 @@ class _Cache:
         self.freq: dict[int, int] = {}
         self.state: dict[int, tuple[int, int]] = {}  # key -> its live heap entry (LFU: freq, last; MIN: -next, 0)
         self.heap: list[tuple[int, int, int]] = []
+
+    def place(self, key: int, next_use: int) -> None:
+        """Put `key` in a slot before any lookup (a warm start); the slots must have room."""
+        if len(self.state) >= self.capacity:
+            raise ValueError("more preloaded experts than slots")
+        if self.policy == "lru":
+            self.lru[key] = None
+            return
+        entry = (-next_use, 0) if self.policy.startswith("min") else (0, -1)
+        self.state[key] = entry
+        heapq.heappush(self.heap, (*entry, key))
 
     def access(self, now: int, keys: tuple[int, ...], nxt: dict[int, int]) -> tuple[int, list[int]]:
         if self.policy == "lru":

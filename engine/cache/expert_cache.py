@@ -88,6 +88,7 @@ class ExpertCache:
         self._lock = threading.Lock()  # guards the counters while a snapshot is taken
         self.warm_counts: warm_start.Counts | None = None
         self.warm_uploads = self.warm_bytes = 0  # slots filled from the saved counts, before the first token
+        self.preloaded: list[tuple[int, int]] = []  # (layer, expert) the warm start put in slots
         if settings.warm_start is not None:
             n_expert = {layer: lx.gate.raw.shape[0] for layer, lx in self.host.layers.items()}
             self.warm_counts = warm_start.read(settings.warm_start, n_expert)
@@ -132,6 +133,7 @@ class ExpertCache:
                 uploads = tuple(sorted((e, slot) for lay, e, slot in placed if lay == layer))
                 self.uploader.upload(group, self.host.layers[layer], uploads)
             self.warm_uploads += len(placed)
+            self.preloaded += [(lay, e) for lay, e, _ in placed]
             self.warm_bytes += len(placed) * group.info.expert_bytes
         logger.info("warm start: %d experts (%.1f MiB) in their slots before the first token", self.warm_uploads,
                     self.warm_bytes / 2**20)  # fmt: skip

@@ -49,6 +49,7 @@ class FakeEngine:
         self.confirms: list[tuple[tuple[float, float], tuple[float, float]]] = []
         self.confirm_tps: tuple[tuple[float, ...], tuple[float, ...]] = ((70.0, 71.0), (84.0, 85.5))  # a clear win
         self.closed = False
+        self.pause = False  # a test holds a reply mid-stream by setting this, and lets it go by clearing it
 
     def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
         n = sum(len(m["content"].split()) + 4 for m in messages)
@@ -70,6 +71,8 @@ class FakeEngine:
                 raise RuntimeError("injected engine failure")
             if self.delay:
                 time.sleep(self.delay)
+            while self.pause and not stop.is_set():
+                time.sleep(0.01)
             self.tokens += 1
             n += 1
             yield TokenEvent(i, w, i, self.delay)
