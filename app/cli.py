@@ -64,24 +64,6 @@ def _fail(message: str) -> int:
 COMMANDS = ("inspect", "chat", "run", "tune", "sim", "export")
 
 
-def _check_model_file(args: argparse.Namespace) -> None:
-    """A model file named on the command line is checked before anything heavy loads (torch, the kernels,
-    the app): a missing, empty-named, truncated or foreign file is a one-line error at once. The header
-    parser validates every count and extent against the file, as loading would."""
-    model = getattr(args, "model", None)
-    if args.command not in ("inspect", "chat", "run", "tune") or model is None:
-        return
-    from moechat.app.settings import demo_name
-
-    if demo_name(model) is not None:
-        return
-    if not model.strip():
-        raise ValueError("the model path is empty")
-    from moechat.engine.gguf.reader import GGUFFile
-
-    GGUFFile(model).close()
-
-
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -98,10 +80,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    try:
-        _check_model_file(args)
-    except (ValueError, OSError) as e:
-        return _fail(str(e))
+    if args.command == "inspect":
+        from moechat.app.settings import check_model_file
+
+        try:
+            check_model_file(args.model)
+        except (ValueError, OSError) as e:
+            return _fail(str(e))
     from moechat.engine.malloc import tune_malloc
 
     tune_malloc()

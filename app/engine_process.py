@@ -49,7 +49,8 @@ class EngineProcessError(RuntimeError):
 def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
     """The child: load the model, then answer calls until "close" or the pipe closes."""
     from moechat.app.demo_model import resolve_model_quiet
-    from moechat.app.real_engine import RealEngine, file_identity, load_for
+    from moechat.app.real_engine import RealEngine, load_for
+    from moechat.app.tuned import file_identity
 
     try:
         path = resolve_model_quiet(spec.model, lambda text: conn.send(("progress", text)))

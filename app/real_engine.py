@@ -5,7 +5,6 @@ Loads torch and the kernels: the chat app's UI process never imports this module
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import platform
 import threading
@@ -17,6 +16,7 @@ import torch
 from moechat.app.engine_api import PLAIN_STOPS, Message, ModelInfo
 from moechat.app.paths import app_paths
 from moechat.app.settings import Settings
+from moechat.app.tuned import file_identity
 from moechat.engine.cache.settings import CacheSettings
 from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import Event, SamplingParams, TokenEvent
@@ -69,14 +69,6 @@ def load_for(path: Path, settings: Settings, cache: CacheSettings) -> LoadedMode
                           cpu_dequant_mib=settings.cpu_dequant_mib, cpu_kernels=settings.cpu_kernels)  # fmt: skip
     except ContextTooLarge as e:
         raise ValueError(f"ctx_size from {settings.source('ctx_size')}: {e}") from None
-
-
-def file_identity(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        h.update(f.read(16 << 20))
-    h.update(str(path.stat().st_size).encode())
-    return h.hexdigest()
 
 
 class RealEngine:

@@ -23,6 +23,7 @@ from moechat.app.settings import (
     Settings,
     add_flags,
     cache_settings,
+    check_model_file,
     from_args,
     print_warnings,
     sampling_params,
@@ -45,6 +46,11 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 
 def run_chat(args: argparse.Namespace) -> int:
     settings, warnings, config = from_args(args, SETTINGS)
+    try:
+        check_model_file(args.model)  # a bad file fails before the app (or the engine) starts
+    except (ValueError, OSError):
+        print_warnings(warnings)
+        raise
     if not args.plain and sys.stdin.isatty() and sys.stdout.isatty():
         from moechat.app.paths import app_paths
         from moechat.app.tui import MoechatApp, real_engine_factory, run_tui
@@ -66,7 +72,8 @@ def _line_chat(args: argparse.Namespace, settings: Settings) -> int:
     from moechat.app.demo_model import resolve_model
     from moechat.app.export import SessionStats, write_stats
     from moechat.app.paths import app_paths
-    from moechat.app.real_engine import RealEngine, file_identity, load_for
+    from moechat.app.real_engine import RealEngine, load_for
+    from moechat.app.tuned import file_identity
     from moechat.engine.cache.stats import summary_lines
 
     params = sampling_params(settings)

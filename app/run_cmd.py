@@ -13,6 +13,7 @@ from moechat.app.settings import (
     SAMPLING,
     add_flags,
     cache_settings,
+    check_model_file,
     from_args,
     print_warnings,
     sampling_params,
@@ -35,15 +36,16 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    settings, warnings, _ = from_args(args, (*SAMPLING, *ENGINE))
+    print_warnings(warnings)
+    params = sampling_params(settings)
+    check_model_file(args.model)  # bad values and files fail before the engine loads
     from moechat.app.demo_model import resolve_model
     from moechat.app.real_engine import load_for
     from moechat.engine.cache.stats import summary_lines
     from moechat.engine.events import DoneEvent, TokenEvent
     from moechat.engine.generate import generate
 
-    settings, warnings, _ = from_args(args, (*SAMPLING, *ENGINE))
-    print_warnings(warnings)
-    params = sampling_params(settings)
     lm = load_for(resolve_model(args.model), settings, cache_settings(settings))
     chat = args.chat if args.chat is not None else lm.template.origin != "plain fallback"
     prompt = lm.chat_prompt(args.prompt) if chat else lm.tokenizer.encode(args.prompt)

@@ -377,7 +377,59 @@ def from_args(args: argparse.Namespace, names: Iterable[str]) -> tuple[Settings,
     if given and not config.is_file():
         raise ValueError(f"--config {config}: no such file")
     settings, warnings = resolve({n: getattr(args, n, None) for n in names}, config_path=config)
-    return for_demo(settings, getattr(args, "model", None)), warnings, config
+    model = getattr(args, "model", None)
+    settings = for_demo(settings, model)
+    path = model_file(model)
+    return (for_model(settings, path) if path is not None else settings), warnings, config
+
+
+def check_model_file(model: str | None) -> None:
+    """A model file named on the command line, checked before anything heavy loads (torch, the kernels,
+    the app): a missing, empty-named, truncated or foreign file is a one-line error at once. The
+    header parser validates every count and extent against the file, as loading would."""
+    if model is None or demo_name(model) is not None:
+        return
+    if not model.strip():
+        raise ValueError("the model path is empty")
+    from moechat.engine.gguf.reader import GGUFFile
+
+    GGUFFile(model).close()
+
+
+def model_file(model: str | None) -> Path | None:
+    """The file a model argument names: the path given, or a built-in demo's built file (None before its
+    first build). Found without loading the engine."""
+    from moechat.app.paths import app_paths
+
+    name = demo_name(model)
+    if name is None:
+        return Path(str(model))
+    built = sorted(app_paths().cache.glob(f"moechat-demo-{name}-*.gguf"), key=lambda p: p.stat().st_mtime)
+    return built[-1] if built else None
+
+
+def for_model(settings: Settings, model: Path) -> Settings:
+    """The values tuned for `model` (app/tuned.py), where neither a flag nor a variable set them:
+    config.toml's and the defaults give way. A tuned value that does not pass its check is ignored."""
+    from moechat.app.tuned import identity_of, read_tuned
+
+    identity = identity_of(model)
+    found = read_tuned(identity) if identity else None
+    if found is None:
+        return settings
+    raw, path = found
+    changes = {}
+    for name, value in raw.items():
+        if settings.source(name).startswith(("flag", "env")):
+            continue
+        try:
+            changes[name] = coerce(name, value, str(path))
+        except SettingError:
+            logger.warning("%s: %s = %r is not a valid value; ignored", path, name, value)
+    if not changes:
+        return settings
+    sources = {**settings.sources, **dict.fromkeys(changes, f"tuned for this model ({path})")}
+    return replace(settings, **changes, sources=sources)
 
 
 # The engine names its parameters in its own words (engine.errors.ParameterError): the setting of each.

@@ -35,6 +35,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
         "--warmup", type=int, default=32, metavar="N", help="first tokens of a run left untimed (default 32)"
     )
     p.add_argument("--fresh", action="store_true", help="measure again instead of reusing earlier runs")
+    p.add_argument("--save", action="store_true", help="keep the recommendation for this model: it applies whenever "
+                   "this model file runs, above config.toml and below flags and MOECHAT_* variables")  # fmt: skip
     fmt = p.add_mutually_exclusive_group()
     fmt.add_argument("--markdown", action="store_true", help="Markdown tables")
     fmt.add_argument("--json", action="store_true", help="JSON")
@@ -43,8 +45,14 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_tune(args: argparse.Namespace) -> int:
+    from moechat.app.settings import cache_settings, check_model_file, from_args, print_warnings
+
+    # The same layering as `moechat run` (flag > env > config.toml > default), so the arms run
+    # the engine as the user's sessions do; the sweep picks its own cache sizes and shares.
+    layered, warnings, _ = from_args(args, TUNE_SETTINGS)
+    print_warnings(warnings)
+    check_model_file(args.model)  # bad values and files fail before the engine loads
     from moechat.app.demo_model import resolve_model
-    from moechat.app.settings import cache_settings, from_args, print_warnings
     from moechat.engine.gguf.reader import GGUFFile
     from moechat.engine.loader import set_threads
     from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone
@@ -58,10 +66,6 @@ def run_tune(args: argparse.Namespace) -> int:
         raise ValueError(f"--tokens must be at least --warmup + 8 = {args.warmup + 8}, got {args.tokens}")
     if args.max_mib is not None and args.max_mib <= 0:
         raise ValueError(f"--max-mib must be > 0, got {args.max_mib}")
-    # The same layering as `moechat run` (flag > env > config.toml > default), so the arms run
-    # the engine as the user's sessions do; the sweep picks its own cache sizes and shares.
-    layered, warnings, _ = from_args(args, TUNE_SETTINGS)
-    print_warnings(warnings)
     base = cache_settings(layered)
     set_threads(layered.threads)  # the arms run in this process: their timings use these threads
     model = Path(resolve_model(args.model))
@@ -102,6 +106,12 @@ def run_tune(args: argparse.Namespace) -> int:
     assert done is not None  # calibrate ends with SweepDone or raises
     report = recommend(done, model.name, workers=min(2, os.cpu_count() or 1))
     print(to_json(report) if args.json else render(report, markdown=args.markdown))
+    if args.save:
+        from moechat.app.tuned import file_identity, save_tuned
+
+        rec = report.recommendation
+        where = save_tuned(file_identity(model), model.name, rec.mib, rec.share)
+        print(f"moechat: kept for {model.name} in {where}", file=sys.stderr)
     return 0  # a recommendation was printed; a doubtful fit is among its warnings
 
 

@@ -164,3 +164,34 @@ def test_an_engine_parameter_error_names_the_setting_flag() -> None:
     hinted = CacheError("mib", "a cache of 9 MiB: no room", suggestion=4)
     assert error_line(hinted) == "--moe-cache-mib: a cache of 9 MiB: no room; try --moe-cache-mib 4"
     assert error_line(ValueError("plain\nsecond line")) == "plain"
+
+
+def test_tuned_settings_apply_to_their_model_only(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """What the wizard or `tune --save` kept for one model file applies when that file runs, above
+    config.toml and below variables and flags; another model keeps the user's defaults."""
+    import argparse
+
+    from moechat.app.paths import app_paths
+    from moechat.app.tuned import file_identity, save_tuned
+    from testkit.ggufgen import tiny_moe
+
+    tuned = tiny_moe(tmp_path / "tuned.gguf", n_vocab=300)
+    other = tiny_moe(tmp_path / "other.gguf", n_vocab=300, n_expert=4)
+    config = app_paths().config / "config.toml"
+    config.parent.mkdir(parents=True)
+    config.write_text("moe_cache_mib = 7.0\n")
+    kept = save_tuned(file_identity(tuned), tuned.name, 2.5, 0.75)
+
+    def settings(model: Path, **flags: Any) -> Settings:
+        args = argparse.Namespace(model=str(model), config=None, **flags)
+        return from_args(args, ENGINE)[0]
+
+    s = settings(tuned)
+    assert (s.moe_cache_mib, s.moe_cache_cpu_share) == (2.5, 0.75)
+    assert s.source("moe_cache_mib") == f"tuned for this model ({kept})"
+    assert settings(other).moe_cache_mib == 7.0  # another model: config.toml, the user's default
+    assert settings(tuned, moe_cache_mib=4.0).moe_cache_mib == 4.0  # a flag wins
+    monkeypatch.setenv("MOECHAT_MOE_CACHE_CPU_SHARE", "0.25")
+    assert settings(tuned).moe_cache_cpu_share == 0.25  # a variable wins
+    kept.write_text("moe_cache_mib = -3\n")  # a bad kept value is left out, with the user's default instead
+    assert settings(tuned).moe_cache_mib == 7.0

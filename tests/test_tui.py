@@ -18,6 +18,7 @@ from moechat.app.screens.chat import SHOWN_TURNS, ChatScreen
 from moechat.app.screens.wizard import TuneWizard
 from moechat.app.settings import Settings, resolve
 from moechat.app.tui import MoechatApp
+from moechat.app.tuned import read_tuned, tuned_path
 from moechat.engine.events import Event
 from moechat.widgets.chat_log import ChatInput, EarlierMarker, ReplyMarkdown, StreamedParagraph, Turn
 from moechat.widgets.dashboard import Dashboard
@@ -362,17 +363,22 @@ async def test_wizard_apply_and_save(tmp_path: Path) -> None:
         wizard = app.screen
         assert "recommended: --moe-cache-mib 1.5 --moe-cache-cpu-share 0.9" in str(
             wizard.query_one("#advice", Static).content)  # fmt: skip
-        await pilot.press("s")  # saved for the next start, not applied
-        await until(pilot, lambda: app.config_path.is_file())
-        saved = resolve({}, {}, app.config_path)[0]
-        assert (saved.moe_cache_mib, saved.moe_cache_cpu_share) == (1.5, 0.9) and not engine.set_cache_calls
-        app.config_path.unlink()
-        await pilot.press("a")  # applied now, and saved
+        assert "this model only" in str(wizard.query_one("#rule", Static).content)  # the one rule, on screen
+        await until(pilot, lambda: wizard.verdict is not None)
+        kept = tuned_path(engine.info.sha256_head, app.paths.data)
+        await pilot.press("s")  # kept for this model's next start, not applied
+        await until(pilot, lambda: kept.is_file())
+        assert read_tuned(engine.info.sha256_head, app.paths.data) == (
+            {"moe_cache_mib": 1.5, "moe_cache_cpu_share": 0.9},
+            kept,
+        )
+        assert not engine.set_cache_calls and not app.config_path.exists()  # config.toml: the user's, untouched
+        kept.unlink()
+        await pilot.press("a")  # applied now, and kept for this model
         await until(pilot, lambda: app.screen is screen)
         assert engine.set_cache_calls == [(1.5, 0.9)] and engine.cache() == (1.5, 0.9)
         assert app.settings.moe_cache_mib == 1.5
-        saved = resolve({}, {}, app.config_path)[0]
-        assert (saved.moe_cache_mib, saved.moe_cache_cpu_share) == (1.5, 0.9)
+        assert kept.is_file() and not app.config_path.exists()
 
 
 @pytest.mark.parametrize(
@@ -398,10 +404,15 @@ async def test_wizard_confirms_the_recommendation_before_applying_it(
         else:
             assert "not confirmed: 83.5 t/s against 82.0 in use, a gain of +1.5 within the repeats' spread of 4.0" \
                 in advice  # fmt: skip
+        kept = tuned_path(engine.info.sha256_head, app.paths.data)
+        if not wins:  # one rule for both: neither applies nor keeps an unconfirmed recommendation
+            await pilot.press("s")
+            await pilot.pause(0.2)
+            assert not kept.exists()
         await pilot.press("a")
         if wins:
             await until(pilot, lambda: app.screen is screen)
-            assert engine.set_cache_calls == [(1.5, 0.9)]
+            assert engine.set_cache_calls == [(1.5, 0.9)] and kept.is_file()
         else:
             await pilot.pause(0.2)
             assert app.screen is wizard and engine.set_cache_calls == [] and not app.config_path.exists()

@@ -10,6 +10,7 @@ from typing import Any, Protocol
 from moechat.app.conversations import Conversation, ConversationStore
 from moechat.app.engine_api import ChatEngine
 from moechat.app.export import SessionStats
+from moechat.app.paths import AppPaths
 from moechat.app.settings import Settings
 
 
@@ -19,6 +20,7 @@ class ScreenHost(Protocol):
     session: SessionStats
     store: ConversationStore
     config_path: Path
+    paths: AppPaths
     cache_in_effect: tuple[float, float]
 
     @property

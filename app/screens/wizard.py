@@ -15,7 +15,7 @@ from typing import ClassVar
 
 from moechat.app.messages import CacheApplied, ConfirmUpdate, SweepFailed, SweepUpdate, TuneReady
 from moechat.app.screens.host import ScreenHost
-from moechat.app.settings import save_config
+from moechat.app.tuned import save_tuned
 from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, ConfirmDone, SweepDone
 from moechat.tuner.recommend import TuneReport
 from moechat.tuner.report import cpu_speed, error_bar, upload_speed
@@ -30,11 +30,19 @@ from textual.widgets import DataTable, Footer, Label, ProgressBar, Static
 N_ARMS = 6
 
 
+# The one rule of Apply and Save, shown on the screen.
+KEEP_RULE = (
+    "a: apply the recommendation now and keep it for this model; s: keep it for this model's next start. "
+    "Either only once its confirm run has beaten the setting in use. Kept settings apply to this model "
+    "only (config.toml stays your defaults for every model; flags and MOECHAT_* variables still win)."
+)
+
+
 class TuneWizard(Screen[bool]):
     BINDINGS: ClassVar[list[BindingType]] = [
         Binding("escape", "cancel", "Cancel / back", priority=True),
         Binding("a", "apply", "Apply"),
-        Binding("s", "save", "Save to config"),
+        Binding("s", "save", "Keep for this model"),
         Binding("m", "measure_again", "Measure again"),
     ]
     DEFAULT_CSS = """
@@ -77,6 +85,7 @@ class TuneWizard(Screen[bool]):
             yield DataTable(id="runs")
             yield DataTable(id="table")
             yield Static("", id="advice", markup=False)
+            yield Static(KEEP_RULE, id="rule", markup=False)
         yield Footer()
 
     def _first_estimate(self) -> str:
@@ -252,12 +261,18 @@ class TuneWizard(Screen[bool]):
         self.running = True
         self.sweep()
 
-    def action_apply(self) -> None:
+    def _refusal(self) -> str | None:
+        """Why the recommendation cannot be applied or kept now (KEEP_RULE), or None."""
         if self.report is None or self.running:
-            self.notify("wait for the recommendation and its confirm run", severity="warning")
-            return
+            return "wait for the recommendation and its confirm run"
         if self.verdict is not None and not self.verdict.wins:
-            self.notify("not applied: the recommendation did not beat the setting in use by more than the noise")
+            return "the recommendation did not beat the setting in use by more than the noise"
+        return None
+
+    def action_apply(self) -> None:
+        why = self._refusal()
+        if why is not None or self.report is None:
+            self.notify(f"not applied: {why}", severity="warning")
             return
         rec = self.report.recommendation
         self.apply_cache(rec.mib, rec.share)
@@ -276,27 +291,29 @@ class TuneWizard(Screen[bool]):
             self.notify(f"could not apply: {msg.error}", severity="error")
             return
         self.moechat.apply_cache_settings(msg.mib, msg.share)
-        # Applied for this session and kept for the next ones: the setting goes to config.toml.
+        # Applied for this session and kept for this model's next ones (not for other models).
         where = self._save(msg.mib, msg.share)
         saved = f"; saved to {where}" if where else ""
         self.notify(f"applied: cache {msg.mib:g} MiB, share {msg.share:g}{saved}")
         self.dismiss(True)
 
     def _save(self, mib: float, share: float) -> Path | None:
+        info = self.moechat.engine.info
         try:
-            return save_config(self.moechat.config_path, {"moe_cache_mib": mib, "moe_cache_cpu_share": share})
+            return save_tuned(info.sha256_head, info.name, mib, share, self.moechat.paths.data)
         except (OSError, ValueError) as e:
             self.notify(f"could not save: {e}", severity="error")
             return None
 
     def action_save(self) -> None:
-        if self.report is None:
-            self.notify("wait for the recommendation", severity="warning")
+        why = self._refusal()
+        if why is not None or self.report is None:
+            self.notify(f"not saved: {why}", severity="warning")
             return
         rec = self.report.recommendation
         path = self._save(rec.mib, rec.share)
         if path is not None:
-            self.notify(f"saved to {path} (for the next start; a applies it now too)")
+            self.notify(f"kept for this model's next start in {path} (a applies it now too)")
 
 
 def _duration(seconds: float) -> str:
