@@ -22,7 +22,7 @@ from moechat.app.tuned import read_tuned, tuned_path
 from moechat.engine.events import Event
 from moechat.widgets.chat_log import ChatInput, EarlierMarker, ReplyMarkdown, StreamedParagraph, Turn
 from moechat.widgets.dashboard import Dashboard
-from moechat.widgets.expert_heatmap import CACHED, ExpertHeatmap, heat_rows
+from moechat.widgets.expert_heatmap import CACHED, ExpertHeatmap, heat_rows, legend
 from moechat.widgets.layer_stats import LayerStats
 from moechat.widgets.rows import RowsView, plain
 from moechat.widgets.throughput import ThroughputPlot, thin
@@ -298,6 +298,16 @@ def test_heat_rows_mark_exactly_the_cached_experts() -> None:
         offset = len(f"{ls.layer:>3} ")
         assert marked == {offset + e for e in ls.cached}
         assert len(plain(row)) == offset + len(ls.use_counts)
+
+
+def test_the_heat_map_has_a_legend_of_its_characters_and_its_cached_mark() -> None:
+    """Every character the map draws is in the legend, and the legend's cached mark has the map's style."""
+    text = legend()
+    snap = FakeEngine(["x"]).snapshot()
+    assert snap is not None
+    drawn = {c for row in heat_rows(snap) for part, _ in row[1:] for c in part}
+    assert drawn <= set(text.plain) and "cached" in text.plain and "unused" in text.plain
+    assert any(str(span.style) == CACHED for span in text.spans)
 
 
 def test_throughput_chart_thins_long_series_keeping_their_shape() -> None:

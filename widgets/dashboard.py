@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moechat.engine.cache.stats import Recent, StatsSnapshot
-from moechat.widgets.expert_heatmap import ExpertHeatmap
+from moechat.widgets.expert_heatmap import ExpertHeatmap, legend
 from moechat.widgets.layer_stats import LayerStats
 from moechat.widgets.rows import RowsView
 from moechat.widgets.throughput import ThroughputPlot
@@ -31,7 +31,7 @@ class Dashboard(VerticalScroll):
         yield ThroughputPlot(id="tps")
         yield Static("per layer", classes="title")
         yield LayerStats(id="layers")
-        yield Static("experts by use (reverse = cached)", classes="title")
+        yield Static(legend(), id="heat-legend")
         yield ExpertHeatmap(id="heatmap")
 
     def show(

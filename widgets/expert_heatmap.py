@@ -9,10 +9,17 @@ from operator import itemgetter
 from moechat.engine.cache.stats import StatsSnapshot
 from moechat.widgets.layer_stats import fold_layers
 from moechat.widgets.rows import Row, RowsView
+from rich.text import Text
 
 SHADES = " .:-=+*#%@"
 MAX_COLUMNS = 64  # wider layers are folded: a column then shows the busiest of its experts
 CACHED = "reverse cyan"
+
+
+def legend() -> Text:
+    """The map's title and what its characters mean, in one line of the panel: the shades from unused to
+    most used (log scale), and the cached mark."""
+    return Text.assemble(("experts", "bold"), " · unused ", SHADES[1:], " more ", ("e", CACHED), " cached")
 
 
 def heat_rows(snap: StatsSnapshot, max_columns: int = MAX_COLUMNS, fold_rows: int = 1) -> list[Row]:
