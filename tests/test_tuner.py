@@ -564,3 +564,25 @@ def test_after_a_warm_start_min_starts_from_the_same_slots(tmp_path: Path) -> No
         engine.close()
     assert preloaded and own == 1.0  # warm: nothing missed
     assert bound == 1.0 and cold is not None and cold < 1.0  # MIN from cold slots would show below the hit rate
+
+
+def test_the_advice_is_never_predicted_below_a_measured_run(tmp_path: Path) -> None:
+    """A run that measured faster than anything the model predicts (here: one run twice as fast as its
+    traffic says) is the advice, and the report says why."""
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=16, n_expert_used=2)
+    done = list(calibrate(_sweep_settings(path), cache_dir=tmp_path / "cache"))[-1]
+    assert isinstance(done, SweepDone)
+    truth = TimeModel(base=8.0, up=400.0, cpu=150.0, split=0.6, overlap=0.0)
+    times = [truth.ms(a.upload_gib, a.cpu_gib, a.share) for a in done.arms]
+    room = max(a.mib for a in done.arms)  # the device has room for the larger calibration size only
+    (fast,) = [i for i, a in enumerate(done.arms) if a.mib == room and a.share == 0.5]
+    times[fast] *= 0.8  # one run measured faster than the model fitted to all of them allows
+    arms = tuple(replace(a, ms_per_token=t) for a, t in zip(done.arms, times, strict=True))
+    report = recommend(replace(done, arms=arms, room_mib=room), path.name, workers=1)
+    fastest = max(arms, key=lambda a: a.tps)
+    assert report.rows and report.time_model.physical  # a table was predicted ...
+    best_predicted = max(max(r.tps) for r in report.rows)
+    assert best_predicted < fastest.tps  # ... and nothing in it reaches the fast run
+    rec = report.recommendation
+    assert rec.measured and (rec.mib, rec.share) == (fastest.mib, fastest.share)
+    assert any("below a measured run" in w for w in report.warnings)

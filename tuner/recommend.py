@@ -137,6 +137,14 @@ def recommend(done: SweepDone, model_name: str, workers: int = 2) -> TuneReport:
             f"the advice is the fastest measured run ({rec.mib:g} MiB, share {rec.share:g}, {rec.tps:.1f} t/s); "
             "measure again on a quieter machine for a full table"
         )
+    measured = fastest_measured(done.arms, full)
+    if not rec.measured and not rec.all_fit and rec.tps < measured.tps:
+        # A prediction below what a run measured is the model's error, not a better setting.
+        warnings.append(
+            f"the model predicted {rec.tps:.1f} t/s for {rec.mib:g} MiB, share {rec.share:g}, below a measured run "
+            f"({measured.mib:g} MiB, share {measured.share:g}: {measured.tps:.1f} t/s): the advice is that run"
+        )
+        rec = measured
     if model.max_error > 0.10:
         warnings.append(f"the runs fit the time model only within {100 * model.max_error:.0f}%: was the machine busy?")
     closed = model.closed_form_share()
