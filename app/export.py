@@ -213,7 +213,8 @@ def to_markdown(d: dict[str, Any]) -> str:
     hit = total["hits"] / total["lookups"] if total["lookups"] else 0.0
     out += [
         "",
-        f"Expert cache: {d['tokens']} tokens, hit rate {100 * hit:.1f}%, {total['cpu']} misses on the CPU, "
+        f"Expert cache over the whole session ({1 + len(d.get('periods') or [])} cache(s): a cache change "
+        f"starts a new one): {d['tokens']} tokens, hit rate {100 * hit:.1f}%, {total['cpu']} misses on the CPU, "
         f"{total['uploaded_bytes'] / 2**20:.1f} MiB uploaded.",
         *_recent_line(d),
         *_bound_line(d, total),

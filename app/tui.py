@@ -158,10 +158,27 @@ class MoechatApp(App[int]):
         except OSError as e:
             self.notify(f"could not save the session stats: {e}", severity="error")
 
+    def refresh_snapshot(self) -> None:
+        """The engine's counters as they are now, when it is idle: the slots held, the share and the warm
+        start of the cache in use, which the dashboard shows, also after a cache change that no reply has
+        streamed since (a reply streams its own snapshots; during one the latest of them is kept)."""
+        if self.engine is None or not self.engine_lock.acquire(blocking=False):
+            return
+        try:
+            snap = self.engine.snapshot()
+        except Exception as e:  # the export still goes out, with the last streamed counters
+            logger.warning("no fresh snapshot for the export: %s", e)
+            return
+        finally:
+            self.engine_lock.release()
+        if snap is not None:
+            self.session.snapshot = snap
+
     def export_all(self, folder: Path | None = None) -> list[Path]:
         """Session stats as JSON, CSV and Markdown, and the chat as Markdown, into the exports folder."""
         folder = folder or self.paths.data / "exports"
         stamp = now_iso().replace(":", "")
+        self.refresh_snapshot()
         d = self.session.to_dict()
         written = []
         try:

@@ -969,3 +969,22 @@ def test_the_session_export_adds_up_every_cache_the_session_ran(tmp_path: Path) 
         "hits": first.total.hits, "lookups": first.total.lookups, "cpu": first.total.cpu,
         "uploads": first.total.uploads,
     }]  # fmt: skip
+
+
+async def test_the_export_shows_the_cache_in_use_after_a_cache_change(tmp_path: Path) -> None:
+    """After the wizard's Apply no reply has streamed the new cache's counters: the export still gives the
+    live slots held and CPU share (what the dashboard shows), not a blank cache."""
+    engine = FakeEngine(WORDS)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "hi")
+        engine.set_cache(1.5, 0.9)
+        app.apply_cache_settings(1.5, 0.9)  # as the wizard's Apply does: the session's cache starts again
+        (json_file,) = [p for p in app.export_all(tmp_path / "out") if p.suffix == ".json"]
+    d = json.loads(json_file.read_text())
+    live = engine.snapshot()
+    assert live is not None
+    assert d["cpu_share"] == 0.9 == live.cpu_share
+    assert [layer["occupancy"] for layer in d["layers"]] == [ls.occupancy for ls in live.layers]
+    assert all(layer["occupancy"] > 0 for layer in d["layers"])
