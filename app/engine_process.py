@@ -59,7 +59,7 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
         identity = file_identity(path) if path.is_file() and os.access(path, os.R_OK) else None
         warm = Path(spec.warm_start_dir) / f"{identity}.json" if spec.warm_start_dir and identity else None
         base = cache_settings(spec.settings, warm)
-        lm = load_for(path, spec.settings, base)
+        lm = load_for(path, spec.settings, base, lambda text: conn.send(("progress", text)))
         engine = RealEngine(lm, replace(base, mib=0.0, cpu_share=0.0, trace=None), identity)
     except Exception as e:
         conn.send(("error", type(e).__name__, error_line(e)))

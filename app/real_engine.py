@@ -8,7 +8,7 @@ from __future__ import annotations
 import logging
 import platform
 import threading
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
 
@@ -59,14 +59,18 @@ class StopStrings:
         return out
 
 
-def load_for(path: Path, settings: Settings, cache: CacheSettings) -> LoadedModel:
-    """The model as `settings` say (threads, context, template, CPU kernels), with `cache`.
+def load_for(
+    path: Path, settings: Settings, cache: CacheSettings, progress: Callable[[str], None] | None = None
+) -> LoadedModel:
+    """The model as `settings` say (threads, context, template, CPU kernels), with `cache`; `progress`
+    hears each kernel a first start compiles.
 
     A context that cannot fit names where its size was set."""
     set_threads(settings.threads)
     try:
         return load_model(path, n_ctx=settings.ctx_size, chat_template=settings.chat_template or None, cache=cache,
-                          cpu_dequant_mib=settings.cpu_dequant_mib, cpu_kernels=settings.cpu_kernels)  # fmt: skip
+                          cpu_dequant_mib=settings.cpu_dequant_mib, cpu_kernels=settings.cpu_kernels,
+                          progress=progress)  # fmt: skip
     except ContextTooLarge as e:
         raise ValueError(f"ctx_size from {settings.source('ctx_size')}: {e}") from None
 

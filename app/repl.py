@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import asdict, replace
 from typing import TYPE_CHECKING
 
-from moechat.app.run_cmd import add_config_flag
+from moechat.app.run_cmd import StatusLine, add_config_flag
 from moechat.app.settings import (
     APP,
     ENGINE,
@@ -81,7 +81,9 @@ def _line_chat(args: argparse.Namespace, settings: Settings) -> int:
     paths = app_paths()
     identity = file_identity(path) if path.is_file() and os.access(path, os.R_OK) else None
     cache = cache_settings(settings, paths.data / "warm" / f"{identity}.json" if identity else None)
-    lm = load_for(path, settings, cache)
+    status = StatusLine()
+    lm = load_for(path, settings, cache, status)
+    status.done()
     engine = RealEngine(lm, replace(cache, mib=0.0, cpu_share=0.0, trace=None), identity)
     settings_now = {k: v for k, v in asdict(settings).items() if k != "sources"}
     conv = Conversation(model=engine.info.name, system=settings.system)

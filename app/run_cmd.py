@@ -35,6 +35,29 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     add_config_flag(p)
 
 
+class StatusLine:
+    """What a command line's load is doing, on stderr: one line rewritten in place on a terminal, and on
+    a pipe the first note and how many followed (a first start compiles dozens of kernels)."""
+
+    def __init__(self) -> None:
+        self.tty = sys.stderr.isatty()
+        self.notes = 0
+
+    def __call__(self, text: str) -> None:
+        self.notes += 1
+        if self.tty:
+            sys.stderr.write(f"\r\x1b[Kmoechat: {text}")
+            sys.stderr.flush()
+        elif self.notes == 1:
+            print(f"moechat: {text}", file=sys.stderr)
+
+    def done(self) -> None:
+        if self.tty and self.notes:
+            sys.stderr.write("\r\x1b[K")
+        elif self.notes > 1:
+            print(f"moechat: ... and {self.notes - 1} more, done", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     settings, warnings, _ = from_args(args, (*SAMPLING, *ENGINE))
     print_warnings(warnings)
@@ -46,7 +69,9 @@ def run(args: argparse.Namespace) -> int:
     from moechat.engine.events import DoneEvent, TokenEvent
     from moechat.engine.generate import generate
 
-    lm = load_for(resolve_model(args.model), settings, cache_settings(settings))
+    status = StatusLine()
+    lm = load_for(resolve_model(args.model), settings, cache_settings(settings), status)
+    status.done()
     chat = args.chat if args.chat is not None else lm.template.origin != "plain fallback"
     prompt = lm.chat_prompt(args.prompt) if chat else lm.tokenizer.encode(args.prompt)
     stop = threading.Event()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from .cache.stats import summary_lines
 from .config import ModelConfig
 from .errors import ParameterError
 from .gguf.reader import GGUFFile
+from .kernels.jit import compile_notes
 from .models import build_model
 from .models.decoder import MoeDecoder
 from .models.gemma3 import Gemma3
@@ -163,7 +165,10 @@ def load_model(
     cache: CacheSettings | None = None,
     cpu_dequant_mib: float = 0.0,
     cpu_kernels: str = "fast",
+    progress: Callable[[str], None] | None = None,
 ) -> LoadedModel:
+    """The model at `path`, checked and ready. `progress` hears what a first start does at length: each CPU
+    kernel compiled for this machine (later starts load them from the disk cache and say nothing)."""
     if n_ctx < 16:
         raise ValueError(f"context size must be at least 16, got {n_ctx}")
     gguf, cfg = open_model(path)
@@ -189,7 +194,8 @@ def load_model(
             set_activation_bits(model, 8)
         if not on_cpu:
             model.to_device(torch.device(device))
-        check_fit(gguf, cfg, model, tok)
+        with compile_notes(progress):  # one token through every layer: the kernels compile here
+            check_fit(gguf, cfg, model, tok)
         lm = LoadedModel(gguf, cfg, model, tok, template, n_ctx, None, cpu_dequant_mib, cpu_kernels)
         lm.set_cache(cache)  # the one place the executor is swapped for the cache
     except BaseException:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -165,3 +166,22 @@ def test_bad_files_and_values_fail_before_the_engine_loads(tmp_path: Path) -> No
     baseline = min(seconds("--version") for _ in range(3))
     for argv, _ in cases:
         assert min(seconds(*argv) for _ in range(2)) <= 4 * baseline, argv
+
+
+@pytest.mark.slow
+def test_a_first_start_says_it_is_compiling_and_a_second_does_not(tmp_path: Path) -> None:
+    """A cold `moechat run` names the kernels it compiles for this CPU instead of going quiet; with the
+    kernels in the disk cache the next run says nothing of it."""
+    model = tiny_moe(tmp_path / "m.gguf", n_vocab=300)
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "kernels")}  # an empty cache: a first start
+
+    def run() -> subprocess.CompletedProcess[str]:
+        cmd = [*MOECHAT, "run", str(model), "-p", "hi", "-n", "2"]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=env)
+
+    first = run()
+    assert first.returncode == 0, first.stderr
+    assert "moechat: compiling the CPU kernels for this machine (first start only): 1, now " in first.stderr
+    assert re.search(r"moechat: \.\.\. and \d+ more, done", first.stderr)
+    second = run()
+    assert second.returncode == 0 and "compiling" not in second.stderr, second.stderr

@@ -12,10 +12,12 @@ code, so editing a model recompiles nothing), and folders of other hashes are re
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import shutil
 import warnings
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +44,7 @@ if "NUMBA_CACHE_DIR" not in os.environ:
     os.environ["NUMBA_CACHE_DIR"] = str(_default_cache_dir())
 
 import numba  # noqa: E402  (after the cache folder is set: numba reads it at import)
+import numba.core.event  # noqa: E402
 from numba import prange, types  # noqa: E402
 from numba.core.errors import NumbaIRAssumptionWarning  # noqa: E402
 from numba.extending import intrinsic, overload  # noqa: E402
@@ -74,3 +77,30 @@ def concurrent_calls_safe() -> bool:
         return numba.threading_layer() != "workqueue"
     except ValueError:  # no parallel kernel has run yet: the layer is not chosen
         return numba.config.THREADING_LAYER in ("omp", "tbb", "safe")  # type: ignore[attr-defined]
+
+
+class _CompileNotes(numba.core.event.Listener):
+    def __init__(self, note: Callable[[str], None]) -> None:
+        self.note = note
+        self.started = 0
+
+    def on_start(self, event: Any) -> None:
+        self.started += 1
+        dispatcher = (event.data or {}).get("dispatcher")
+        name = getattr(getattr(dispatcher, "py_func", None), "__name__", "a kernel")
+        self.note(f"compiling the CPU kernels for this machine (first start only): {self.started}, now {name}")
+
+    def on_end(self, event: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def compile_notes(note: Callable[[str], None] | None) -> Iterator[int]:
+    """Say each kernel numba compiles (not those it loads from its disk cache) while the block runs: a
+    first start compiles for a minute, and says so instead of going quiet."""
+    if note is None:
+        yield 0
+        return
+    listener = _CompileNotes(note)
+    with numba.core.event.install_listener("numba:compile", listener):
+        yield 0
