@@ -163,6 +163,7 @@ def test_the_demo_routes_like_a_real_moe(demo_gguf: Path) -> None:
     assert len({tuple(s) for s in steps}) > 8  # and it depends on the input: not one fixed set
 
 
+@pytest.mark.slow
 def test_the_demo_chats(demo_gguf: Path) -> None:
     # A chat model with experts: it answers, and stops on its own end-of-turn token.
     lm = load_model(demo_gguf, n_ctx=512)

@@ -46,6 +46,7 @@ def test_dense_gemma3_matches_transformers(gemma_gguf: Path, test_cache: Path) -
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 
+@pytest.mark.slow
 def test_dense_gemma3_writes_english(gemma_gguf: Path) -> None:
     lm = load_model(gemma_gguf, n_ctx=128)
     prompt = lm.tokenizer.encode("The capital of France is")

@@ -63,6 +63,7 @@ def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a - ref).abs().max() / ref.abs().max())
 
 
+@pytest.mark.slow
 def test_logits_match_transformers(model: LoadedModel) -> None:
     """The exact path (dequantize, then float32 matmuls) is the reference implementation."""
     exact = _exact(model)

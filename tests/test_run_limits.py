@@ -131,6 +131,7 @@ def test_errors_are_one_line_exit_2(tmp_path: Path) -> None:
         assert r.stderr.count("\n") == 1 and msg in r.stderr and "Traceback" not in r.stderr
 
 
+@pytest.mark.slow
 def test_bad_files_and_values_fail_before_the_engine_loads(tmp_path: Path) -> None:
     """Every command line's bad model file or value: the one-line error, exit 2, with neither torch, numba
     nor textual imported, and about as fast as `--version` (the baseline this machine gives now)."""

@@ -121,6 +121,7 @@ def test_gemma_spm_matches_transformers_on_any_text(gemma: tuple[Tokenizer, Any]
     assert ids == ref(text)["input_ids"]
 
 
+@pytest.mark.slow
 def test_gemma_byte_fallback_and_control_tokens(gemma: tuple[Tokenizer, Any]) -> None:
     tok, _ = gemma
     # Rare CJK extension characters: those the vocabulary lacks become their UTF-8 bytes.
@@ -134,6 +135,7 @@ def test_gemma_byte_fallback_and_control_tokens(gemma: tuple[Tokenizer, Any]) ->
     assert tok.is_eog(1) and tok.decode([2, 1]) == ""
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("which", ["qwen", "gemma"])
 def test_stream_decoding_never_emits_half_a_character(
     which: str, qwen: tuple[Tokenizer, Any], gemma: tuple[Tokenizer, Any]
