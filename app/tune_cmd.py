@@ -6,6 +6,7 @@ import argparse
 import os
 import sys
 import threading
+import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -42,6 +43,11 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     fmt.add_argument("--json", action="store_true", help="JSON")
     add_flags(p, TUNE_SETTINGS)
     add_config_flag(p)
+
+
+def _duration(seconds: float) -> str:
+    secs = round(seconds)
+    return f"{secs // 60} min {secs % 60} s" if secs >= 60 else f"{secs} s"
 
 
 def run_tune(args: argparse.Namespace) -> int:
@@ -85,13 +91,22 @@ def run_tune(args: argparse.Namespace) -> int:
     with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
                   console=err, transient=True) as bar:  # fmt: skip
         task = None
+        started, estimated = time.monotonic(), False
         try:
             for ev in calibrate(settings, cache_dir=cache_dir, stop=stop):
                 if isinstance(ev, ArmStarted):
                     task = bar.add_task(f"run {ev.index + 1}/{ev.n_arms}: cache {ev.mib:g} MiB, share {ev.share:g}",
                                         total=settings.tokens)  # fmt: skip
+                    started = time.monotonic()
                 elif isinstance(ev, ArmProgress) and task is not None:
                     bar.update(task, completed=ev.tokens_done)
+                    if not estimated and ev.tokens_done >= max(8, ev.tokens_total // 8):
+                        # The whole sweep's length, once the first measured run has a rate to go by.
+                        estimated = True
+                        rate = ev.tokens_done / max(time.monotonic() - started, 1e-6)
+                        left = (ev.n_arms - ev.index) * ev.tokens_total - ev.tokens_done
+                        bar.console.print(f"estimate: about {_duration(left / rate)} for the {ev.n_arms - ev.index} "
+                                          f"runs left, at {rate:.1f} tokens/s so far")  # fmt: skip
                 elif isinstance(ev, ArmDone):
                     a = ev.arm
                     how = "reused" if ev.cached else f"{a.attempts} run(s)"

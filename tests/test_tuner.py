@@ -189,6 +189,8 @@ def test_dense_lead_layers_stay_out_of_trace_replay_and_tune(
     assert rc == 0, out.err  # a recommendation was printed (a doubtful fit says so in its warnings)
     report = json.loads(out.out)
     assert len(report["arms"]) == 6 and report["recommendation"]["command"].startswith("--moe-cache-mib ")
+    # The whole sweep's length is estimated once, from the first measured run's rate.
+    assert out.err.count("estimate: about ") == 1 and "for the 6 runs left" in out.err, out.err
 
 
 def test_replay_slots_follow_the_engine_budget_split(tmp_path: Path) -> None:
