@@ -15,7 +15,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
-import os
 import sys
 import threading
 import traceback
@@ -50,13 +49,12 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
     """The child: load the model, then answer calls until "close" or the pipe closes."""
     from moechat.app.demo_model import resolve_model_quiet
     from moechat.app.real_engine import RealEngine, load_for
-    from moechat.app.tuned import file_identity
+    from moechat.app.tuned import identity_of
 
     try:
         path = resolve_model_quiet(spec.model, lambda text: conn.send(("progress", text)))
         conn.send(("progress", f"loading {path.name}..."))
-        # (A missing or unreadable file: no warm start; loading it says what is wrong in one line.)
-        identity = file_identity(path) if path.is_file() and os.access(path, os.R_OK) else None
+        identity = identity_of(path)
         warm = Path(spec.warm_start_dir) / f"{identity}.json" if spec.warm_start_dir and identity else None
         base = cache_settings(spec.settings, warm)
         lm = load_for(path, spec.settings, base, lambda text: conn.send(("progress", text)))

@@ -17,10 +17,15 @@ from typing import Any
 from moechat.app.atomic import write_atomic
 from moechat.app.conversations import Conversation, now_iso
 from moechat.engine.cache.stats import RECENT_TOKENS, CountersSnapshot, Recent, RecentWindow, StatsSnapshot
+from moechat.engine.events import DoneEvent
 
 from moechat import __version__
 
 SCHEMA_VERSION = 1
+# The settings a reply ran with, recorded with its stats in the session export.
+REPLY_SETTINGS = (
+    "temp", "top_k", "top_p", "min_p", "repeat_penalty", "n_predict", "system", "moe_cache_mib", "moe_cache_cpu_share",
+)  # fmt: skip
 SERIES_MAX = 2000  # points kept; older ones are dropped (one point per stats update, ~4/s)
 
 
@@ -130,6 +135,22 @@ class SessionStats:
 
 CSV_FIELDS = ["layer", "group", "lookups", "hits", "misses", "cpu", "uploads", "uploaded_bytes", "bypassed",
               "hit_rate", "occupancy"]  # fmt: skip
+
+
+def reply_stats(d: DoneEvent) -> dict[str, Any]:
+    """A reply's figures, as the conversation keeps them with the reply (the app adds its time to the first token)."""
+    return {"n_prompt": d.n_prompt, "n_kept": d.n_kept, "n_generated": d.n_generated, "prompt_tps": d.prompt_tps,
+            "gen_tps": d.gen_tps}  # fmt: skip
+
+
+def reply_record(stats: dict[str, Any], stop_reason: str, settings: dict[str, Any]) -> dict[str, Any]:
+    """A reply as the session keeps it: its figures, how it stopped and the settings it ran with."""
+    return stats | {"stop": stop_reason, "settings": {k: v for k, v in settings.items() if k in REPLY_SETTINGS}}
+
+
+def session_file(data: Path) -> Path:
+    """Where this start's session stats go: a file of its own in the data folder, named by the time."""
+    return data / "sessions" / f"{now_iso().replace(':', '')}.json"
 
 
 def to_csv(d: dict[str, Any]) -> str:

@@ -7,7 +7,6 @@ Ctrl+C stops a reply (the partial reply is kept), Ctrl+D or an empty stdin ends 
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import threading
 from collections.abc import Callable
@@ -68,28 +67,28 @@ def _line_chat(args: argparse.Namespace, settings: Settings) -> int:
     and, as the app does, the conversation and the session's stats saved after each reply and the
     expert cache warm-started from, and saved to, this model's use counts. `-v` prints each
     reply's stats as `moechat run` does."""
-    from moechat.app.conversations import Conversation, ConversationStore, now_iso
+    from moechat.app.conversations import Conversation, ConversationStore
     from moechat.app.demo_model import resolve_model
-    from moechat.app.export import SessionStats, write_stats
+    from moechat.app.export import SessionStats, reply_record, reply_stats, session_file, write_stats
     from moechat.app.paths import app_paths
     from moechat.app.real_engine import RealEngine, load_for
-    from moechat.app.tuned import file_identity
+    from moechat.app.tuned import identity_of
     from moechat.engine.cache.stats import summary_lines
 
     params = sampling_params(settings)
     path = resolve_model(args.model)
     paths = app_paths()
-    identity = file_identity(path) if path.is_file() and os.access(path, os.R_OK) else None
+    identity = identity_of(path)
     cache = cache_settings(settings, paths.data / "warm" / f"{identity}.json" if identity else None)
     status = StatusLine()
     lm = load_for(path, settings, cache, status)
     status.done()
     engine = RealEngine(lm, replace(cache, mib=0.0, cpu_share=0.0, trace=None), identity)
-    settings_now = {k: v for k, v in asdict(settings).items() if k != "sources"}
+    settings_now = settings.values()
     conv = Conversation(model=engine.info.name, system=settings.system)
     store = ConversationStore(paths.data / "conversations")
     session = SessionStats(asdict(engine.info), settings_now)
-    session_file = paths.data / "sessions" / f"{now_iso().replace(':', '')}.json"
+    stats_file = session_file(paths.data)
     interactive = sys.stdin.isatty()
     if interactive:
         print(f"moechat: {lm.config.name} ({lm.config.arch}). Ctrl+C stops a reply, Ctrl+D quits.", file=sys.stderr)
@@ -109,15 +108,14 @@ def _line_chat(args: argparse.Namespace, settings: Settings) -> int:
                 print(f"moechat: the {dropped} oldest messages no longer fit the context and are left out",
                       file=sys.stderr)  # fmt: skip
             text, done = _reply(engine, prompt, settings.n_predict, params)
-            stats = {"n_prompt": done.n_prompt, "n_kept": done.n_kept, "n_generated": done.n_generated,
-                     "prompt_tps": done.prompt_tps, "gen_tps": done.gen_tps}  # fmt: skip
+            stats = reply_stats(done)
             conv.messages.append({"role": "assistant", "content": text, "stopped": done.stop_reason == "stopped",
                                   "stats": stats})  # fmt: skip
             snapshot = engine.snapshot()
             session.add(snapshot, done.n_generated, done.gen_tps)
-            session.replies.append(stats | {"stop": done.stop_reason, "settings": settings_now})
+            session.replies.append(reply_record(stats, done.stop_reason, settings_now))
             _save(lambda: store.save(conv), "the conversation")
-            _save(lambda: write_stats(session.to_dict(), session_file, "json"), "the session stats")
+            _save(lambda: write_stats(session.to_dict(), stats_file, "json"), "the session stats")
             if getattr(args, "verbose", False):
                 print(f"prompt: {done.n_prompt} tokens read ({done.n_kept} kept), {done.prompt_tps:.1f} t/s | "
                       f"generation: {done.n_generated} tokens, {done.gen_tps:.1f} t/s | stop: {done.stop_reason}",

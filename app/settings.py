@@ -208,6 +208,10 @@ class Settings:
     def source(self, name: str) -> str:
         return self.sources.get(name, "default")
 
+    def values(self) -> dict[str, Any]:
+        """Every setting's value, without where it came from: what session files and exports record."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if f.name != "sources"}
+
 
 SPEC: dict[str, Spec] = {f.name: f.metadata["spec"] for f in fields(Settings) if "spec" in f.metadata}
 
@@ -444,11 +448,10 @@ def error_line(e: BaseException) -> str:
     """An error as the one line a user reads: an engine parameter's error names the setting's flag (and the
     flag's value to try, where the engine proposes one)."""
     text = str(e).splitlines()[0] if str(e) else type(e).__name__
-    name = ENGINE_PARAMETERS.get(e.parameter) if isinstance(e, ParameterError) else None
-    if name is None:
+    if not isinstance(e, ParameterError) or e.parameter not in ENGINE_PARAMETERS:
         return text
-    flag = flag_name(name)
-    hint = f"; try {flag} {e.suggestion:g}" if isinstance(e, ParameterError) and e.suggestion is not None else ""
+    flag = flag_name(ENGINE_PARAMETERS[e.parameter])
+    hint = f"; try {flag} {e.suggestion:g}" if e.suggestion is not None else ""
     return f"{flag}: {text}{hint}"
 
 

@@ -14,7 +14,7 @@ from typing import Any
 
 from moechat.app.conversations import Conversation, ConversationStore, now_iso
 from moechat.app.engine_api import ChatEngine
-from moechat.app.export import SessionStats, transcript_markdown, write_stats
+from moechat.app.export import SessionStats, session_file, transcript_markdown, write_stats
 from moechat.app.paths import AppPaths, app_paths
 from moechat.app.screens.chat import ChatScreen
 from moechat.app.settings import Settings, error_line, save_config
@@ -68,7 +68,7 @@ class MoechatApp(App[int]):
         self.engine_lock = threading.Lock()  # one engine job at a time (a reply, a sweep, a cache change)
         self.store = ConversationStore(self.paths.data / "conversations")
         self.session: SessionStats = SessionStats({}, {})
-        self.session_file = self.paths.data / "sessions" / f"{now_iso().replace(':', '')}.json"
+        self.session_file = session_file(self.paths.data)
         self.exit_code = 0
         self.failure: str | None = None  # why the model did not load; printed on stderr after exit too
         # (MiB, CPU share) of the engine's cache, asked once at load and kept as the wizard changes it:
@@ -133,7 +133,7 @@ class MoechatApp(App[int]):
             self.session.settings = self.settings_dict()
 
     def settings_dict(self) -> dict[str, Any]:
-        d = {k: v for k, v in asdict(self.settings).items() if k != "sources"}
+        d = self.settings.values()
         if self.engine is not None:
             d["moe_cache_mib"], d["moe_cache_cpu_share"] = self.cache_in_effect
         return d

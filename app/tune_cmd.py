@@ -45,11 +45,6 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
     add_config_flag(p)
 
 
-def _duration(seconds: float) -> str:
-    secs = round(seconds)
-    return f"{secs // 60} min {secs % 60} s" if secs >= 60 else f"{secs} s"
-
-
 def run_tune(args: argparse.Namespace) -> int:
     from moechat.app.settings import cache_settings, check_model_file, from_args, print_warnings
 
@@ -59,11 +54,10 @@ def run_tune(args: argparse.Namespace) -> int:
     print_warnings(warnings)
     check_model_file(args.model)  # bad values and files fail before the engine loads
     from moechat.app.demo_model import resolve_model
-    from moechat.engine.gguf.reader import GGUFFile
     from moechat.engine.loader import set_threads
     from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone
     from moechat.tuner.recommend import recommend
-    from moechat.tuner.report import render, to_json
+    from moechat.tuner.report import duration, render, to_json
     from moechat.tuner.sweep import SweepSettings, calibrate, forget_runs
     from rich.console import Console
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
@@ -75,8 +69,6 @@ def run_tune(args: argparse.Namespace) -> int:
     base = cache_settings(layered)
     set_threads(layered.threads)  # the arms run in this process: their timings use these threads
     model = Path(resolve_model(args.model))
-    # A file that cannot be read says so in one line, as `run` does, before the progress bar starts.
-    GGUFFile(model).close()
     settings = SweepSettings(
         model=model, device=base.device, n_ctx=layered.ctx_size, emulate_link_gbps=base.emulate_link_gbps,
         load_mode=base.load_mode, cpu_dequant_mib=layered.cpu_dequant_mib, cpu_kernels=layered.cpu_kernels,
@@ -105,7 +97,7 @@ def run_tune(args: argparse.Namespace) -> int:
                         estimated = True
                         rate = ev.tokens_done / max(time.monotonic() - started, 1e-6)
                         left = (ev.n_arms - ev.index) * ev.tokens_total - ev.tokens_done
-                        bar.console.print(f"estimate: about {_duration(left / rate)} for the {ev.n_arms - ev.index} "
+                        bar.console.print(f"estimate: about {duration(left / rate)} for the {ev.n_arms - ev.index} "
                                           f"runs left, at {rate:.1f} tokens/s so far")  # fmt: skip
                 elif isinstance(ev, ArmDone):
                     a = ev.arm

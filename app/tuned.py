@@ -8,6 +8,7 @@ for every model), below MOECHAT_* variables and flags. config.toml is never writ
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import os
 from pathlib import Path
@@ -21,16 +22,26 @@ TUNED = ("moe_cache_mib", "moe_cache_cpu_share")
 
 
 def file_identity(path: Path) -> str:
-    """A model file's identity: the hash of its first 16 MiB and its size (cheap, and enough to tell files apart)."""
+    """A model file's identity: the hash of its first 16 MiB and its size (cheap, and enough to tell files apart).
+
+    Hashed once per file version in a process: the settings' lookup of tuned values and the warm start
+    of one start ask for the same file."""
+    st = path.stat()
+    return _identity(str(path.resolve()), st.st_size, st.st_mtime_ns)
+
+
+@functools.cache
+def _identity(path: str, size: int, mtime_ns: int) -> str:
     h = hashlib.sha256()
-    with path.open("rb") as f:
+    with open(path, "rb") as f:
         h.update(f.read(16 << 20))
-    h.update(str(path.stat().st_size).encode())
+    h.update(str(size).encode())
     return h.hexdigest()
 
 
 def identity_of(path: Path) -> str | None:
-    """The identity of a readable file, else None."""
+    """The identity of a readable file, else None (a missing or unreadable file has no warm start or
+    tuned values; loading it says what is wrong)."""
     return file_identity(path) if path.is_file() and os.access(path, os.R_OK) else None
 
 

@@ -36,6 +36,12 @@ def upload_speed(m: TimeModel) -> str:
     return f"uploads {m.upload_gibps:.2f} GiB/s"
 
 
+def duration(seconds: float) -> str:
+    """A wait as a person reads it: "42 s", "3 min 5 s"."""
+    secs = round(seconds)
+    return f"{secs // 60} min {secs % 60} s" if secs >= 60 else f"{secs} s"
+
+
 def cpu_speed(m: TimeModel) -> str:
     """How fast the CPU takes misses, in words a person reads."""
     if m.cpu_free:

@@ -12,6 +12,7 @@ import threading
 from typing import Any, ClassVar
 
 from moechat.app.conversations import Conversation
+from moechat.app.export import reply_record, reply_stats
 from moechat.app.messages import BoundUpdate, ContextTrimmed, ReplyDone, ReplyFailed, StatsUpdate, TokenText
 from moechat.app.reply_stream import stream_reply
 from moechat.app.screens.dialogs import OpenChat, SettingsDialog
@@ -36,10 +37,6 @@ logger = logging.getLogger(__name__)
 # the screen, at a cost for each widget in it: with 50 turns shown the UI took 18-20% of a core
 # while streaming, twice what a fresh chat takes (bench/ui_long_chat.py).
 SHOWN_TURNS = 12
-# The settings a reply ran with, recorded with its stats in the session export.
-REPLY_SETTINGS = (
-    "temp", "top_k", "top_p", "min_p", "repeat_penalty", "n_predict", "system", "moe_cache_mib", "moe_cache_cpu_share",
-)  # fmt: skip
 REVEAL_TURNS = 10  # turns brought back at a time
 
 
@@ -148,7 +145,7 @@ class ChatScreen(Screen[None]):
         self.stop_event.clear()
         self.query_one("#status", Static).update("reading the prompt...")
         s = self.moechat.settings
-        self._reply_settings = {k: v for k, v in self.moechat.settings_dict().items() if k in REPLY_SETTINGS}
+        self._reply_settings = self.moechat.settings_dict()  # as the reply starts: a change during it is the next's
         self.generate(self.conv.chat_messages(), sampling_params(s), s.n_predict, s.refresh_ms / 1000)
 
     @work(thread=True, exclusive=True, group="engine")
@@ -195,12 +192,9 @@ class ChatScreen(Screen[None]):
     async def on_reply_done(self, msg: ReplyDone) -> None:
         d = msg.done
         await self._finish("stopped" if d.stop_reason == "stopped" else "")
-        stats = {"n_prompt": d.n_prompt, "n_kept": d.n_kept, "n_generated": d.n_generated, "prompt_tps": d.prompt_tps,
-                 "gen_tps": d.gen_tps, "ttft": msg.ttft}  # fmt: skip
+        stats = reply_stats(d) | {"ttft": msg.ttft}
         self.conv.messages[-1]["stats"] = stats
-        self.moechat.session.replies.append(
-            self.conv.messages[-1]["stats"] | {"stop": d.stop_reason, "settings": self._reply_settings}
-        )
+        self.moechat.session.replies.append(reply_record(stats, d.stop_reason, self._reply_settings))
         self.moechat.save_conversation(self.conv)
         self.moechat.save_session()
         self.bound()

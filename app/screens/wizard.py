@@ -18,7 +18,7 @@ from moechat.app.screens.host import ScreenHost
 from moechat.app.tuned import save_tuned
 from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, ConfirmDone, SweepDone
 from moechat.tuner.recommend import TuneReport
-from moechat.tuner.report import cpu_speed, error_bar, upload_speed
+from moechat.tuner.report import cpu_speed, duration, error_bar, upload_speed
 from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
@@ -94,7 +94,7 @@ class TuneWizard(Screen[bool]):
         if not rates:
             return "estimate: after the first run's first tokens (no reply in this session to go by yet)"
         rate = sum(rates) / len(rates)
-        return (f"estimate: {_duration(N_ARMS * self.tokens / rate)} for {N_ARMS} runs at {rate:.1f} tokens/s "
+        return (f"estimate: {duration(N_ARMS * self.tokens / rate)} for {N_ARMS} runs at {rate:.1f} tokens/s "
                 "(this session's replies; runs kept from an earlier tuning are reused)")  # fmt: skip
 
     def on_mount(self) -> None:
@@ -154,7 +154,7 @@ class TuneWizard(Screen[bool]):
             return
         rate = (measured - first) / (now - start)
         left = (ev.n_arms - ev.index) * ev.tokens_total - ev.tokens_done
-        self.query_one("#eta", Static).update(f"time left: about {_duration(left / rate)} at {rate:.1f} tokens/s")
+        self.query_one("#eta", Static).update(f"time left: about {duration(left / rate)} at {rate:.1f} tokens/s")
 
     def on_tune_ready(self, msg: TuneReady) -> None:
         self.running = False
@@ -314,8 +314,3 @@ class TuneWizard(Screen[bool]):
         path = self._save(rec.mib, rec.share)
         if path is not None:
             self.notify(f"kept for this model's next start in {path} (a applies it now too)")
-
-
-def _duration(seconds: float) -> str:
-    secs = round(seconds)
-    return f"{secs // 60} min {secs % 60} s" if secs >= 60 else f"{secs} s"

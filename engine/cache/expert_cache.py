@@ -87,8 +87,10 @@ class ExpertCache:
         )
         self._lock = threading.Lock()  # guards the counters while a snapshot is taken
         self.warm_counts: warm_start.Counts | None = None
-        self.warm_uploads = self.warm_bytes = 0  # slots filled from the saved counts, before the first token
-        self.preloaded: list[tuple[int, int]] = []  # (layer, expert) the warm start put in slots
+        self.preloaded: list[
+            tuple[int, int]
+        ] = []  # (layer, expert) the warm start put in slots, before the first token
+        self.warm_bytes = 0
         if settings.warm_start is not None:
             n_expert = {layer: lx.gate.raw.shape[0] for layer, lx in self.host.layers.items()}
             self.warm_counts = warm_start.read(settings.warm_start, n_expert)
@@ -101,6 +103,11 @@ class ExpertCache:
         # a batch that goes around the cache (prefill, or a layer without slots).
         self._cached_path = {layer: self._cached_path_for(layer) for layer in self.host.layers}
         self._uncached_path = self.host if self.device.type == "cpu" else self._run_uncached_on_device
+
+    @property
+    def warm_uploads(self) -> int:
+        """Slots filled from the saved counts before the first token."""
+        return len(self.preloaded)
 
     def _cached_path_for(self, layer: int) -> CachedPath:
         if self.triton[layer]:
@@ -132,7 +139,6 @@ class ExpertCache:
             for layer in group.info.layers:
                 uploads = tuple(sorted((e, slot) for lay, e, slot in placed if lay == layer))
                 self.uploader.upload(group, self.host.layers[layer], uploads)
-            self.warm_uploads += len(placed)
             self.preloaded += [(lay, e) for lay, e, _ in placed]
             self.warm_bytes += len(placed) * group.info.expert_bytes
         logger.info("warm start: %d experts (%.1f MiB) in their slots before the first token", self.warm_uploads,
