@@ -15,6 +15,7 @@ from typing import Protocol
 import torch
 
 from .events import GREEDY, DoneEvent, Event, SamplingParams, TokenEvent
+from .kernels import threads
 from .nn.layers import KVCache
 from .text.tokenizer import Tokenizer
 
@@ -52,6 +53,7 @@ def prefill(
     for start in range(0, len(tokens), ubatch):
         if stop is not None and stop.is_set():
             raise Stopped(f"stopped after {start} of {len(tokens)} prompt tokens")
+        threads.pace()
         # Only the prompt's last position is sampled from: the vocabulary projection of the
         # others (262k x 640 per token on Gemma) would be most of a small model's prefill.
         logits = model(ids[start : start + ubatch], cache.pos, cache, last_only=True)
@@ -62,6 +64,7 @@ def prefill(
 
 @torch.inference_mode()
 def decode_one(model: Model, token: int, cache: KVCache) -> torch.Tensor:
+    threads.pace()  # the default thread count gives way to other processes' work
     with one_torch_thread(cache.device.type == "cpu"):
         return model(torch.tensor([token]), cache.pos, cache)[-1]
 

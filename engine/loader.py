@@ -98,15 +98,18 @@ def set_threads(n: int) -> int:
     thread: n > 0 sets them, 0 keeps torch's default (one per core). Returns the count in use.
     Fewer than the cores leaves room for other work (the app's UI), at the engine's cost."""
     from .kernels.jit import set_kernel_threads
+    from .kernels.threads import ThreadGovernor, govern
 
     if n < 0:
         raise ParameterError("threads", f"the thread count must be >= 0, got {n}")
     # The kernels' thread pool first: starting it resets the OpenMP thread count torch reads too.
-    set_kernel_threads(n if n > 0 else torch.get_num_threads())
-    if n > 0:
-        torch.set_num_threads(n)
-    logger.info("%d intra-op threads", torch.get_num_threads())
-    return torch.get_num_threads()
+    n_max = n if n > 0 else torch.get_num_threads()
+    set_kernel_threads(n_max)
+    torch.set_num_threads(n_max)
+    # The default count gives way to other processes' work (kernels.threads); a set count is kept.
+    govern(ThreadGovernor(n_max, on_change=torch.set_num_threads) if n == 0 else None)
+    logger.info("%d intra-op threads%s", n_max, " (fewer while other processes keep cores busy)" if n == 0 else "")
+    return n_max
 
 
 class ContextTooLarge(ValueError):

@@ -31,7 +31,7 @@ import torch
 
 from ..gguf.dequant import dequantize
 from ..kernels import device as device_kernels
-from ..kernels.jit import concurrent_calls_safe, set_kernel_threads
+from ..kernels.jit import set_kernel_threads
 from ..moe.expert_tensors import LayerExperts
 from ..moe.host_experts import Contribution, HostExperts, run_experts, sum_parts
 from ..moe.kernel_calls import host_arrays, layer_output, run_fused
@@ -65,11 +65,16 @@ class ExpertCache:
         self.prefetch_tokens = settings.max_batch if settings.prefetch else 0
         self.n_expert_used = n_expert_used
         self.share = CpuShare(settings.cpu_share)
+        # On the CPU device without an emulated link a slot is the host copy itself: an upload would copy
+        # bytes to where they already are. Its slots then hold no bytes of their own (no banks), the
+        # kernels read the expert in place, and the counters count the upload as on a device.
+        self.in_place = self.device.type == "cpu" and not settings.emulate_link_gbps and (
+            settings.device_kernels != "triton")  # fmt: skip
         self.groups = build_groups(self.host, n_expert_used, settings.mib, settings.cpu_share, self.device,
-                                   settings.policy)  # fmt: skip
+                                   settings.policy, allocate=not self.in_place)  # fmt: skip
         self.group_of = {layer: g for g in self.groups for layer in g.info.layers}
         self.stats = {layer: LayerCounters() for layer in host.layers}
-        self.use_counts = {layer: np.zeros(lx.gate.raw.shape[0], dtype=np.int64) for layer, lx in host.layers.items()}
+        self.use_counts = {layer: [0] * lx.gate.raw.shape[0] for layer, lx in host.layers.items()}
         self.first_layer = min(host.layers)
         # Every cacheable lookup since the cache was made: the session's routing, which the app
         # replays through MIN after a reply (the bound at this size). Kept as flat int arrays, 2
@@ -77,11 +82,11 @@ class ExpertCache:
         self._lookup_heads = array("i")  # per lookup: layer, experts per token, ids
         self._lookup_ids = array("h")
         self.tokens = 0
-        # One worker with one intra-op thread: it runs beside the main thread, which drives the
-        # device (and on the CPU device computes too); two teams of intra-op threads on a small
-        # machine only oversubscribe it. The setting is per thread: the main thread keeps its own.
-        # The CPU computes the share's misses, and those the policy does not admit.
-        to_cpu = self.share.q or settings.policy != "classlru"
+        # The CPU computes the share's misses, and those the policy does not admit: with a device, on
+        # one worker with one intra-op thread beside the main thread, which drives the device (two
+        # teams of intra-op threads on a small machine only oversubscribe it; the setting is per
+        # thread). On the CPU device that part runs inline: the device is the same cores.
+        to_cpu = (self.share.q or settings.policy != "classlru") and self.device.type != "cpu"
         self._worker = (
             ThreadPoolExecutor(1, thread_name_prefix="moechat-cpu", initializer=_one_thread) if to_cpu else None
         )
@@ -182,33 +187,42 @@ class ExpertCache:
     # -- execution -------------------------------------------------------------------------
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        n_tokens = x.shape[0]
+        n_tokens, n_used = ids.shape
         ids = ids.cpu()  # the one host sync the routing needs
-        flat = ids.reshape(-1).tolist()
-        if n_tokens <= self.settings.max_batch:  # larger batches go around any cache: no bound to compute
-            self._lookup_heads.extend((layer, ids.shape[1], len(flat)))
+        flat = ids.view(-1).tolist()
+        cacheable = n_tokens <= self.settings.max_batch  # larger batches go around any cache
+        if cacheable:
+            self._lookup_heads.extend((layer, n_used, len(flat)))
             self._lookup_ids.extend(flat)
         if self._trace is not None:
-            self._trace.write(layer, ids.shape[1], ids.reshape(-1).numpy())
-        np.add.at(self.use_counts[layer], flat, 1)
+            self._trace.write(layer, n_used, ids.view(-1).numpy())
+        uses = self.use_counts[layer]
+        for e in flat:
+            uses[e] += 1
         if layer == self.first_layer:
             self.tokens += n_tokens
         group = self.group_of[layer]
-        lx = self.host.layers[layer]
-        counters = self.stats[layer].of(n_tokens)
-        uniq = sorted(set(flat))
         policy = group.policy
-        if policy is not None and bypasses(n_tokens, ids.shape[1], group.info.n_expert, policy.n_slots,
-                                           self.settings.max_batch):  # fmt: skip
+        info = group.info
+        if (
+            policy is not None
+            and not (cacheable and n_tokens * n_used <= policy.n_slots)
+            and bypasses(n_tokens, n_used, info.n_expert, policy.n_slots, self.settings.max_batch)
+        ):
             policy = None
+        counters = self.stats[layer].of(n_tokens)
         with self._lock:
-            plan = policy.plan(layer, flat, n_tokens, self.share.active()) if policy is not None else None
-            count(counters, n_tokens, plan, len(uniq), group.info.expert_bytes)
+            if policy is None:
+                count(counters, n_tokens, None, len(set(flat)), info.expert_bytes)
+                plan = None
+            else:
+                plan = policy.plan(layer, flat, n_tokens, self.share.active())
+                count(counters, n_tokens, plan, 0, info.expert_bytes)
         if plan is None or policy is None:
             return self._uncached_path(layer, x, ids, weights)
         if plan.prefetched_hits:
             self.uploader.wait_ahead()  # experts a prefetch uploaded are read now: their copies must be in
-        return self._cached_path[layer](layer, group, policy, lx, plan, x, ids, weights)
+        return self._cached_path[layer](layer, group, policy, self.host.layers[layer], plan, x, ids, weights)
 
     def lookups(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """The cacheable lookups so far, in order: (layer, experts per token, ids token-major)."""
@@ -263,10 +277,13 @@ class ExpertCache:
         # On the CPU device a slot holds the host expert's very bytes: the dequant cache, when
         # there is one, serves both.
         host_fetch = self.host.fetcher(layer) if self.device.type == "cpu" else None
-        fetch = host_fetch or self._slot_fetch(policy, group.banks, lx, layer)
+        fetch = host_fetch if host_fetch or self.in_place else self._slot_fetch(policy, group.banks, lx, layer)
         parts = run_experts(lx, x, ids, weights, self.host.act, on_device, fetch=fetch)
         if future is not None:
             parts += future.result()
+        elif plan.cpu:
+            parts += run_experts(lx, x.cpu(), ids, weights.cpu(), self.host.act, list(plan.cpu),
+                                 fetch=self.host.fetcher(layer))  # fmt: skip
         return sum_parts(x, parts)
 
     def _run_fused(
@@ -275,26 +292,25 @@ class ExpertCache:
     ) -> torch.Tensor:  # fmt: skip
         """CPU device, fused kernels: hits and uploads from the slots, the CPU share from the host copy.
 
-        Both parts fill their own rows of one contribution buffer, summed once in expert order.
+        Both parts fill their own rows of one contribution buffer, summed once in expert order. The
+        device is this CPU: the share runs inline, as handing it to another thread costs more than
+        it could overlap.
         """
         xh, ih, wh = host_arrays(x, ids, weights)
         contrib = np.empty((ih.size, xh.shape[1]), np.float32)  # [T*k, E]
-        future: Future[None] | None = None
-        on_device = sorted([*plan.hits, *(e for e, _ in plan.uploads)])
         if plan.cpu:
-            # The worker only when the device has work of its own meanwhile: handing over costs.
-            if on_device and self._worker is not None and concurrent_calls_safe():
-                future = self._worker.submit(self.host.run_host_part, layer, xh, ih, wh, list(plan.cpu), contrib)
-            else:
-                self.host.run_host_part(layer, xh, ih, wh, list(plan.cpu), contrib)
-        self.uploader.upload(group, lx, plan.uploads)
+            self.host.run_host_part(layer, xh, ih, wh, list(plan.cpu), contrib)
+        if plan.uploads:
+            self.uploader.upload(group, lx, plan.uploads)
+            on_device: list[int] | None = [*plan.hits, *(e for e, _ in plan.uploads)]
+        else:
+            on_device = list(plan.hits)
         if on_device:
-            banks = tuple(b.numpy() for b in group.banks)
-            slots = np.asarray(policy.slot_map[layer], dtype=np.int64)
-            run_fused(lx, (banks[0], banks[1], banks[2]), slots, self.host.act_code, xh, ih, wh, on_device, contrib,
+            mats, slot_of = (
+                (self.host.mats(layer), None) if self.in_place else (group.host_banks, policy.slot_array(layer))
+            )
+            run_fused(lx, mats, slot_of, self.host.act_code, xh, ih, wh, None if not plan.cpu else on_device, contrib,
                       self.host.bits)  # fmt: skip
-        if future is not None:
-            future.result()
         return layer_output(contrib, ih)
 
     def _run_triton(
@@ -308,7 +324,7 @@ class ExpertCache:
         on_device = np.zeros(group.info.n_expert, dtype=bool)
         on_device[[*plan.hits, *(e for e, _ in plan.uploads)]] = True
         ih = ids.cpu().numpy()  # the routing's one sync: the policy has read these ids already
-        table, n_pairs = device_kernels.pair_table(ih, np.asarray(policy.slot_map[layer], dtype=np.int64), on_device)
+        table, n_pairs = device_kernels.pair_table(ih, policy.slot_array(layer), on_device)
         table_d = torch.from_numpy(table).to(self.device, non_blocking=True)
 
         def host_part() -> torch.Tensor | None:
@@ -395,7 +411,7 @@ class ExpertCache:
                 layers.append(
                     LayerSnapshot(
                         layer, group.info.index, st.small.frozen(), st.large.frozen(), len(cached), cached,
-                        tuple(int(c) for c in self.use_counts[layer]),
+                        tuple(self.use_counts[layer]),
                     )
                 )  # fmt: skip
             return StatsSnapshot(

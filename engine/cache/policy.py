@@ -1,6 +1,6 @@
 """ClassLRU: which experts of a group of layers hold the device slots, and which misses go to the CPU.
 
-Pure Python, no torch: the engine calls it for every cached lookup and the tuner's simulator
+Python and flat arrays, no torch: the engine calls it for every cached lookup and the tuner's simulator
 replays traces through the very same code, so the two cannot disagree.
 
 - CRF (combined recency and frequency) of an expert = its uses, decayed with a half-life of
@@ -31,6 +31,8 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from itertools import islice
 from typing import NamedTuple, Protocol
+
+import numpy as np
 
 from .stats import Counters
 
@@ -183,6 +185,8 @@ class ClassLRU:
         self.n_expert = n_expert
         self.n_slots = n_slots
         self.slot_map: dict[int, list[int]] = {il: [-1] * n_expert for il in self.layers}  # -1: not cached
+        # The same map as arrays the kernels read, kept in step by _place (slot_array).
+        self._slot_arrays = {il: np.full(n_expert, -1, np.int64) for il in self.layers}
         self.key_of = [-1] * n_slots  # (layer, expert) key in each slot, -1 if empty
         # One LRU list per class, least recent first; all slots start empty in class 0, in slot order.
         # Empty slots therefore always sit at the front of class 0 until the group is full.
@@ -205,6 +209,10 @@ class ClassLRU:
 
     def slot_of(self, layer: int, expert: int) -> int:
         return self.slot_map[layer][expert]
+
+    def slot_array(self, layer: int) -> np.ndarray:
+        """slot_map[layer] as an int64 array [n_expert] (-1: not cached); kept current, not copied."""
+        return self._slot_arrays[layer]
 
     def preload(self, picks: Sequence[tuple[int, int, float]]) -> list[tuple[int, int, int]]:
         """Warm start: put (layer, expert, CRF) into empty slots, in order, before any lookup.
@@ -237,10 +245,12 @@ class ClassLRU:
         if old >= 0:
             evicted = divmod(old, self.n_expert)
             self.slot_map[evicted[0]][evicted[1]] = -1
+            self._slot_arrays[evicted[0]][evicted[1]] = -1
         else:
             self.n_filled += 1
         key = self.key(layer, e)
         self.key_of[s], self.slot_map[layer][e] = key, s
+        self._slot_arrays[layer][e] = s
         c = self.crf[key]
         cls = _class(c) if c >= 1 else 0  # never used (a prefetch): the lowest class
         del self.lists[self.list_of[s]][s]

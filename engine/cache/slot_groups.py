@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from functools import cached_property
 
+import numpy as np
 import torch
 
 from ..moe.expert_tensors import LayerExperts
@@ -26,6 +28,12 @@ class SlotGroup:
     policy: ClassLRU | None  # None: no slots (the group's experts run from the host)
     banks: tuple[torch.Tensor, ...]  # gate, up, down slots: [n_slots, rows, row_bytes] uint8 on the device
 
+    @cached_property
+    def host_banks(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """The banks as arrays the CPU kernels read (the CPU device only)."""
+        gate, up, down = (b.numpy() for b in self.banks)
+        return gate, up, down
+
 
 def _geometry(lx: LayerExperts) -> tuple[object, ...]:
     return tuple((tuple(t.raw.shape), t.qtype) for t in (lx.gate, lx.up, lx.down))
@@ -40,8 +48,9 @@ def layer_groups(host: HostExperts) -> list[list[int]]:
 
 
 def build_groups(host: HostExperts, n_expert_used: int, mib: float, cpu_share: float, device: torch.device,
-                 policy: str = "classlru") -> list[SlotGroup]:  # fmt: skip
-    """The groups of a cache of `mib` MiB on `device`, their slots allocated; `policy`: what they admit."""
+                 policy: str = "classlru", allocate: bool = True) -> list[SlotGroup]:  # fmt: skip
+    """The groups of a cache of `mib` MiB on `device`, their slots allocated (unless not `allocate`: slots
+    that read the host copy in place); `policy`: what they admit."""
     sizes = []
     for layers in layer_groups(host):
         lx = host.layers[layers[0]]
@@ -58,12 +67,14 @@ def build_groups(host: HostExperts, n_expert_used: int, mib: float, cpu_share: f
         group = SlotGroup(info, None, ())
         if n_slots:
             group.policy = ClassLRU(layers, n_expert, int(n_slots), policy)
-            group.banks = allocate_slots(host.layers[layers[0]], int(n_slots), device, mib)
+            if allocate:
+                group.banks = allocate_slots(host.layers[layers[0]], int(n_slots), device, mib)
+            where = f"on {device}" if allocate else "read in place on the CPU device"
             logger.info(
                 "MoE cache group %d: layers %s, %d experts of %.2f MiB: %d slots (%.1f%% of the experts, "
-                "%.1f tokens worth), %.1f MiB on %s, CPU share %g",
+                "%.1f tokens worth), %.1f MiB %s, CPU share %g",
                 index, span(layers), n_expert, expert_bytes / 2**20, n_slots, 100 * info.fraction,
-                n_slots / (len(layers) * n_expert_used), n_slots * expert_bytes / 2**20, device, cpu_share,
+                n_slots / (len(layers) * n_expert_used), n_slots * expert_bytes / 2**20, where, cpu_share,
             )  # fmt: skip
         groups.append(group)
     return groups

@@ -53,7 +53,7 @@ class Uploader:
         """Copy each (expert, slot) of `uploads` from the host copy `lx` into the group's banks.
 
         `ahead`: a prefetch; the device waits for it only at `wait_ahead`."""
-        if not uploads:
+        if not uploads or not group.banks:  # no banks: the slots are the host copy (ExpertCache.in_place)
             return
         # Runs of consecutive experts into consecutive slots go in one copy.
         runs: list[tuple[int, int, int]] = []

@@ -1,0 +1,255 @@
+"""What the engine costs around the kernels at decode: the expert cache's bookkeeping, threads under load, a cold map.
+
+    python bench/engine_overhead.py [--big QWEN3_SHAPED.gguf] [--tokens 48] [--skip-load] [--skip-cold]
+
+1. Per MoE layer per decode token, on the CPU device: the time of the experts' call (router ids in,
+   layer output out) minus the time inside the expert kernels (gate/up and down), that is the
+   lookup, the policy, the counters, the argument preparation and the combine (the uploads' copies,
+   a memcpy on the CPU device, are shown apart: data moved, not bookkeeping). Median and 95th
+   percentile over every layer of `--tokens` decode steps, cache off and on at several sizes and
+   shares; "cache's part" = the median with the cache minus the median without. Models: the demo
+   (16 experts, top-1), generated layers of 16 to 256 experts at top-1 to top-8 (a DeepSeek-V3-sized
+   router: 256 experts, top-8), and with --big the 12-layer Qwen3-30B-A3B-shaped model
+   (bench/decode_vs_llamacpp.py --big generates one; 128 experts, top-8).
+2. Decode t/s of the demo (its default cache) quiet and with one core kept busy by another process,
+   per thread setting (0: the default, which gives way to other processes).
+3. A cold `moechat run` (a new process, the file in the page cache) against the same model decoded
+   in-process after warm-up tokens, and the run's peak resident memory against the file's size.
+
+The load average is printed with the tables: this machine is shared.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+
+from moechat.engine.cache.settings import CacheSettings
+from moechat.engine.cache.uploads import Uploader
+from moechat.engine.generate import decode_one, prefill
+from moechat.engine.kernels import cpu as cpu_kernels
+from moechat.engine.loader import load_model, set_threads
+
+PROMPT = "The history of the harbour town begins with the fishermen who"
+
+
+@contextmanager
+def kernel_clock() -> Iterator[list[float]]:
+    """Seconds spent inside the expert kernels [0] and in the slots' uploads [1], accumulated."""
+    spent = [0.0, 0.0]
+    originals = {name: getattr(cpu_kernels, name) for name in ("gate_up", "matmul")}
+    upload = Uploader.upload
+
+    def timed_upload(self: Uploader, *a: Any, **kw: Any) -> None:
+        t = time.perf_counter()
+        upload(self, *a, **kw)
+        spent[1] += time.perf_counter() - t
+
+    def timed(f: Callable[..., Any]) -> Callable[..., Any]:
+        def call(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return f(*a, **kw)
+            finally:
+                spent[0] += time.perf_counter() - t
+
+        return call
+
+    for name, f in originals.items():
+        setattr(cpu_kernels, name, timed(f))
+    Uploader.upload = timed_upload  # type: ignore[method-assign]
+    try:
+        yield spent
+    finally:
+        for name, f in originals.items():
+            setattr(cpu_kernels, name, f)
+        Uploader.upload = upload  # type: ignore[method-assign]
+
+
+def layer_overhead(path: Path, settings: CacheSettings | None, n_tokens: int) -> tuple[list[float], float]:
+    """Microseconds per MoE layer call outside the expert kernels and the uploads, one per layer and
+    decode token; and the uploads' copies, microseconds per layer call on average."""
+    lm = load_model(path, n_ctx=n_tokens + 64, cache=settings)
+    cache = lm.new_cache()
+    tok = int(prefill(lm.model, lm.tokenizer.encode(PROMPT)[:24], cache).argmax())
+    for _ in range(8):
+        tok = int(decode_one(lm.model, tok, cache).argmax())
+    executor = lm.model.experts
+    out: list[float] = []
+    cls = type(executor)
+    original = cls.__call__
+    with kernel_clock() as spent:
+
+        def call(self: Any, *a: Any) -> Any:
+            before, t = spent[0] + spent[1], time.perf_counter()
+            r = original(self, *a)
+            out.append((time.perf_counter() - t - (spent[0] + spent[1] - before)) * 1e6)
+            return r
+
+        cls.__call__ = call  # type: ignore[method-assign]
+        try:
+            for _ in range(n_tokens):
+                tok = int(decode_one(lm.model, tok, cache).argmax())
+        finally:
+            cls.__call__ = original  # type: ignore[method-assign]
+    lm.close()
+    return out, spent[1] * 1e6 / max(1, len(out))
+
+
+def expert_mib(path: Path) -> float:
+    lm = load_model(path, n_ctx=64)
+    mib = sum(lx.bytes_per_expert * lx.gate.raw.shape[0] for lx in lm.model.host_experts.layers.values()) / 2**20
+    lm.close()
+    return mib
+
+
+def cpu_name() -> str:
+    from llvmlite import binding as llvm
+
+    feats = llvm.get_host_cpu_features()
+    isa = [f for f in ("avx2", "avx512f", "avx512vnni", "avxvnni") if feats.get(f)]
+    return f"{llvm.get_host_cpu_name()} ({', '.join(isa) or 'no AVX2'}), {os.cpu_count()} cores"
+
+
+def p95(v: list[float]) -> float:
+    return sorted(v)[int(0.95 * (len(v) - 1))]
+
+
+def overhead_table(models: list[tuple[str, Path]], n_tokens: int) -> None:
+    print("## Per MoE layer per decode token, outside the expert kernels (CPU device), microseconds\n")
+    print("| model | cache | share | median | p95 | cache's part (median) | uploads' copies (mean) |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    for label, path in models:
+        mib = expert_mib(path)
+        arms: list[tuple[str, CacheSettings | None]] = [("off", None)]
+        for frac in (0.25, 0.5):
+            for share in (0.0, 0.5, 0.95):
+                arms.append((f"{int(frac * 100)}%", CacheSettings(mib=frac * mib, cpu_share=share)))
+        off = 0.0
+        for name, settings in arms:
+            us, copies = layer_overhead(path, settings, n_tokens)
+            med = statistics.median(us)
+            if settings is None:
+                off = med
+            share = "-" if settings is None else f"{settings.cpu_share:g}"
+            part = "" if settings is None else f"{med - off:.1f}"
+            print(f"| {label} | {name} | {share} | {med:.1f} | {p95(us):.1f} | {part} | {copies:.1f} |", flush=True)
+
+
+def decode_tps(path: Path, settings: CacheSettings | None, n_tokens: int, threads: int) -> float:
+    set_threads(threads)
+    lm = load_model(path, n_ctx=n_tokens + 64, cache=settings)
+    cache = lm.new_cache()
+    tok = int(prefill(lm.model, lm.tokenizer.encode(PROMPT), cache).argmax())
+    for _ in range(4):
+        tok = int(decode_one(lm.model, tok, cache).argmax())
+    t = time.perf_counter()
+    for _ in range(n_tokens):
+        tok = int(decode_one(lm.model, tok, cache).argmax())
+    tps = n_tokens / (time.perf_counter() - t)
+    lm.close()
+    return tps
+
+
+@contextmanager
+def one_core_busy() -> Iterator[None]:
+    spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    time.sleep(0.3)
+    try:
+        yield
+    finally:
+        spin.kill()
+        spin.wait()
+
+
+def load_table(path: Path, n_tokens: int) -> None:
+    settings = CacheSettings(mib=0.5 * expert_mib(path), cpu_share=0.5)
+    print("\n## Decode t/s with one core busy (a spinning process), the demo with its default cache\n")
+    print("| threads | quiet | one core busy | busy / quiet |")
+    print("|---|---:|---:|---:|")
+    for threads in (0, 1, 2):
+        quiet = decode_tps(path, settings, n_tokens, threads)
+        with one_core_busy():
+            busy = decode_tps(path, settings, n_tokens, threads)
+        name = f"{threads} (default)" if threads == 0 else str(threads)
+        print(f"| {name} | {quiet:.1f} | {busy:.1f} | {busy / quiet:.2f} |", flush=True)
+    set_threads(0)
+
+
+def cold_table(path: Path, n_tokens: int, rounds: int) -> None:
+    size = path.stat().st_size
+    print(f"\n## A cold `moechat run` against a warm in-process decode ({path.name}, {size / 2**30:.2f} GiB)\n")
+    print("| round | cold run t/s | warm in-process t/s | cold / warm | peak RSS / file |")
+    print("|---|---:|---:|---:|---:|")
+    env = {**os.environ, "MOECHAT_CONFIG": os.devnull}
+    for r in range(rounds):
+        cmd = [sys.executable, "-c", _COLD_RUN, str(path), str(n_tokens)]
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+        m = re.search(r"generation: \d+ tokens, ([\d.]+) t/s", proc.stdout + proc.stderr)
+        rss = int(re.search(r"maxrss (\d+)", proc.stdout).group(1)) * 1024  # type: ignore[union-attr]
+        cold = float(m.group(1)) if m else float("nan")
+        warm = decode_tps(path, None, n_tokens, 0)
+        print(f"| {r + 1} | {cold:.2f} | {warm:.2f} | {cold / warm:.2f} | {rss / size:.2f} |", flush=True)
+
+
+# `moechat run` as a user runs it, then its peak resident memory.
+_COLD_RUN = """
+import resource, sys
+from moechat.app.cli import main
+try:
+    main(["run", sys.argv[1], "-p", "The history of the harbour town", "-n", sys.argv[2], "--temp", "0",
+          "--ignore-eos"])
+except SystemExit:
+    pass
+print("maxrss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+"""
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--big", type=Path, default=None, help="the 12-layer Qwen3-30B-A3B-shaped GGUF")
+    ap.add_argument("--tokens", type=int, default=48)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--skip-load", action="store_true")
+    ap.add_argument("--skip-cold", action="store_true")
+    args = ap.parse_args()
+    from moechat.app.paths import app_paths
+    from moechat.demo.build import ensure_demo
+    from testkit.ggufgen import Q, tiny_moe
+
+    print(f"load average at start: {os.getloadavg()[0]:.2f}; CPU: {cpu_name()}\n")
+    demo = ensure_demo(app_paths().cache)
+    with tempfile.TemporaryDirectory() as tmp:
+        models = [("demo (16 experts, top-1)", demo)]
+        for n_expert, k in ((16, 1), (16, 8), (64, 4), (256, 8)):
+            path = tiny_moe(Path(tmp) / f"m{n_expert}-{k}.gguf", n_layers=4, n_embd=512, n_head=8, n_expert=n_expert,
+                            n_expert_used=k, n_ff_exp=256, expert_type=Q.Q4_K, n_vocab=2048)  # fmt: skip
+            models.append((f"generated, {n_expert} experts, top-{k}", path))
+        if args.big is not None:
+            models.append(("Qwen3-30B-A3B-shaped, 12 layers (128, top-8)", args.big))
+        set_threads(0)
+        overhead_table(models, args.tokens)
+        if not args.skip_load:
+            load_table(demo, args.tokens)
+        if not args.skip_cold:
+            cold_table(args.big or demo, args.tokens, args.rounds)
+    print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    torch.set_grad_enabled(False)
+    main()

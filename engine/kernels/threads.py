@@ -1,0 +1,132 @@
+"""How many threads the kernels may use now: fewer while other processes keep cores busy.
+
+The parallel kernels split each call evenly over their threads and wait for the last one. When
+another process takes a core, one of the threads waits for the scheduler (milliseconds) at every
+call, hundreds of calls per token: decode then runs slower on two threads than on one. So with the
+default thread count (`-t 0`) a `ThreadGovernor` looks, a few times a second, at how many of this
+process's cores other processes (and the hypervisor's steal) used since its last look, and runs the
+kernels on the cores left. A count the user set is kept as set.
+
+The look reads /proc/stat (the cores this process may run on) and the process's own CPU time; where
+there is no /proc/stat the count stays at its maximum.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable
+
+from .jit import set_kernel_threads
+
+logger = logging.getLogger(__name__)
+
+LOOK_EVERY_S = 0.25
+# Others' use, in cores, that takes a thread away: above half a core, a thread would share its core.
+TAKE_AT = 0.5
+
+
+class CoreWatch:
+    """The cores other processes kept busy between two looks, on the cores this process may use."""
+
+    def __init__(self, stat: str = "/proc/stat") -> None:
+        self.stat = stat
+        try:
+            self.cpus = {f"cpu{i}" for i in os.sched_getaffinity(0)}
+        except AttributeError:  # not Linux
+            self.cpus = set()
+        self.tick = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+        self._last = self._read()
+
+    def _read(self) -> tuple[float, float, float] | None:
+        """(busy seconds of our cores, their total seconds, this process's CPU seconds)."""
+        try:
+            with open(self.stat, "rb") as f:
+                text = f.read().decode()
+        except OSError:
+            return None
+        busy = total = 0.0
+        for line in text.splitlines():
+            name, _, rest = line.partition(" ")
+            if name not in self.cpus:
+                continue
+            fields = [int(v) for v in rest.split()]
+            idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+            # guest time is already inside user time
+            all_ = sum(fields[:8])
+            busy += all_ - idle
+            total += all_
+        if total == 0:
+            return None
+        t = os.times()
+        return busy / self.tick, total / self.tick, t.user + t.system
+
+    def others(self) -> float | None:
+        """Cores kept busy by anything but this process since the last call (None: unknown)."""
+        now = self._read()
+        last, self._last = self._last, now
+        if now is None or last is None or now[1] - last[1] <= 0:
+            return None
+        wall = (now[1] - last[1]) / max(1, len(self.cpus))  # seconds that passed
+        return max(0.0, (now[0] - last[0]) - (now[2] - last[2])) / wall
+
+
+class ThreadGovernor:
+    """The kernels' thread count for the calling thread: at most `n_max`, one fewer per core others keep busy.
+
+    `pace()` is cheap (a clock read) except every LOOK_EVERY_S, when it looks at the cores; call it
+    before each decode step. `on_change(n)` runs, on the calling thread, when the count changes
+    (torch's threads follow the kernels').
+    """
+
+    def __init__(
+        self,
+        n_max: int,
+        watch: CoreWatch | None = None,
+        on_change: Callable[[int], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.n_max = max(1, n_max)
+        self.watch = watch or CoreWatch()
+        self.on_change = on_change
+        self.clock = clock
+        self.n = self.n_max
+        self.busy_elsewhere = 0.0
+        self._next = clock() + LOOK_EVERY_S
+        self._applied = threading.local()
+
+    def pace(self) -> int:
+        """The thread count to run the next step with, applied to the calling thread."""
+        now = self.clock()
+        if now >= self._next:
+            self._next = now + LOOK_EVERY_S
+            others = self.watch.others()
+            if others is not None:
+                self.busy_elsewhere = others
+                n = max(1, min(self.n_max, len(self.watch.cpus) - int(others + (1 - TAKE_AT))))
+                if n != self.n:
+                    logger.info("other processes keep %.1f cores busy: %d kernel threads", others, n)
+                    self.n = n
+        if getattr(self._applied, "n", None) != self.n:
+            self._applied.n = self.n
+            set_kernel_threads(self.n)
+            if self.on_change is not None:
+                self.on_change(self.n)
+        return self.n
+
+
+_governor: ThreadGovernor | None = None
+
+
+def govern(governor: ThreadGovernor | None) -> None:
+    """Set (or, with None, remove) the process's governor: the default thread count has one, a set count none."""
+    global _governor
+    _governor = governor
+
+
+def pace() -> int | None:
+    """The governor's count for the next step on the calling thread, applied; None without a governor."""
+    g = _governor
+    return g.pace() if g is not None else None
