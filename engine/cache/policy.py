@@ -1,6 +1,6 @@
 """ClassLRU: which experts of a group of layers hold the device slots, and which misses go to the CPU.
 
-Python and flat arrays, no torch: the engine calls it for every cached lookup and the tuner's simulator
+No torch: the engine calls it for every cached lookup and the tuner's simulator
 replays traces through the very same code, so the two cannot disagree.
 
 - CRF (combined recency and frequency) of an expert = its uses, decayed with a half-life of
@@ -20,30 +20,23 @@ replays traces through the very same code, so the two cannot disagree.
   lookup, the most used first; "protect" admits a miss only if its CRF is at least the decayed
   CRF of the slot's current expert (TinyLFU's rule, with this cache's counts).
 
-The simulator replays millions of lookups, so the hot loop is written for CPython: the class
-lists are OrderedDicts (move_to_end and "first" are O(1) in C), per-key state lives in flat
-lists indexed by key, and the CRF decay comes from a table.
+The engine asks at every MoE layer of every token and the simulator replays millions of lookups:
+the per-lookup work is compiled (`lru_core`), over the group's state in two flat arrays, with the
+class lists as linked lists of slots and the CRF decay from a table.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Sequence
-from itertools import islice
 from typing import NamedTuple, Protocol
 
 import numpy as np
 
+from . import lru_core as core
+from .lru_core import CRF_HALF_LIFE, N_CLASS, PROTECT_RATIO, SECOND_USE_WINDOW, UPLOAD_CAP  # noqa: F401 (its constants)
 from .stats import Counters
 
-N_CLASS = 8
-CRF_HALF_LIFE = 128.0  # tokens of the layer's clock
 SHARE_ONE = 1 << 16  # the CPU share is kept in 1/65536
-_DECAY = [2.0 ** (-dt / CRF_HALF_LIFE) for dt in range(8192)]  # exactly 2 ** ((last - now) / 128)
-_INV_POW2 = [2.0**-c for c in range(N_CLASS)]
-SECOND_USE_WINDOW = 256  # tokens of the layer's clock
-UPLOAD_CAP = 1  # uploads per token of a lookup, once the group is full
-PROTECT_RATIO = 1.0  # "protect" admits a miss whose CRF is at least this times its victim's
 
 
 class CachePolicyError(RuntimeError):
@@ -97,82 +90,24 @@ class MissSplit(Protocol):
     def take(self, layer: int, n_misses: int) -> int: ...
 
 
-class Admission:
-    """Which misses a full group admits to its slots (ClassLRU's rule: all); the refused run on the CPU.
-
-    `admit` filters the misses before victims are chosen, `pair` the (miss, victim) pairs after.
-    """
-
-    name = "classlru"
-    tracks_recent = False  # whether `admit` reads the experts used within SECOND_USE_WINDOW tokens
-
-    def admit(
-        self, lru: ClassLRU, base: int, misses: list[int], n_tokens: int, recent: set[int]
-    ) -> tuple[list[int], list[int]]:
-        """(admitted, refused) among the misses."""
-        return misses, []
-
-    def pair(
-        self, lru: ClassLRU, base: int, misses: list[int], victims: list[int]
-    ) -> tuple[list[tuple[int, int]], list[int]]:
-        """((miss, victim slot) pairs to upload, misses refused) from the admitted misses in expert order."""
-        return list(zip(misses, victims, strict=True)), []
-
-
-class SecondUse(Admission):
-    """Admit only an expert the layer used within the last SECOND_USE_WINDOW tokens: one-off uses stay out."""
-
-    name = "second-use"
-    tracks_recent = True
-
-    def admit(
-        self, lru: ClassLRU, base: int, misses: list[int], n_tokens: int, recent: set[int]
-    ) -> tuple[list[int], list[int]]:
-        return [e for e in misses if e in recent], [e for e in misses if e not in recent]
-
-
-class UploadCap(Admission):
-    """At most UPLOAD_CAP uploads per token of a lookup: the most used misses are uploaded."""
-
-    name = "upload-cap"
-
-    def admit(
-        self, lru: ClassLRU, base: int, misses: list[int], n_tokens: int, recent: set[int]
-    ) -> tuple[list[int], list[int]]:
-        cap = UPLOAD_CAP * n_tokens
-        if len(misses) <= cap:
-            return misses, []
-        ranked = sorted(misses, key=lambda e: (-lru.crf[base + e], e))
-        return ranked[:cap], ranked[cap:]
-
-
-class Protect(Admission):
-    """Admit a miss only if its CRF is at least PROTECT_RATIO times its victim's (decayed) CRF."""
-
-    name = "protect"
-
-    def pair(
-        self, lru: ClassLRU, base: int, misses: list[int], victims: list[int]
-    ) -> tuple[list[tuple[int, int]], list[int]]:
-        # The most used misses meet the best victims first; a miss less used than its victim's
-        # expert leaves that expert in its slot.
-        ranked = sorted(misses, key=lambda e: (-lru.crf[base + e], e))
-        kept, refused = [], []
-        for e, s in zip(ranked, victims, strict=True):
-            if lru.crf[base + e] >= PROTECT_RATIO * lru._decayed(lru.key_of[s]):
-                kept.append((e, s))
-            else:
-                refused.append(e)
-        return sorted(kept), refused
-
-
-ADMISSIONS: dict[str, Admission] = {a.name: a for a in (Admission(), SecondUse(), UploadCap(), Protect())}
+# Admission rules by name (`--moe-cache-policy`), each a code of the compiled core (lru_core).
+ADMISSIONS: dict[str, int] = {
+    "classlru": core.CLASSLRU,
+    "second-use": core.SECOND_USE,
+    "upload-cap": core.UPLOAD_CAP_RULE,
+    "protect": core.PROTECT,
+}
 POLICIES = tuple(ADMISSIONS)
 
 
 class ClassLRU:
     """The slots of one group of layers with the same expert geometry; `admission` names the rule by which
-    a full group admits misses (ADMISSIONS)."""
+    a full group admits misses (ADMISSIONS).
+
+    The state lives in two flat arrays that the compiled steps of `lru_core` update; the attributes
+    below are views of them (slot_map, key_of, list_of, crf, last_use, clock) or built on demand
+    (lists, prefetched) for inspection.
+    """
 
     def __init__(self, layers: Sequence[int], n_expert: int, n_slots: int, admission: str = "classlru") -> None:
         if n_slots <= 0:
@@ -180,39 +115,57 @@ class ClassLRU:
         if admission not in POLICIES:
             raise ValueError(f"unknown cache policy '{admission}' (choose from {', '.join(POLICIES)})")
         self.admission = admission
-        self._admission = ADMISSIONS[admission]
         self.layers = tuple(layers)
         self.n_expert = n_expert
         self.n_slots = n_slots
-        self.slot_map: dict[int, list[int]] = {il: [-1] * n_expert for il in self.layers}  # -1: not cached
-        # The same map as arrays the kernels read, kept in step by _place (slot_array).
-        self._slot_arrays = {il: np.full(n_expert, -1, np.int64) for il in self.layers}
-        self.key_of = [-1] * n_slots  # (layer, expert) key in each slot, -1 if empty
-        # One LRU list per class, least recent first; all slots start empty in class 0, in slot order.
-        # Empty slots therefore always sit at the front of class 0 until the group is full.
-        self.lists: list[OrderedDict[int, None]] = [OrderedDict() for _ in range(N_CLASS)]
-        self.lists[0].update(dict.fromkeys(range(n_slots)))
-        self.list_of = [0] * n_slots
-        self.n_filled = 0
-        n_keys = (max(self.layers) + 1) * n_expert if self.layers else 0
-        self.crf = [0.0] * n_keys  # CRF at the key's last use; 0: never used
-        self.last_use = [0] * n_keys  # layer clock at the key's last use
-        self.clock = [0] * (max(self.layers) + 1 if self.layers else 0)
-        self.prefetched: set[int] = set()  # slots a prefetch filled whose expert has not been used since
+        n_layers = max(self.layers) + 1 if self.layers else 0
+        self._st, self._fl = core.new_state(n_layers, n_expert, n_slots, ADMISSIONS[admission])
+        self._out = core.new_out(n_expert)
+        st, n_keys = self._st, n_layers * n_expert
+        self.key_of = core.region(st, core.H_KEY, n_slots)  # key (layer * n_expert + expert) in each slot, -1 empty
+        self.list_of = core.region(st, core.H_LIST, n_slots)  # each slot's class list
+        self.clock = core.region(st, core.H_CLOCK, n_layers)  # per layer: tokens it has seen
+        self.last_use = core.region(st, core.H_LAST, n_keys)  # layer clock at each key's last use
+        self.crf = self._fl[core.N_DECAY :]  # CRF at each key's last use; 0: never used
+        slots = core.region(st, core.H_SLOT, n_keys)
+        # Per layer, each expert's slot (-1: not cached): views the kernels read as they are.
+        self.slot_map: dict[int, np.ndarray] = {il: slots[il * n_expert : (il + 1) * n_expert] for il in self.layers}
 
     @property
     def full(self) -> bool:
         return self.n_filled == self.n_slots
 
+    @property
+    def n_filled(self) -> int:
+        return int(self._st[core.H_FILLED])
+
+    @property
+    def lists(self) -> list[list[int]]:
+        """Each class's LRU list of slots, least recent first."""
+        st, nxt = self._st, core.region(self._st, core.H_NEXT, self.n_slots)
+        out = []
+        for c in range(N_CLASS):
+            items, s = [], int(st[st[core.H_HEAD] + c])
+            while s >= 0:
+                items.append(s)
+                s = int(nxt[s])
+            out.append(items)
+        return out
+
+    @property
+    def prefetched(self) -> set[int]:
+        """Slots a prefetch filled whose expert has not been used since."""
+        return {int(s) for s in np.flatnonzero(core.region(self._st, core.H_PREF, self.n_slots))}
+
     def key(self, layer: int, expert: int) -> int:
         return layer * self.n_expert + expert
 
     def slot_of(self, layer: int, expert: int) -> int:
-        return self.slot_map[layer][expert]
+        return int(self.slot_map[layer][expert])
 
     def slot_array(self, layer: int) -> np.ndarray:
-        """slot_map[layer] as an int64 array [n_expert] (-1: not cached); kept current, not copied."""
-        return self._slot_arrays[layer]
+        """slot_map[layer]: int64 [n_expert], -1 where not cached; current, not a copy."""
+        return self.slot_map[layer]
 
     def preload(self, picks: Sequence[tuple[int, int, float]]) -> list[tuple[int, int, int]]:
         """Warm start: put (layer, expert, CRF) into empty slots, in order, before any lookup.
@@ -226,88 +179,20 @@ class ClassLRU:
             s = next(s for s in self.lists[0] if self.key_of[s] < 0)  # empty slots lead class 0
             key = self.key(layer, e)
             self.crf[key], self.last_use[key] = c, self.clock[layer]
-            self._place(layer, e, s)
+            core.place(self._st, self._fl, layer, e, s)
             placed.append((layer, e, s))
         return placed
 
+    def decayed(self, key: int) -> float:
+        """A key's CRF decayed to its layer's clock now."""
+        dt = int(self.clock[key // self.n_expert] - self.last_use[key])
+        return float(self.crf[key]) * (float(self._fl[dt]) if dt < core.N_DECAY else 2.0 ** (-dt / CRF_HALF_LIFE))
+
     def decayed_crf(self, layer: int) -> list[float]:
         """Each expert's CRF of `layer` decayed to the layer's clock now (0: never used)."""
-        base, now = layer * self.n_expert, self.clock[layer]
-        return [self.crf[base + e] * 2.0 ** ((self.last_use[base + e] - now) / CRF_HALF_LIFE)
+        base, now = layer * self.n_expert, int(self.clock[layer])
+        return [float(self.crf[base + e]) * 2.0 ** ((int(self.last_use[base + e]) - now) / CRF_HALF_LIFE)
                 for e in range(self.n_expert)]  # fmt: skip
-
-    def _place(self, layer: int, e: int, s: int) -> tuple[int, int] | None:
-        """Put expert e of `layer` into slot s, in the class list of its CRF; returns the (layer,
-        expert) it evicts, if any. Misses, prefetches and the warm start all fill slots this way."""
-        old = self.key_of[s]
-        self.prefetched.discard(s)  # a prefetched expert evicted unused: a wasted upload
-        evicted = None
-        if old >= 0:
-            evicted = divmod(old, self.n_expert)
-            self.slot_map[evicted[0]][evicted[1]] = -1
-            self._slot_arrays[evicted[0]][evicted[1]] = -1
-        else:
-            self.n_filled += 1
-        key = self.key(layer, e)
-        self.key_of[s], self.slot_map[layer][e] = key, s
-        self._slot_arrays[layer][e] = s
-        c = self.crf[key]
-        cls = _class(c) if c >= 1 else 0  # never used (a prefetch): the lowest class
-        del self.lists[self.list_of[s]][s]
-        self.lists[cls][s] = None
-        self.list_of[s] = cls
-        return evicted
-
-    def _decayed(self, key: int) -> float:
-        """A key's CRF decayed to its layer's clock now."""
-        dt = self.clock[key // self.n_expert] - self.last_use[key]
-        return self.crf[key] * (_DECAY[dt] if dt < 8192 else 2.0 ** (-dt / CRF_HALF_LIFE))
-
-    def _victims(self, m: int, selected: set[int]) -> list[int]:
-        """The slots that m misses take, in order: empty slots first, then one eviction per miss.
-
-        Each eviction takes, among the first slot of each class list that the lookup does not
-        use, the one with the largest age / 2^class. A slot just filled holds a selected expert,
-        so later picks of the same lookup skip it: the first m usable slots of each list are all
-        the candidates there can be, found in one pass.
-        """
-        lists = self.lists
-        victims = list(islice(lists[0], min(m, self.n_slots - self.n_filled)))  # empties lead class 0
-        need = m - len(victims)
-        if not need:
-            return victims
-        key_of, n_expert, clock, last_use = self.key_of, self.n_expert, self.clock, self.last_use
-        scores, slots = [-2.0] * N_CLASS, [-1] * N_CLASS  # each class list's candidate; -2: none
-        for c in range(N_CLASS):
-            if lists[c]:
-                for s in lists[c]:
-                    key = key_of[s]
-                    if key >= 0 and key not in selected:
-                        scores[c] = (clock[key // n_expert] - last_use[key]) * _INV_POW2[c]
-                        slots[c] = s
-                        break
-        taken: set[int] = set()
-        for n in range(need):
-            best, best_score = -1, -1.0
-            for c in range(N_CLASS):
-                if scores[c] > best_score:
-                    best, best_score = c, scores[c]
-            if best < 0:
-                raise CachePolicyError("no slot can be evicted")
-            victims.append(slots[best])
-            if n + 1 == need:
-                break
-            # The lists do not change until every victim is chosen: the next candidate of the list
-            # just used is its first slot neither selected nor taken.
-            taken.add(slots[best])
-            scores[best] = -2.0
-            for s in lists[best]:
-                key = key_of[s]
-                if key >= 0 and key not in selected and s not in taken:
-                    scores[best] = (clock[key // n_expert] - last_use[key]) * _INV_POW2[best]
-                    slots[best] = s
-                    break
-        return victims
 
     def plan(self, layer: int, ids: Sequence[int], n_tokens: int, share: MissSplit | None = None) -> Plan:
         """Give a slot to each expert that `ids` (n_tokens x experts used) selects in `layer`.
@@ -315,81 +200,30 @@ class ClassLRU:
         `share.take(layer, n_misses)` says how many of the misses the CPU takes; it is asked
         only when the group is full. Advances the layer's clock by n_tokens.
         """
-        uniq = list(dict.fromkeys(ids))  # distinct, in order of first selection
-        if len(uniq) > self.n_slots:
+        out, n_expert = self._out, self.n_expert
+        n_u = core.lookup(self._st, self._fl, layer, np.asarray(ids, np.int64), n_tokens, out)
+        if n_u > self.n_slots:
             raise CachePolicyError(
-                f"layer {layer}: the lookup selects {len(uniq)} distinct experts but the cache has {self.n_slots} slots"
+                f"layer {layer}: the lookup selects {n_u} distinct experts but the cache has {self.n_slots} slots"
             )
-        slots = self.slot_map[layer]
-        base = layer * self.n_expert
-        crf, last_use, now = self.crf, self.last_use, self.clock[layer]
-        lists, list_of = self.lists, self.list_of
-        hits: list[int] = []
-        misses: list[int] = []
-        n_prefetched = 0
-        recent: set[int] = set()  # experts the layer used within SECOND_USE_WINDOW tokens ("second-use")
-        track = self._admission.tracks_recent
-        for e in uniq:
-            key = base + e
-            c = crf[key]
-            if c:
-                dt = now - last_use[key]
-                c = c * (_DECAY[dt] if dt < 8192 else 2.0 ** (-dt / CRF_HALF_LIFE)) + 1.0
-                if track and dt <= SECOND_USE_WINDOW:
-                    recent.add(e)
-            else:
-                c = 1.0
-            crf[key] = c
-            last_use[key] = now
-            s = slots[e]
-            if s >= 0:
-                if s in self.prefetched:
-                    self.prefetched.discard(s)
-                    n_prefetched += 1
-                cls = int(c).bit_length() - 1
-                if cls >= N_CLASS:
-                    cls = N_CLASS - 1
-                frm = list_of[s]
-                if frm == cls:
-                    lists[cls].move_to_end(s)
-                else:
-                    del lists[frm][s]
-                    lists[cls][s] = None
-                    list_of[s] = cls
-                hits.append(e)
-            else:
-                misses.append(e)
-        cpu: list[int] = []
-        if misses and share is not None and self.n_filled == self.n_slots:
-            n_c = min(share.take(layer, len(misses)), len(misses))
-            if n_c > 0:
-                # The least used misses go to the CPU; one that keeps being used gains CRF and is cached.
-                misses.sort(key=lambda e: (crf[base + e], e))
-                cpu, misses = sorted(misses[:n_c]), misses[n_c:]
-        uploads: list[tuple[int, int]] = []
-        evicted: list[tuple[int, int]] = []
-        pairs: list[tuple[int, int]] = []
-        if misses:
-            full = self.n_filled == self.n_slots
-            refused: list[int] = []
-            if full:
-                misses, refused = self._admission.admit(self, base, misses, n_tokens, recent)
-            misses.sort()
-            victims = self._victims(len(misses), {base + e for e in uniq})  # victims skip what this lookup uses
-            if full:
-                pairs, kept_out = self._admission.pair(self, base, misses, victims)
-                refused += kept_out
-            else:
-                pairs = list(zip(misses, victims, strict=True))
-            if refused:
-                cpu = sorted(cpu + refused)
-            for e, s in pairs:
-                gone = self._place(layer, e, s)
-                if gone is not None:
-                    evicted.append(gone)
-                uploads.append((e, s))
-        self.clock[layer] = now + n_tokens
-        return Plan(tuple(hits), tuple(uploads), tuple(cpu), tuple(evicted), n_prefetched)
+        n_h, n_m, n_p = out[:3].tolist()
+        at = core.O_HEADER
+        hits = tuple(out[at + core.O_HITS * n_expert : at + core.O_HITS * n_expert + n_h].tolist())
+        if not n_m:
+            return Plan(hits, (), (), (), n_p)
+        n_cpu = 0
+        if share is not None and self._st[core.H_FILLED] == self.n_slots:
+            n_cpu = min(share.take(layer, n_m), n_m)
+        if not core.settle(self._st, self._fl, layer, n_tokens, n_cpu, out):
+            raise CachePolicyError("no slot can be evicted")
+        n_c, n_up, n_ev = out[3:6].tolist()
+
+        def part(region: int, n: int) -> list[int]:
+            return out[at + region * n_expert : at + region * n_expert + n].tolist()  # type: ignore[no-any-return]
+
+        uploads = tuple(zip(part(core.O_UP_E, n_up), part(core.O_UP_S, n_up), strict=True))
+        evicted = tuple(zip(part(core.O_EV_L, n_ev), part(core.O_EV_E, n_ev), strict=True))
+        return Plan(hits, uploads, tuple(part(core.O_CPU, n_c)), evicted, n_p)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> tuple[tuple[int, int], ...]:
         """Put predicted experts of `layer` in slots ahead of its lookup: (expert, slot) to upload.
@@ -397,18 +231,13 @@ class ClassLRU:
         No use is counted (CRF and clock stay): the lookup that follows counts the experts it
         selects. Victims are chosen as for misses, sparing the predicted experts.
         """
-        slots = self.slot_map[layer]
-        predicted = list(dict.fromkeys(experts))[: self.n_slots]
-        want = sorted(e for e in predicted if slots[e] < 0)
-        if not want:
-            return ()
-        base = layer * self.n_expert
-        uploads = []
-        for e, s in zip(want, self._victims(len(want), {base + e for e in predicted}), strict=True):
-            self._place(layer, e, s)
-            self.prefetched.add(s)
-            uploads.append((e, s))
-        return tuple(uploads)
+        out, n_expert, at = self._out, self.n_expert, core.O_HEADER
+        n = core.prefetch(self._st, self._fl, layer, np.asarray(experts, np.int64), out)
+        if n < 0:
+            raise CachePolicyError("no slot can be evicted")
+        es = out[at + core.O_UP_E * n_expert : at + core.O_UP_E * n_expert + n].tolist()
+        ss = out[at + core.O_UP_S * n_expert : at + core.O_UP_S * n_expert + n].tolist()
+        return tuple(zip(es, ss, strict=True))
 
 
 def split_budget(
@@ -427,11 +256,6 @@ def split_budget(
         n_slots = min(share // expert_bytes, n_layers * n_expert)
         out.append((int(n_slots) if n_slots >= n_expert_used else 0, int(share)))
     return out
-
-
-def _class(crf: float) -> int:
-    """floor(log2(crf)) for crf >= 1, capped at the last class."""
-    return min(N_CLASS - 1, int(crf).bit_length() - 1)
 
 
 class CpuShare:
