@@ -71,13 +71,13 @@ def kernel_clock() -> Iterator[list[float]]:
 
     for name, f in originals.items():
         setattr(cpu_kernels, name, timed(f))
-    Uploader.upload = timed_upload  # type: ignore[method-assign]
+    Uploader.upload = timed_upload
     try:
         yield spent
     finally:
         for name, f in originals.items():
             setattr(cpu_kernels, name, f)
-        Uploader.upload = upload  # type: ignore[method-assign]
+        Uploader.upload = upload
 
 
 def layer_overhead(path: Path, settings: CacheSettings | None, n_tokens: int) -> tuple[list[float], float]:
@@ -100,12 +100,12 @@ def layer_overhead(path: Path, settings: CacheSettings | None, n_tokens: int) ->
             out.append((time.perf_counter() - t - (spent[0] + spent[1] - before)) * 1e6)
             return r
 
-        cls.__call__ = call  # type: ignore[method-assign]
+        cls.__call__ = call
         try:
             for _ in range(n_tokens):
                 tok = int(decode_one(lm.model, tok, cache).argmax())
         finally:
-            cls.__call__ = original  # type: ignore[method-assign]
+            cls.__call__ = original
     lm.close()
     return out, spent[1] * 1e6 / max(1, len(out))
 
@@ -145,9 +145,11 @@ def overhead_table(models: list[tuple[str, Path]], n_tokens: int) -> None:
             med = statistics.median(us)
             if settings is None:
                 off = med
-            share = "-" if settings is None else f"{settings.cpu_share:g}"
+            share_cell = "-" if settings is None else f"{settings.cpu_share:g}"
             part = "" if settings is None else f"{med - off:.1f}"
-            print(f"| {label} | {name} | {share} | {med:.1f} | {p95(us):.1f} | {part} | {copies:.1f} |", flush=True)
+            print(
+                f"| {label} | {name} | {share_cell} | {med:.1f} | {p95(us):.1f} | {part} | {copies:.1f} |", flush=True
+            )
 
 
 def decode_tps(path: Path, settings: CacheSettings | None, n_tokens: int, threads: int) -> float:

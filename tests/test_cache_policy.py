@@ -267,7 +267,7 @@ def test_the_compiled_policy_plans_exactly_as_the_python_one(
                 fast.plan(layer, ids, n_tokens, share_fast.active())
             continue
         if rng.random() < 0.2:
-            guess = ids[:k] + [rng.randrange(n_expert)]
+            guess = [*ids[:k], rng.randrange(n_expert)]
             assert fast.prefetch(layer, guess) == ref.prefetch(layer, guess)
         got = fast.plan(layer, ids, n_tokens, share_fast.active())
         want = ref.plan(layer, ids, n_tokens, share_ref.active())

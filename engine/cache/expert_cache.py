@@ -189,13 +189,14 @@ class ExpertCache:
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n_tokens, n_used = ids.shape
         ids = ids.cpu()  # the one host sync the routing needs
-        flat = ids.view(-1).tolist()
+        flat_ids = ids.view(-1).numpy()  # [T*k] int64, what the compiled policy reads
+        flat = flat_ids.tolist()
         cacheable = n_tokens <= self.settings.max_batch  # larger batches go around any cache
         if cacheable:
             self._lookup_heads.extend((layer, n_used, len(flat)))
             self._lookup_ids.extend(flat)
         if self._trace is not None:
-            self._trace.write(layer, n_used, ids.view(-1).numpy())
+            self._trace.write(layer, n_used, flat_ids)
         uses = self.use_counts[layer]
         for e in flat:
             uses[e] += 1
@@ -216,7 +217,7 @@ class ExpertCache:
                 count(counters, n_tokens, None, len(set(flat)), info.expert_bytes)
                 plan = None
             else:
-                plan = policy.plan(layer, flat, n_tokens, self.share.active())
+                plan = policy.plan(layer, flat_ids, n_tokens, self.share.active())
                 count(counters, n_tokens, plan, 0, info.expert_bytes)
         if plan is None or policy is None:
             return self._uncached_path(layer, x, ids, weights)

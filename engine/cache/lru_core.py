@@ -36,10 +36,13 @@ H_SLOTS, H_EXPERT, H_LAYERS, H_FILLED, H_ADMIT, H_STAMP = 0, 1, 2, 3, 4, 5
 H_KEY, H_PREV, H_NEXT, H_LIST, H_PREF, H_SMARK, H_HEAD, H_TAIL, H_CLOCK, H_SLOT, H_LAST, H_EMARK = range(6, 18)
 HEADER = 20
 
-# Regions of the `out` array a step fills (each n_expert long, after a header of counts).
-O_HITS, O_MISSES, O_RECENT, O_CPU, O_UP_E, O_UP_S, O_EV_L, O_EV_E, O_SCRATCH, O_SCRATCH2 = range(10)
+# Regions of the `out` array a step fills (each n_expert long, after a header of counts). The result
+# region holds the plan compactly, for one read: hits, CPU misses, uploads' experts, their slots,
+# evictions' layers, their experts (6 regions' room).
+O_MISSES, O_RECENT, O_CPU, O_UP_E, O_UP_S, O_EV_L, O_EV_E, O_SCRATCH, O_SCRATCH2, O_RESULT = range(10)
+O_HITS = O_RESULT
 O_HEADER = 8
-N_OUT = 10
+N_OUT = 16
 
 
 def new_state(n_layers: int, n_expert: int, n_slots: int, admission: int) -> tuple[np.ndarray, np.ndarray]:
@@ -390,6 +393,12 @@ def settle(st, fl, layer, n_tokens, n_cpu, out):
             n_up += 1
     _sort(out, cpu, n_c)
     out[3], out[4], out[5] = n_c, n_up, n_ev
+    # The plan compactly after the hits: cpu, uploads' experts and slots, evictions' layers and experts.
+    at = O_HEADER + O_RESULT * n_expert + out[0]
+    for src, n in ((cpu, n_c), (up_e, n_up), (up_s, n_up), (ev_l, n_ev), (ev_e, n_ev)):
+        for i in range(n):
+            out[at + i] = out[src + i]
+        at += n
     st[st[H_CLOCK] + layer] = now + n_tokens
     return True
 

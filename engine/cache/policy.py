@@ -121,6 +121,7 @@ class ClassLRU:
         n_layers = max(self.layers) + 1 if self.layers else 0
         self._st, self._fl = core.new_state(n_layers, n_expert, n_slots, ADMISSIONS[admission])
         self._out = core.new_out(n_expert)
+        self._result = core.O_HEADER + core.O_RESULT * n_expert  # where a plan lies compactly in _out
         st, n_keys = self._st, n_layers * n_expert
         self.key_of = core.region(st, core.H_KEY, n_slots)  # key (layer * n_expert + expert) in each slot, -1 empty
         self.list_of = core.region(st, core.H_LIST, n_slots)  # each slot's class list
@@ -194,36 +195,31 @@ class ClassLRU:
         return [float(self.crf[base + e]) * 2.0 ** ((int(self.last_use[base + e]) - now) / CRF_HALF_LIFE)
                 for e in range(self.n_expert)]  # fmt: skip
 
-    def plan(self, layer: int, ids: Sequence[int], n_tokens: int, share: MissSplit | None = None) -> Plan:
+    def plan(self, layer: int, ids: Sequence[int] | np.ndarray, n_tokens: int, share: MissSplit | None = None) -> Plan:
         """Give a slot to each expert that `ids` (n_tokens x experts used) selects in `layer`.
 
         `share.take(layer, n_misses)` says how many of the misses the CPU takes; it is asked
         only when the group is full. Advances the layer's clock by n_tokens.
         """
-        out, n_expert = self._out, self.n_expert
+        out, res = self._out, self._result
         n_u = core.lookup(self._st, self._fl, layer, np.asarray(ids, np.int64), n_tokens, out)
         if n_u > self.n_slots:
             raise CachePolicyError(
                 f"layer {layer}: the lookup selects {n_u} distinct experts but the cache has {self.n_slots} slots"
             )
         n_h, n_m, n_p = out[:3].tolist()
-        at = core.O_HEADER
-        hits = tuple(out[at + core.O_HITS * n_expert : at + core.O_HITS * n_expert + n_h].tolist())
         if not n_m:
-            return Plan(hits, (), (), (), n_p)
+            return Plan(tuple(out[res : res + n_h].tolist()), (), (), (), n_p)
         n_cpu = 0
         if share is not None and self._st[core.H_FILLED] == self.n_slots:
             n_cpu = min(share.take(layer, n_m), n_m)
         if not core.settle(self._st, self._fl, layer, n_tokens, n_cpu, out):
             raise CachePolicyError("no slot can be evicted")
         n_c, n_up, n_ev = out[3:6].tolist()
-
-        def part(region: int, n: int) -> list[int]:
-            return out[at + region * n_expert : at + region * n_expert + n].tolist()  # type: ignore[no-any-return]
-
-        uploads = tuple(zip(part(core.O_UP_E, n_up), part(core.O_UP_S, n_up), strict=True))
-        evicted = tuple(zip(part(core.O_EV_L, n_ev), part(core.O_EV_E, n_ev), strict=True))
-        return Plan(hits, uploads, tuple(part(core.O_CPU, n_c)), evicted, n_p)
+        v = out[res : res + n_h + n_c + 2 * n_up + 2 * n_ev].tolist()
+        a, b, c, d = n_h + n_c, n_h + n_c + n_up, n_h + n_c + 2 * n_up, n_h + n_c + 2 * n_up + n_ev
+        return Plan(tuple(v[:n_h]), tuple(zip(v[a:b], v[b:c], strict=True)), tuple(v[n_h:a]),
+                    tuple(zip(v[c:d], v[d:], strict=True)), n_p)  # fmt: skip
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> tuple[tuple[int, int], ...]:
         """Put predicted experts of `layer` in slots ahead of its lookup: (expert, slot) to upload.

@@ -1,0 +1,68 @@
+"""The default thread count gives way to other processes: measured on this machine's own cores."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from moechat.engine.kernels import threads
+from moechat.engine.kernels.threads import LOOK_EVERY_S, CoreWatch, ThreadGovernor
+from moechat.engine.loader import set_threads
+
+linux_only = pytest.mark.skipif(not Path("/proc/stat").exists(), reason="reads /proc/stat")
+
+
+def _spinner() -> subprocess.Popen[bytes]:
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+@linux_only
+def test_the_watch_sees_another_process_keep_a_core_busy() -> None:
+    watch = CoreWatch()
+    spin = _spinner()
+    try:
+        time.sleep(0.2)
+        watch.others()  # from here on the spinner runs the whole interval
+        t = time.process_time()
+        while time.process_time() - t < 0.5:  # this process busy too: its own time is not counted as others'
+            pass
+        busy = watch.others()
+    finally:
+        spin.kill()
+        spin.wait()
+    assert busy is not None and busy >= 0.6, busy
+    assert busy <= len(watch.cpus) + 0.1
+
+
+@linux_only
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_the_governor_takes_a_thread_away_while_a_core_is_busy() -> None:
+    n_cores = len(os.sched_getaffinity(0))
+    changes: list[int] = []
+    governor = ThreadGovernor(n_cores, on_change=changes.append)
+    assert governor.pace() == n_cores and changes == [n_cores]  # applied to this thread at once
+    spin = _spinner()
+    try:
+        time.sleep(0.2)
+        deadline = time.monotonic() + 20 * LOOK_EVERY_S
+        while governor.pace() == n_cores and time.monotonic() < deadline:
+            time.sleep(LOOK_EVERY_S / 5)
+    finally:
+        spin.kill()
+        spin.wait()
+    assert governor.n < n_cores and governor.busy_elsewhere >= 0.5
+    assert changes[-1] == governor.n
+
+
+def test_only_the_default_thread_count_is_governed() -> None:
+    try:
+        set_threads(1)
+        assert threads.pace() is None  # a count the user set is kept as set
+        set_threads(0)
+        assert threads.pace() is not None
+    finally:
+        set_threads(0)
