@@ -150,7 +150,7 @@ class Settings:
             int,
             lambda v: 0 <= v <= 1024,
             "in 0..1024 (0: one per core)",
-            "CPU threads for the engine; 0 = one per core",
+            "CPU threads for the engine; 0 = one per core, fewer while other processes keep cores busy",
             short="-t",
             metavar="N",
         ),

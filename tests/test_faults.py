@@ -110,14 +110,18 @@ def test_a_cache_larger_than_the_device_allows_proposes_one_that_fits(
     import moechat.engine.cache.device_memory as memory
 
     monkeypatch.setattr(memory, "device_free_bytes", lambda device: 2 * 2**20)
+    # With an emulated link the CPU device's slots hold copies, as a device's do (without one they
+    # read the host copy in place and need no memory: that cache loads).
+    load_model(model, n_ctx=64, cache=CacheSettings(mib=3.0)).close()
     with pytest.raises(CacheError, match=r"has 2 MiB free") as info:
-        load_model(model, n_ctx=64, cache=CacheSettings(mib=3.0))
+        load_model(model, n_ctx=64, cache=CacheSettings(mib=3.0, emulate_link_gbps=100.0))
     assert info.value.parameter == "mib" and info.value.suggestion is not None
     proposed = int(info.value.suggestion)
-    load_model(model, n_ctx=64, cache=CacheSettings(mib=proposed)).close()  # the proposal does fit
+    load_model(model, n_ctx=64, cache=CacheSettings(mib=proposed, emulate_link_gbps=100.0)).close()  # it fits
     from moechat.app.cli import main
 
-    assert main(["run", str(model), "-p", "hi", "-n", "1", "-c", "64", "--moe-cache-mib", "3"]) == 2
+    argv = ["run", str(model), "-p", "hi", "-n", "1", "-c", "64", "--moe-cache-mib", "3", "--emulate-link-gbps", "100"]
+    assert main(argv) == 2
     # The command line names its own flag, and the value to try.
     err = capsys.readouterr().err
     assert "--moe-cache-mib: a cache of 3 MiB" in err and f"try --moe-cache-mib {proposed}" in err
