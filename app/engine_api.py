@@ -14,7 +14,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from moechat.engine.cache.stats import StatsSnapshot
+from moechat.engine.cache.stats import MinBound, StatsSnapshot
 from moechat.engine.events import Event, SamplingParams
 from moechat.tuner.events import ConfirmEvent, SweepDone, SweepEvent
 from moechat.tuner.recommend import TuneReport
@@ -66,8 +66,9 @@ class ChatEngine(Protocol):
 
     def set_cache(self, mib: float, share: float) -> None: ...
 
-    def min_hit_rate(self) -> float | None:
-        """MIN's hit rate (with bypass) on the current cache's lookups so far, at its size; None: no cache."""
+    def min_bound(self) -> MinBound | None:
+        """MIN's hit rate (with bypass) at the current cache's size and the cache's own, on its recent lookups
+        (a bounded window; the whole session while it is shorter); None: no cache or no lookup yet."""
         ...
 
     def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,

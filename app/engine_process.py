@@ -26,7 +26,7 @@ from typing import Any
 
 from moechat.app.engine_api import Message, ModelInfo
 from moechat.app.settings import Settings, cache_settings, error_line
-from moechat.engine.cache.stats import Cadence, StatsSnapshot
+from moechat.engine.cache.stats import Cadence, MinBound, StatsSnapshot
 from moechat.engine.events import DoneEvent, Event, SamplingParams
 from moechat.tuner.events import Cancelled, ConfirmEvent, SweepDone, SweepEvent
 from moechat.tuner.recommend import TuneReport
@@ -65,7 +65,7 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
     conn.send(("ready", engine.info))
     calls: dict[str, Callable[..., Any]] = {
         "fit_messages": engine.fit_messages, "snapshot": engine.snapshot, "cache": engine.cache,
-        "set_cache": engine.set_cache, "recommend": engine.recommend, "min_hit_rate": engine.min_hit_rate,
+        "set_cache": engine.set_cache, "recommend": engine.recommend, "min_bound": engine.min_bound,
     }  # fmt: skip
     try:
         while True:
@@ -183,8 +183,8 @@ class ProcessEngine:
     def set_cache(self, mib: float, share: float) -> None:
         self._call("set_cache", mib, share)
 
-    def min_hit_rate(self) -> float | None:
-        return self._call("min_hit_rate")
+    def min_bound(self) -> MinBound | None:
+        return self._call("min_bound")
 
     def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
               ) -> Iterator[SweepEvent]:  # fmt: skip

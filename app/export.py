@@ -16,7 +16,14 @@ from typing import Any
 
 from moechat.app.atomic import write_atomic
 from moechat.app.conversations import Conversation, now_iso
-from moechat.engine.cache.stats import RECENT_TOKENS, CountersSnapshot, Recent, RecentWindow, StatsSnapshot
+from moechat.engine.cache.stats import (
+    RECENT_TOKENS,
+    CountersSnapshot,
+    MinBound,
+    Recent,
+    RecentWindow,
+    StatsSnapshot,
+)
 from moechat.engine.events import DoneEvent
 
 from moechat import __version__
@@ -57,8 +64,20 @@ class SessionStats:
     earlier_tokens: int = 0
     periods: list[dict[str, Any]] = field(default_factory=list)
     recent: RecentWindow = field(default_factory=RecentWindow, repr=False)
-    # MIN's hit rate (with bypass) on the current cache's lookups at its size, after the last reply.
-    min_hit_rate: float | None = None
+    # MIN's hit rate (with bypass) at the current cache's size and the cache's own, on its recent lookups,
+    # after the last reply.
+    min_bound: MinBound | None = None
+
+    @property
+    def min_hit_rate(self) -> float | None:
+        return self.min_bound.rate if self.min_bound is not None else None
+
+    def set_bound(self, bound: MinBound | None) -> None:
+        """The bound after a reply: the session's, and the reply's record."""
+        self.min_bound = bound
+        if self.replies:
+            self.replies[-1]["min_hit_rate"] = self.min_hit_rate
+            self.replies[-1]["min_bound"] = asdict(bound) if bound is not None else None
 
     def cache_rebuilt(self) -> None:
         """The engine's cache starts its counters again: keep what the old one counted in the session."""
@@ -125,6 +144,7 @@ class SessionStats:
                 k: sum(layer[k] for layer in layers) for k in ("prefetched", "prefetched_bytes", "prefetch_hits")
             },
             "min_hit_rate": self.min_hit_rate,
+            "min_bound": asdict(self.min_bound) if self.min_bound is not None else None,
             "layers": layers,
             "cache_periods": self.periods,  # caches rebuilt during the session, before the current one
             "replies": self.replies,
@@ -193,18 +213,20 @@ def _prefetch_line(d: dict[str, Any]) -> list[str]:
                 f"{p['prefetch_hits']} of them used ({100 * p['prefetch_hits'] / p['prefetched']:.1f}%)."]  # fmt: skip
 
 
-def _bound_line(d: dict[str, Any], total: dict[str, Any]) -> list[str]:
+def _bound_line(d: dict[str, Any]) -> list[str]:
     """How far the cache's policy is from MIN at its size (none before a reply), both on the current cache's
     lookups (the session's total also counts the caches it ran before)."""
-    bound = d.get("min_hit_rate")
+    bound = d.get("min_bound")
     if bound is None:
         return []
-    earlier = d.get("periods") or []
-    lookups = total["lookups"] - sum(p["lookups"] for p in earlier)
-    hit = (total["hits"] - sum(p["hits"] for p in earlier)) / lookups if lookups else 0.0
-    return ["", f"MIN (offline optimum, with bypass) at this size, on the same lookups as the current cache's "
-                f"hit rate and from its start (warm-started slots included): hit rate {100 * bound:.1f}%, against "
-                f"{100 * hit:.1f}% for {d.get('policy', 'classlru')}."]  # fmt: skip
+    policy = d.get("policy", "classlru")
+    if bound["from_start"]:
+        return ["", f"MIN (offline optimum, with bypass) at this size, on the same lookups as the current cache's "
+                    f"hit rate and from its start (warm-started slots included): hit rate {100 * bound['rate']:.1f}%, "
+                    f"against {100 * bound['hit_rate']:.1f}% for {policy}."]  # fmt: skip
+    return ["", f"MIN (offline optimum, with bypass) at this size, on the same lookups as the current cache's, its "
+                f"last {bound['tokens']} tokens (from the slots as they were then): hit rate "
+                f"{100 * bound['rate']:.1f}%, against {100 * bound['hit_rate']:.1f}% for {policy}."]  # fmt: skip
 
 
 def to_markdown(d: dict[str, Any]) -> str:
@@ -238,7 +260,7 @@ def to_markdown(d: dict[str, Any]) -> str:
         f"starts a new one): {d['tokens']} tokens, hit rate {100 * hit:.1f}%, {total['cpu']} misses on the CPU, "
         f"{total['uploaded_bytes'] / 2**20:.1f} MiB uploaded.",
         *_recent_line(d),
-        *_bound_line(d, total),
+        *_bound_line(d),
         *_prefetch_line(d),
         "",
         "| layer | lookups | hits | hit rate | cpu | uploads | uploaded MiB | slots held |",

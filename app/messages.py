@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moechat.engine.cache.stats import StatsSnapshot
+from moechat.engine.cache.stats import MinBound, StatsSnapshot
 from moechat.engine.events import DoneEvent
 from moechat.tuner.events import ConfirmEvent, SweepEvent
 from moechat.tuner.recommend import TuneReport
@@ -82,8 +82,8 @@ class CacheApplied(Message):
 
 
 class BoundUpdate(Message):
-    """After a reply: the hit rate MIN would have had on the cache's lookups so far (None: no cache)."""
+    """After a reply: MIN's hit rate and the cache's on its recent lookups (None: no cache)."""
 
-    def __init__(self, min_hit_rate: float | None) -> None:
+    def __init__(self, bound: MinBound | None) -> None:
         super().__init__()
-        self.min_hit_rate = min_hit_rate
+        self.bound = bound

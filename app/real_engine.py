@@ -18,7 +18,7 @@ from moechat.app.paths import app_paths
 from moechat.app.settings import Settings
 from moechat.app.tuned import file_identity
 from moechat.engine.cache.settings import CacheSettings
-from moechat.engine.cache.stats import StatsSnapshot
+from moechat.engine.cache.stats import MinBound, StatsSnapshot
 from moechat.engine.events import Event, SamplingParams, TokenEvent
 from moechat.engine.generate import generate
 from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
@@ -155,13 +155,16 @@ class RealEngine:
         c = self.lm.cache
         return (c.settings.mib, c.settings.cpu_share) if c is not None else (0.0, 0.0)
 
-    def min_hit_rate(self) -> float | None:
+    def min_bound(self) -> MinBound | None:
         c = self.lm.cache
         if c is None:
             return None
-        # On the lookups the cache's own hit rate counts, from the same start (its warm-started slots).
-        return min_hit_rate([g.info for g in c.groups], c.n_expert_used, c.settings.max_batch, c.lookups(),
-                            c.preloaded)  # fmt: skip
+        # The cache's recent lookups, MIN starting from the slots as they were at the window's start.
+        w = c.log.window()
+        rate = min_hit_rate([g.info for g in c.groups], c.n_expert_used, c.settings.max_batch, w.records, w.preload)
+        if rate is None:
+            return None
+        return MinBound(rate, w.hits / w.lookups if w.lookups else 0.0, w.tokens, w.from_start)
 
     def set_cache(self, mib: float, share: float) -> None:
         settings = replace(self.base, mib=mib, cpu_share=share, trace=None)

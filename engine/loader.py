@@ -201,6 +201,12 @@ def load_model(
             check_fit(gguf, cfg, model, tok)
         lm = LoadedModel(gguf, cfg, model, tok, template, n_ctx, None, cpu_dequant_mib, cpu_kernels)
         lm.set_cache(cache)  # the one place the executor is swapped for the cache
+        # The file's pages mapped ahead of decode (a first touch in decode is a page fault), when they
+        # fit in memory: a larger file is read as it is used.
+        from .cache.device_memory import device_free_bytes
+
+        if gguf.size < device_free_bytes(torch.device("cpu")):
+            gguf.prefault()
     except BaseException:
         gguf.close()
         raise

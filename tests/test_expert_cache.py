@@ -448,3 +448,43 @@ def test_pinned_experts_are_copied_once_per_model_and_keep_the_cpu_options(tmp_p
     assert second.host is first.host  # the tuner's arms do not pin the experts again
     assert second.host.layers[0].gate.raw.is_pinned()
     assert (second.host.kernels, second.host.dequant_mib) == ("int8", 4)
+
+
+def test_the_min_window_is_bounded_and_counts_what_the_cache_counted(tmp_path: Path) -> None:
+    """The lookups kept for the MIN bound: the whole session while it is short, then a window of
+    recent tokens whose length does not grow with the session; the cache's hits on the window are
+    the difference of its own counters across it, and MIN (from the slots as they were at the
+    window's start) is never below them."""
+    from moechat.app.real_engine import RealEngine
+    from moechat.engine.cache.lookup_log import LookupLog
+    from moechat.tuner.baselines import min_hit_rate
+
+    path = tiny_moe(tmp_path / "m.gguf", n_expert=8)
+    lm = load_model(path, n_ctx=256, cache=CacheSettings(mib=EXPERT_MIB / 3, cpu_share=0.5))
+    cache = lm.cache
+    assert cache is not None
+    window, every = 16, 4
+    cache.log = LookupLog(cache.preloaded, window_tokens=window, every_tokens=every)  # a short window for the test
+    engine = RealEngine(lm, CacheSettings())
+    kv = lm.new_cache()
+    totals = {}  # tokens seen -> the cache's counters then
+    prompt = lm.tokenizer.encode(PROMPT)[:4]
+    tok = int(prefill_one := lm.model(torch.tensor(prompt), 0, kv)[-1].argmax())
+    del prefill_one
+    n_layers = len(lm.model.host_experts.layers)
+    for step in range(60):
+        totals[cache.tokens] = cache.snapshot().total
+        with torch.inference_mode():
+            tok = int(lm.model(torch.tensor([tok]), kv.pos, kv)[-1].argmax())
+        w = cache.log.window()
+        if step == 8:
+            assert w.from_start and w.hits == cache.snapshot().total.hits  # the session: the cache's own count
+        if step >= 40:
+            assert not w.from_start and window <= w.tokens <= window + every
+            assert len(w.records) == w.tokens * n_layers  # bounded whatever the session's length
+            before, now = totals[cache.tokens - w.tokens], cache.snapshot().total
+            assert w.hits == now.hits - before.hits and w.lookups == now.lookups - before.lookups
+    bound = engine.min_bound()
+    assert bound is not None and not bound.from_start and bound.rate >= bound.hit_rate
+    cold = min_hit_rate([g.info for g in cache.groups], 2, cache.settings.max_batch, w.records)
+    assert cold is not None and bound.rate >= cold  # starting from the slots' experts, not from empty slots

@@ -236,3 +236,47 @@ def test_cli_inspect_shows_metadata_as_written_never_as_markup(tmp_path: Path) -
                        env={"COLUMNS": "200", "PATH": "/usr/bin:/bin"})  # fmt: skip
     assert r.returncode == 0, r.stderr
     assert name in r.stdout and "[b]odd[red].gguf" in r.stdout
+
+
+def _map_pages(path: Path) -> tuple[int, int]:
+    """(resident bytes, anonymous bytes) of this process's maps of `path`, from /proc/self/smaps: a page
+    copied on write would be anonymous (a file's own pages may count as dirty until written back)."""
+    rss = copied = 0
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line and not line[0].isupper():  # a mapping's header: address range, perms, ..., path
+            inside = line.rstrip().endswith(str(path))
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1]) * 1024
+        elif inside and line.startswith("Anonymous:"):
+            copied += int(line.split()[1]) * 1024
+    return rss, copied
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="reads /proc/self/smaps")
+def test_a_loaded_model_maps_its_pages_ahead_without_copying_them(tmp_path: Path) -> None:
+    """After load the file's pages are mapped into the process in the background (no page faults left
+    for decode), each once: resident at most the file's size, nothing copied."""
+    from moechat.engine.loader import load_model
+
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=4, n_embd=512, n_expert=16, n_ff_exp=512, n_vocab=4096)
+    size = path.stat().st_size
+    lm = load_model(path, n_ctx=64)
+    try:
+        pre = lm.gguf._prefault
+        assert pre is not None and pre.done.wait(30)
+        if pre.bytes == 0:
+            pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14)")
+        assert pre.bytes == size
+        rss, copied = _map_pages(path)
+        assert 0.95 * size <= rss <= size + 4096 and copied < 0.01 * size, (rss, copied, size)
+    finally:
+        lm.close()
+
+
+def test_closing_a_file_stops_its_prefault(tmp_path: Path) -> None:
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=4, n_embd=512, n_expert=16, n_ff_exp=512, n_vocab=4096)
+    f = GGUFFile(path)
+    pre = f.prefault()
+    f.close()  # stops it within a chunk and waits for it
+    assert pre.done.is_set() and not pre._thread.is_alive() and f._prefault is None

@@ -198,6 +198,29 @@ async def test_after_a_reply_the_dashboard_and_export_show_the_min_bound(tmp_pat
         await until(pilot, lambda: not screen.generating and "(MIN 90.0%)" in totals.lines[0])
 
 
+async def test_a_long_sessions_min_bound_is_shown_with_the_window_it_covers(tmp_path: Path) -> None:
+    """Past the window the bound covers recent lookups only: shown beside the cache's own rate on them,
+    not beside the session's hit rate, on screen and in the export."""
+    engine = FakeEngine(WORDS)
+    engine.window_after = 0
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        totals = screen.query_one("#totals", RowsView)
+        await say(pilot, screen, "hi")
+        await until(pilot, lambda: app.session.min_bound is not None)
+        n = app.session.min_bound.tokens
+        await until(pilot, lambda: any(line.startswith(f"last {n} tok 75.0% (MIN 90.0%)") for line in totals.lines))
+        assert "MIN" not in totals.lines[0]
+        from moechat.app.export import to_markdown
+
+        d = app.session.to_dict()
+        assert d["min_bound"] == {"rate": 0.9, "hit_rate": 0.75, "tokens": n, "from_start": False}
+        assert f"its last {n} tokens (from the slots as they were then): hit rate 90.0%, against 75.0%" in to_markdown(
+            d
+        )
+
+
 def test_the_cadence_sends_at_most_once_a_period_and_always_the_last() -> None:
     from moechat.engine.cache.stats import Cadence
 

@@ -155,7 +155,9 @@ def test_the_engine_bounds_its_session_with_min_at_its_size(tmp_path: Path) -> N
     prompt = lm.tokenizer.encode(PROMPT)
     for _ in engine.reply(prompt, SamplingParams(seed=3), 40, __import__("threading").Event()):
         pass
-    bound = engine.min_hit_rate()
+    got = engine.min_bound()
+    assert got is not None and got.from_start  # a short session: the window is the whole of it
+    bound = got.rate
     assert lm.cache is not None
     own = lm.cache.snapshot().total.hit_rate
     slots = [g.info.n_slots for g in lm.cache.groups]
@@ -561,7 +563,9 @@ def test_after_a_warm_start_min_starts_from_the_same_slots(tmp_path: Path) -> No
         for _ in engine.reply(prompt, SamplingParams(seed=3), 24, threading.Event()):
             pass
         assert lm.cache is not None
-        own, bound, preloaded = lm.cache.snapshot().total.hit_rate, engine.min_hit_rate(), lm.cache.preloaded
+        own, got, preloaded = lm.cache.snapshot().total.hit_rate, engine.min_bound(), lm.cache.preloaded
+        assert got is not None and got.from_start and got.hit_rate == own
+        bound = got.rate
         cold = min_hit_rate([g.info for g in lm.cache.groups], 2, lm.cache.settings.max_batch, lm.cache.lookups())
         engine.close()
     assert preloaded and own == 1.0  # warm: nothing missed

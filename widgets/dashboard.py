@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moechat.engine.cache.stats import Recent, StatsSnapshot
+from moechat.engine.cache.stats import MinBound, Recent, StatsSnapshot
 from moechat.widgets.expert_heatmap import ExpertHeatmap, legend
 from moechat.widgets.layer_stats import LayerStats
 from moechat.widgets.rows import RowsView
@@ -21,7 +21,7 @@ class Dashboard(VerticalScroll):
     def __init__(self, **kw: object) -> None:
         super().__init__(**kw)  # type: ignore[arg-type]
         self.updates = 0  # snapshots shown: tests check the rate stays bounded
-        self._bound: float | None = None  # MIN's hit rate after the last reply
+        self._bound: MinBound | None = None  # MIN's hit rate and the cache's after the last reply
         self._totals: tuple[float, float, Recent | None] = (0.0, 0.0, None)  # t/s, MiB/token, recent window
         self._snap: StatsSnapshot | None = None  # the latest, to fold again on a resize
 
@@ -62,12 +62,17 @@ class Dashboard(VerticalScroll):
         else:
             worst = ", ".join(f"{layer} {100 * rate:.0f}%" for layer, rate in recent.worst(2))
             last = f"last {recent.span} tok {100 * recent.total.hit_rate:.1f}%  |  worst {worst}"
-        # MIN's hit rate at this size, on the lookups up to the last reply: the bound of any policy.
-        bound = f" (MIN {100 * self._bound:.1f}%)" if self._bound is not None else ""
+        # MIN's hit rate at this size, on the lookups up to the last reply: the bound of any policy. On a
+        # long session it covers a window of recent lookups, shown with the cache's own rate on them.
+        b = self._bound
+        bound = f" (MIN {100 * b.rate:.1f}%)" if b is not None and b.from_start else ""
+        window = [] if b is None or b.from_start else [
+            [(f"last {b.tokens} tok {100 * b.hit_rate:.1f}% (MIN {100 * b.rate:.1f}%)", "")]]  # fmt: skip
         # Short lines that fit the panel's 43 columns: rows are cropped, never wrapped.
         totals.set_rows([
             [(f"hit rate {100 * t.hit_rate:.1f}%" + bound + f"  |  {tps:.1f} t/s", "")],
             [(last, "")],
+            *window,
             [(f"uploaded {t.uploaded_bytes / 2**20:.1f} MiB  |  {uploaded_per_token_mib:.2f} MiB/token", "")],
             [(f"cpu misses {t.cpu}  |  share {snap.cpu_share:g}", "")],
             [("slots " + ", ".join(f"{g.n_slots}" for g in snap.groups)
@@ -76,9 +81,9 @@ class Dashboard(VerticalScroll):
               + (f"  |  prefetch {t.prefetch_hits}/{t.prefetched}" if t.prefetched else ""), "")],
         ])  # fmt: skip
 
-    def show_bound(self, rate: float | None) -> None:
-        """MIN's hit rate on the session so far at this cache size: how far the policy is from the bound."""
-        self._bound = rate
+    def show_bound(self, bound: MinBound | None) -> None:
+        """MIN's hit rate at this cache size and the cache's, on the same lookups: how far the policy is from it."""
+        self._bound = bound
         self._show_totals()
 
     def on_resize(self) -> None:

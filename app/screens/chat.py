@@ -209,18 +209,16 @@ class ChatScreen(Screen[None]):
         """MIN's hit rate on the session's lookups at this cache size: the engine replays them, off the UI thread."""
         try:
             with self.moechat.engine_lock:
-                rate = self.moechat.engine.min_hit_rate()
+                bound = self.moechat.engine.min_bound()
         except Exception as e:  # the bound is a figure on the dashboard: its failure is logged, not shown
             logger.warning("the MIN bound was not computed: %s", e)
             return
-        self.post_message(BoundUpdate(rate))
+        self.post_message(BoundUpdate(bound))
 
     def on_bound_update(self, msg: BoundUpdate) -> None:
-        self.moechat.session.min_hit_rate = msg.min_hit_rate
-        if self.moechat.session.replies:
-            self.moechat.session.replies[-1]["min_hit_rate"] = msg.min_hit_rate
+        self.moechat.session.set_bound(msg.bound)
         self.moechat.save_session()
-        self.query_one(Dashboard).show_bound(msg.min_hit_rate)
+        self.query_one(Dashboard).show_bound(msg.bound)
 
     async def on_reply_failed(self, msg: ReplyFailed) -> None:
         await self._finish("error")

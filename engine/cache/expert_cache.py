@@ -22,7 +22,6 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from array import array
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -37,6 +36,7 @@ from ..moe.host_experts import Contribution, HostExperts, run_experts, sum_parts
 from ..moe.kernel_calls import host_arrays, layer_output, run_fused
 from . import warm_start
 from .device_memory import pinned
+from .lookup_log import LookupLog
 from .policy import ClassLRU, CpuShare, Plan, bypasses, count, count_prefetch
 from .settings import CacheSettings
 from .slot_groups import SlotGroup, build_groups
@@ -76,11 +76,6 @@ class ExpertCache:
         self.stats = {layer: LayerCounters() for layer in host.layers}
         self.use_counts = {layer: [0] * lx.gate.raw.shape[0] for layer, lx in host.layers.items()}
         self.first_layer = min(host.layers)
-        # Every cacheable lookup since the cache was made: the session's routing, which the app
-        # replays through MIN after a reply (the bound at this size). Kept as flat int arrays, 2
-        # bytes an expert id, not as tuples (about 120 bytes a lookup).
-        self._lookup_heads = array("i")  # per lookup: layer, experts per token, ids
-        self._lookup_ids = array("h")
         self.tokens = 0
         # The CPU computes the share's misses, and those the policy does not admit: with a device, on
         # one worker with one intra-op thread beside the main thread, which drives the device (two
@@ -101,6 +96,9 @@ class ExpertCache:
             self.warm_counts = warm_start.read(settings.warm_start, n_expert)
             if self.warm_counts is not None:
                 self._preload(self.warm_counts)
+        # The recent cacheable lookups, which the app replays through MIN after a reply (the bound at
+        # this size): a bounded window, from the slots as they were at its start.
+        self.log = LookupLog(self.preloaded)
         self._trace = TraceWriter(settings.trace, self._trace_header()) if settings.trace else None
         self._biases: dict[int, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = {}
         self.triton = {layer: self._use_triton(layer, lx) for layer, lx in self.host.layers.items()}
@@ -192,15 +190,13 @@ class ExpertCache:
         flat_ids = ids.view(-1).numpy()  # [T*k] int64, what the compiled policy reads
         flat = flat_ids.tolist()
         cacheable = n_tokens <= self.settings.max_batch  # larger batches go around any cache
-        if cacheable:
-            self._lookup_heads.extend((layer, n_used, len(flat)))
-            self._lookup_ids.extend(flat)
         if self._trace is not None:
             self._trace.write(layer, n_used, flat_ids)
         uses = self.use_counts[layer]
         for e in flat:
             uses[e] += 1
         if layer == self.first_layer:
+            self.log.tick(n_tokens, self._slot_contents)
             self.tokens += n_tokens
         group = self.group_of[layer]
         policy = group.policy
@@ -219,6 +215,8 @@ class ExpertCache:
             else:
                 plan = policy.plan(layer, flat_ids, n_tokens, self.share.active())
                 count(counters, n_tokens, plan, 0, info.expert_bytes)
+        if cacheable:
+            self.log.add(layer, n_used, flat, -1 if plan is None else len(plan.hits))
         if plan is None or policy is None:
             return self._uncached_path(layer, x, ids, weights)
         if plan.prefetched_hits:
@@ -226,13 +224,18 @@ class ExpertCache:
         return self._cached_path[layer](layer, group, policy, self.host.layers[layer], plan, x, ids, weights)
 
     def lookups(self) -> list[tuple[int, int, tuple[int, ...]]]:
-        """The cacheable lookups so far, in order: (layer, experts per token, ids token-major)."""
-        out, at, heads = [], 0, self._lookup_heads
-        for i in range(0, len(heads), 3):
-            n = heads[i + 2]
-            out.append((heads[i], heads[i + 1], tuple(self._lookup_ids[at : at + n])))
-            at += n
-        return out
+        """The cacheable lookups of the MIN window (the session's, while it is shorter), in order:
+        (layer, experts per token, ids token-major)."""
+        return list(self.log.window().records)
+
+    def _slot_contents(self) -> tuple[tuple[int, int], ...]:
+        """(layer, expert) of every filled slot, group by group."""
+        held: list[tuple[int, int]] = []
+        for g in self.groups:
+            if g.policy is not None:
+                n_expert = g.policy.n_expert
+                held += [(int(k) // n_expert, int(k) % n_expert) for k in g.policy.key_of if k >= 0]
+        return tuple(held)
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
         """Upload `layer`'s predicted experts (ids [T, k]) ahead of its lookup, without waiting for them.

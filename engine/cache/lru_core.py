@@ -20,16 +20,17 @@ from __future__ import annotations
 import numpy as np
 
 from ..kernels.jit import njit
-
-N_CLASS = 8
-CRF_HALF_LIFE = 128.0  # tokens of the layer's clock
-N_DECAY = 8192
-SECOND_USE_WINDOW = 256  # tokens of the layer's clock
-UPLOAD_CAP = 1  # uploads per token of a lookup, once the group is full
-PROTECT_RATIO = 1.0  # "protect" admits a miss whose CRF is at least this times its victim's
-
-# Admission rules, by code (policy.ADMISSIONS names them).
-CLASSLRU, SECOND_USE, UPLOAD_CAP_RULE, PROTECT = 0, 1, 2, 3
+from .rules import (
+    CRF_HALF_LIFE,
+    N_CLASS,
+    N_DECAY,
+    PROTECT,
+    PROTECT_RATIO,
+    SECOND_USE,
+    SECOND_USE_WINDOW,
+    UPLOAD_CAP,
+    UPLOAD_CAP_RULE,
+)
 
 # Header of `st`: sizes, counters, then where each region starts.
 H_SLOTS, H_EXPERT, H_LAYERS, H_FILLED, H_ADMIT, H_STAMP = 0, 1, 2, 3, 4, 5

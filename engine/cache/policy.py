@@ -32,8 +32,16 @@ from typing import NamedTuple, Protocol
 
 import numpy as np
 
-from . import lru_core as core
-from .lru_core import CRF_HALF_LIFE, N_CLASS, PROTECT_RATIO, SECOND_USE_WINDOW, UPLOAD_CAP  # noqa: F401 (its constants)
+from .rules import (  # noqa: F401 (the policy's numbers, named here too)
+    ADMISSIONS,
+    CRF_HALF_LIFE,
+    N_CLASS,
+    N_DECAY,
+    POLICIES,
+    PROTECT_RATIO,
+    SECOND_USE_WINDOW,
+    UPLOAD_CAP,
+)
 from .stats import Counters
 
 SHARE_ONE = 1 << 16  # the CPU share is kept in 1/65536
@@ -90,16 +98,6 @@ class MissSplit(Protocol):
     def take(self, layer: int, n_misses: int) -> int: ...
 
 
-# Admission rules by name (`--moe-cache-policy`), each a code of the compiled core (lru_core).
-ADMISSIONS: dict[str, int] = {
-    "classlru": core.CLASSLRU,
-    "second-use": core.SECOND_USE,
-    "upload-cap": core.UPLOAD_CAP_RULE,
-    "protect": core.PROTECT,
-}
-POLICIES = tuple(ADMISSIONS)
-
-
 class ClassLRU:
     """The slots of one group of layers with the same expert geometry; `admission` names the rule by which
     a full group admits misses (ADMISSIONS).
@@ -114,6 +112,9 @@ class ClassLRU:
             raise ValueError(f"a cache needs at least one slot, got {n_slots}")
         if admission not in POLICIES:
             raise ValueError(f"unknown cache policy '{admission}' (choose from {', '.join(POLICIES)})")
+        from . import lru_core as core  # compiles on first use: the UI process names policies without it
+
+        self._core = core
         self.admission = admission
         self.layers = tuple(layers)
         self.n_expert = n_expert
@@ -138,15 +139,15 @@ class ClassLRU:
 
     @property
     def n_filled(self) -> int:
-        return int(self._st[core.H_FILLED])
+        return int(self._st[self._core.H_FILLED])
 
     @property
     def lists(self) -> list[list[int]]:
         """Each class's LRU list of slots, least recent first."""
-        st, nxt = self._st, core.region(self._st, core.H_NEXT, self.n_slots)
+        st, nxt = self._st, self._core.region(self._st, self._core.H_NEXT, self.n_slots)
         out = []
         for c in range(N_CLASS):
-            items, s = [], int(st[st[core.H_HEAD] + c])
+            items, s = [], int(st[st[self._core.H_HEAD] + c])
             while s >= 0:
                 items.append(s)
                 s = int(nxt[s])
@@ -156,7 +157,7 @@ class ClassLRU:
     @property
     def prefetched(self) -> set[int]:
         """Slots a prefetch filled whose expert has not been used since."""
-        return {int(s) for s in np.flatnonzero(core.region(self._st, core.H_PREF, self.n_slots))}
+        return {int(s) for s in np.flatnonzero(self._core.region(self._st, self._core.H_PREF, self.n_slots))}
 
     def key(self, layer: int, expert: int) -> int:
         return layer * self.n_expert + expert
@@ -180,14 +181,14 @@ class ClassLRU:
             s = next(s for s in self.lists[0] if self.key_of[s] < 0)  # empty slots lead class 0
             key = self.key(layer, e)
             self.crf[key], self.last_use[key] = c, self.clock[layer]
-            core.place(self._st, self._fl, layer, e, s)
+            self._core.place(self._st, self._fl, layer, e, s)
             placed.append((layer, e, s))
         return placed
 
     def decayed(self, key: int) -> float:
         """A key's CRF decayed to its layer's clock now."""
         dt = int(self.clock[key // self.n_expert] - self.last_use[key])
-        return float(self.crf[key]) * (float(self._fl[dt]) if dt < core.N_DECAY else 2.0 ** (-dt / CRF_HALF_LIFE))
+        return float(self.crf[key]) * (float(self._fl[dt]) if dt < N_DECAY else 2.0 ** (-dt / CRF_HALF_LIFE))
 
     def decayed_crf(self, layer: int) -> list[float]:
         """Each expert's CRF of `layer` decayed to the layer's clock now (0: never used)."""
@@ -202,7 +203,7 @@ class ClassLRU:
         only when the group is full. Advances the layer's clock by n_tokens.
         """
         out, res = self._out, self._result
-        n_u = core.lookup(self._st, self._fl, layer, np.asarray(ids, np.int64), n_tokens, out)
+        n_u = self._core.lookup(self._st, self._fl, layer, np.asarray(ids, np.int64), n_tokens, out)
         if n_u > self.n_slots:
             raise CachePolicyError(
                 f"layer {layer}: the lookup selects {n_u} distinct experts but the cache has {self.n_slots} slots"
@@ -211,9 +212,9 @@ class ClassLRU:
         if not n_m:
             return Plan(tuple(out[res : res + n_h].tolist()), (), (), (), n_p)
         n_cpu = 0
-        if share is not None and self._st[core.H_FILLED] == self.n_slots:
+        if share is not None and self._st[self._core.H_FILLED] == self.n_slots:
             n_cpu = min(share.take(layer, n_m), n_m)
-        if not core.settle(self._st, self._fl, layer, n_tokens, n_cpu, out):
+        if not self._core.settle(self._st, self._fl, layer, n_tokens, n_cpu, out):
             raise CachePolicyError("no slot can be evicted")
         n_c, n_up, n_ev = out[3:6].tolist()
         v = out[res : res + n_h + n_c + 2 * n_up + 2 * n_ev].tolist()
@@ -227,12 +228,12 @@ class ClassLRU:
         No use is counted (CRF and clock stay): the lookup that follows counts the experts it
         selects. Victims are chosen as for misses, sparing the predicted experts.
         """
-        out, n_expert, at = self._out, self.n_expert, core.O_HEADER
-        n = core.prefetch(self._st, self._fl, layer, np.asarray(experts, np.int64), out)
+        out, n_expert, at = self._out, self.n_expert, self._core.O_HEADER
+        n = self._core.prefetch(self._st, self._fl, layer, np.asarray(experts, np.int64), out)
         if n < 0:
             raise CachePolicyError("no slot can be evicted")
-        es = out[at + core.O_UP_E * n_expert : at + core.O_UP_E * n_expert + n].tolist()
-        ss = out[at + core.O_UP_S * n_expert : at + core.O_UP_S * n_expert + n].tolist()
+        es = out[at + self._core.O_UP_E * n_expert : at + self._core.O_UP_E * n_expert + n].tolist()
+        ss = out[at + self._core.O_UP_S * n_expert : at + self._core.O_UP_S * n_expert + n].tolist()
         return tuple(zip(es, ss, strict=True))
 
 

@@ -207,3 +207,14 @@ class Cadence:
         if full:
             self._last_full = now
         return True, full
+
+
+@dataclass(frozen=True)
+class MinBound:
+    """MIN's hit rate (the offline optimum, with bypass) at the cache's size, and the cache's own, on the
+    same lookups: the session's from the warm start (`from_start`) or its last `tokens` tokens."""
+
+    rate: float
+    hit_rate: float
+    tokens: int
+    from_start: bool

@@ -24,6 +24,8 @@ from typing import Any
 import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
+from .prefault import Prefault
+
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
@@ -317,6 +319,7 @@ class GGUFFile(Mapping[str, TensorInfo]):
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = Path(path)
         self._shards: list[_Shard] = []
+        self._prefault: Prefault | None = None
         try:
             for i, p in enumerate(split_paths(self.path)):
                 self._shards.append(_Shard(p, i))
@@ -372,7 +375,21 @@ class GGUFFile(Mapping[str, TensorInfo]):
         flat = np.frombuffer(buf, dtype=np.uint8, count=t.n_bytes, offset=t.offset)
         return flat.reshape(*t.shape[:-1], t.row_bytes)
 
+    def prefault(self) -> Prefault:
+        """Map every page of the file(s) into this process on a background thread (see prefault); stopped at close."""
+        if self._prefault is None:
+            self._prefault = Prefault([s.map for s in self._shards], self.path.name)
+        return self._prefault
+
+    @property
+    def size(self) -> int:
+        """Bytes of the file(s)."""
+        return sum(len(s.map) for s in self._shards)
+
     def close(self) -> None:
+        if self._prefault is not None:
+            self._prefault.close()
+            self._prefault = None
         for s in self._shards:
             s.close()
         self._shards = []

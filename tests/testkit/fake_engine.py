@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from moechat.app.engine_api import Message, ModelInfo
-from moechat.engine.cache.stats import CountersSnapshot, GroupInfo, LayerSnapshot, StatsSnapshot
+from moechat.engine.cache.stats import CountersSnapshot, GroupInfo, LayerSnapshot, MinBound, StatsSnapshot
 from moechat.engine.events import DoneEvent, Event, SamplingParams, TokenEvent
 from moechat.tuner.events import (
     Arm,
@@ -38,6 +38,7 @@ class FakeEngine:
         self.n_layers, self.n_expert = n_layers, n_expert
         self.delay, self.fail_after, self.sweep_delay = delay, fail_after, sweep_delay
         self.sweeps: list[bool] = []  # each sweep asked for: whether fresh
+        self.window_after = 4096  # tokens after which the MIN bound covers a window of recent ones
         self.info = ModelInfo("fake.gguf", "/nonexistent/fake.gguf", "0" * 64, "fakemoe", n_layers, n_expert, K,
                               n_ctx, "cpu", "test machine", "gguf")  # fmt: skip
         self.mib, self.share = 1.0, 0.0
@@ -94,9 +95,10 @@ class FakeEngine:
     def cache(self) -> tuple[float, float]:
         return self.mib, self.share
 
-    def min_hit_rate(self) -> float | None:
+    def min_bound(self) -> MinBound | None:
         self.min_calls += 1
-        return 0.9 if self.tokens else None  # scripted: above the 75% the snapshots give
+        # scripted: above the 75% the snapshots give; a window once the chat is long
+        return MinBound(0.9, 0.75, self.tokens, self.tokens < self.window_after) if self.tokens else None
 
     def set_cache(self, mib: float, share: float) -> None:
         self.set_cache_calls.append((mib, share))

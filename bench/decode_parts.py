@@ -1,0 +1,167 @@
+"""One decode token split into its parts, with the bytes each reads and the machine's read bandwidth.
+
+    python bench/decode_parts.py MODEL.gguf [--tokens 32] [--threads 0] [--kernels fast]
+
+In-process, after warm-up tokens (no page faults left), cache off: per decode token, the time of
+the attention blocks (norm, projections, rotary, cache, attention, output projection), of the MoE
+layers (router and the selected experts, shared experts included) and dense FFNs, and of the output
+head; the weight bytes each reads per token (the MoE layers: the router and the experts the token
+selected) and so its GB/s. The machine's read bandwidth is measured in the same run (a compiled
+sum over 1 GiB, on the same threads), so the parts can be read as a share of it. Prints the CPU
+and the kernels' instruction path.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from engine_overhead import PROMPT, cpu_name
+from moechat.engine.generate import decode_one, prefill
+from moechat.engine.kernels.jit import njit, prange
+from moechat.engine.loader import load_model, set_threads
+from moechat.engine.models.decoder import DenseFFN, MoeFFN
+
+
+@njit(parallel=True, cache=False)
+def _sum(a: np.ndarray) -> float:
+    n = a.shape[0]
+    chunks = 64
+    step = (n + chunks - 1) // chunks
+    parts = np.zeros(chunks)
+    for c in prange(chunks):
+        s = np.int64(0)
+        for i in range(c * step, min(n, (c + 1) * step)):
+            s += a[i]
+        parts[c] = s
+    return parts.sum()
+
+
+def read_bandwidth(n_bytes: int = 1 << 30, repeats: int = 5) -> float:
+    """GB/s of a compiled parallel read of `n_bytes` (int64 sum), best of `repeats`."""
+    a = np.ones(n_bytes // 8, np.int64)
+    _sum(a)
+    best = min(_timed(lambda: _sum(a)) for _ in range(repeats))
+    return n_bytes / best / 1e9
+
+
+def _timed(f: Callable[[], object]) -> float:
+    t = time.perf_counter()
+    f()
+    return time.perf_counter() - t
+
+
+def _nbytes(obj: Any) -> int:
+    """Bytes of a weight as the kernels read it (a quantized matrix's file bytes, a tensor's storage)."""
+    raw = getattr(obj, "raw", None)
+    if raw is not None:
+        return int(raw.nbytes) if isinstance(raw, np.ndarray) else int(raw.numel() * raw.element_size())
+    if isinstance(obj, torch.Tensor):
+        return int(obj.numel() * obj.element_size())
+    return 0
+
+
+def _module_bytes(m: Any) -> int:
+    """Bytes of every weight of module m (tensors and quantized matrices among its attributes)."""
+    total, seen = 0, set()
+    for mod in m.modules():
+        for v in vars(mod).values():
+            if id(v) not in seen and (hasattr(v, "raw") or isinstance(v, torch.Tensor)):
+                seen.add(id(v))
+                total += _nbytes(v)
+        for p in list(mod.parameters(recurse=False)) + list(mod.buffers(recurse=False)):
+            if id(p) not in seen:
+                seen.add(id(p))
+                total += _nbytes(p)
+    return total
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("model", type=Path)
+    ap.add_argument("--tokens", type=int, default=32)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--kernels", default="fast")
+    args = ap.parse_args()
+    torch.set_grad_enabled(False)
+    n_threads = set_threads(args.threads)
+    print(f"CPU: {cpu_name()}; {n_threads} threads; kernels {args.kernels}; load average {os.getloadavg()[0]:.2f}")
+    bw = read_bandwidth()
+    lm = load_model(args.model, n_ctx=args.tokens + 96, cpu_kernels=args.kernels)
+    model = lm.model
+    kv = lm.new_cache()
+    tok = int(prefill(model, lm.tokenizer.encode(PROMPT), kv).argmax())
+    for _ in range(16):  # warm-up: every page touched, every kernel compiled
+        tok = int(decode_one(model, tok, kv).argmax())
+
+    spent: dict[str, float] = defaultdict(float)
+    read: dict[str, int] = defaultdict(int)
+    host = getattr(model, "host_experts", None)
+
+    def wrap(name: str, f: Callable[..., Any], nbytes: Callable[..., int]) -> Callable[..., Any]:
+        def call(*a: Any, **kw: Any) -> Any:
+            t = time.perf_counter()
+            r = f(*a, **kw)
+            spent[name] += time.perf_counter() - t
+            read[name] += nbytes(*a, r)
+            return r
+
+        return call
+
+    for block in model.blocks:
+        attn_bytes = _module_bytes(block.attn)
+        block.attn.decode_block = wrap("attention", block.attn.decode_block, lambda *a, b=attn_bytes: b)
+        block.attn.forward = wrap("attention", block.attn.forward, lambda *a, b=attn_bytes: b)
+        ffn = block.ffn
+        if isinstance(ffn, MoeFFN):
+            fixed = _module_bytes(ffn)  # router and shared experts; the routed ones are counted per token
+
+            def moe_bytes(*a: Any, ffn: MoeFFN = ffn, fixed: int = fixed) -> int:
+                lx = host.layers[ffn.i] if host is not None else None
+                n_sel = len(set(ffn.last_ids.reshape(-1).tolist()))
+                return fixed + (n_sel * lx.bytes_per_expert if lx is not None else 0)
+
+            ffn.forward = wrap("MoE layers", ffn.forward, moe_bytes)
+        elif isinstance(ffn, DenseFFN):
+            dense = _module_bytes(ffn)
+            ffn.decode_block = wrap("dense FFNs", ffn.decode_block, lambda *a, b=dense: b)
+            ffn.forward = wrap("dense FFNs", ffn.forward, lambda *a, b=dense: b)
+    head_bytes = _nbytes(model.output) + _nbytes(model.norm)
+    model.head = wrap("output head", model.head, lambda *a: head_bytes)
+
+    steps = []
+    for _ in range(args.tokens):
+        t = time.perf_counter()
+        tok = int(decode_one(model, tok, kv).argmax())
+        steps.append(time.perf_counter() - t)
+    lm.close()
+    n = args.tokens
+    step = statistics.median(steps)
+    print(f"machine read bandwidth: {bw:.1f} GB/s; decode {1 / step:.1f} t/s (median step {step * 1e3:.2f} ms)\n")
+    print("| part | MB read per token | ms per token | GB/s | of the read bandwidth |")
+    print("|---|---:|---:|---:|---:|")
+    for name in ("attention", "MoE layers", "dense FFNs", "output head"):
+        if name not in spent:
+            continue
+        ms, mb = spent[name] / n * 1e3, read[name] / n / 1e6
+        gbs = mb / ms if ms else 0.0
+        print(f"| {name} | {mb:.0f} | {ms:.2f} | {gbs:.1f} | {100 * gbs / bw:.0f}% |")
+    rest = step * 1e3 - sum(spent.values()) / n * 1e3
+    print(f"| the rest (embedding, sampling, Python) | - | {rest:.2f} | - | - |")
+    print(f"\nload average at end: {os.getloadavg()[0]:.2f}")
+
+
+if __name__ == "__main__":
+    main()
