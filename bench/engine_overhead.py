@@ -7,7 +7,9 @@
    lookup, the policy, the counters, the argument preparation and the combine (the uploads' copies,
    a memcpy on the CPU device, are shown apart: data moved, not bookkeeping). Median and 95th
    percentile over every layer of `--tokens` decode steps, cache off and on at several sizes and
-   shares; "cache's part" = the median with the cache minus the median without. Models: the demo
+   shares, interleaved in one process; "cache's part" = the median with the cache minus the median
+   without; "bookkeeping" = the cache's decisions and counting alone (its call until it hands the
+   layer to its execution path: routing ids to host, use counts, the policy, the counters, the log). Models: the demo
    (16 experts, top-1), generated layers of 16 to 256 experts at top-1 to top-8 (a DeepSeek-V3-sized
    router: 256 experts, top-8), and with --big the 12-layer Qwen3-30B-A3B-shaped model
    (bench/decode_vs_llamacpp.py --big generates one; 128 experts, top-8).
@@ -42,7 +44,7 @@ from moechat.engine.cache.settings import CacheSettings
 from moechat.engine.cache.uploads import Uploader
 from moechat.engine.generate import decode_one, prefill
 from moechat.engine.kernels import cpu as cpu_kernels
-from moechat.engine.loader import load_model, set_threads
+from moechat.engine.loader import LoadedModel, load_model, set_threads
 
 PROMPT = "The history of the harbour town begins with the fishermen who"
 
@@ -80,24 +82,46 @@ def kernel_clock() -> Iterator[list[float]]:
         Uploader.upload = upload
 
 
-def layer_overhead(path: Path, settings: CacheSettings | None, n_tokens: int) -> tuple[list[float], float]:
+def layer_overhead(
+    lm: LoadedModel, settings: CacheSettings | None, n_tokens: int
+) -> tuple[list[float], float, list[float]]:
     """Microseconds per MoE layer call outside the expert kernels and the uploads, one per layer and
-    decode token; and the uploads' copies, microseconds per layer call on average."""
-    lm = load_model(path, n_ctx=n_tokens + 64, cache=settings)
+    decode token, with `settings`' cache (a new one) on the loaded model; the uploads' copies,
+    microseconds per layer call on average; and the cache's bookkeeping per call (its decisions and
+    counting: the call's time before it hands the layer to its execution path)."""
+    cache_obj = lm.set_cache(settings)
+    in_path = [0.0]
+    if cache_obj is not None:
+
+        def timed_path(f: Callable[..., Any]) -> Callable[..., Any]:
+            def run(*a: Any) -> Any:
+                t = time.perf_counter()
+                try:
+                    return f(*a)
+                finally:
+                    in_path[0] += time.perf_counter() - t
+
+            return run
+
+        cache_obj._cached_path = {k: timed_path(f) for k, f in cache_obj._cached_path.items()}
+        cache_obj._uncached_path = timed_path(cache_obj._uncached_path)
     cache = lm.new_cache()
     tok = int(prefill(lm.model, lm.tokenizer.encode(PROMPT)[:24], cache).argmax())
     for _ in range(8):
         tok = int(decode_one(lm.model, tok, cache).argmax())
     executor = lm.model.experts
     out: list[float] = []
+    books: list[float] = []
     cls = type(executor)
     original = cls.__call__
     with kernel_clock() as spent:
 
         def call(self: Any, *a: Any) -> Any:
-            before, t = spent[0] + spent[1], time.perf_counter()
+            before, t, path_before = spent[0] + spent[1], time.perf_counter(), in_path[0]
             r = original(self, *a)
-            out.append((time.perf_counter() - t - (spent[0] + spent[1] - before)) * 1e6)
+            took = time.perf_counter() - t
+            out.append((took - (spent[0] + spent[1] - before)) * 1e6)
+            books.append((took - (in_path[0] - path_before)) * 1e6)
             return r
 
         cls.__call__ = call
@@ -106,8 +130,7 @@ def layer_overhead(path: Path, settings: CacheSettings | None, n_tokens: int) ->
                 tok = int(decode_one(lm.model, tok, cache).argmax())
         finally:
             cls.__call__ = original
-    lm.close()
-    return out, spent[1] * 1e6 / max(1, len(out))
+    return out, spent[1] * 1e6 / max(1, len(out)), books
 
 
 def expert_mib(path: Path) -> float:
@@ -129,27 +152,37 @@ def p95(v: list[float]) -> float:
     return sorted(v)[int(0.95 * (len(v) - 1))]
 
 
-def overhead_table(models: list[tuple[str, Path]], n_tokens: int) -> None:
+def overhead_table(models: list[tuple[str, Path]], n_tokens: int, rounds: int) -> None:
     print("## Per MoE layer per decode token, outside the expert kernels (CPU device), microseconds\n")
-    print("| model | cache | share | median | p95 | cache's part (median) | uploads' copies (mean) |")
-    print("|---|---|---:|---:|---:|---:|---:|")
+    print("Each model loaded once; its cache arms (a new cache each) interleaved with cache off, `rounds` times.\n")
+    print("| model | cache | share | median | p95 | cache's part (median) | uploads' copies (mean) "
+          "| bookkeeping median | p95 |")  # fmt: skip
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for label, path in models:
-        mib = expert_mib(path)
+        lm = load_model(path, n_ctx=n_tokens + 64)
+        mib = sum(lx.bytes_per_expert * lx.gate.raw.shape[0] for lx in lm.model.host_experts.layers.values()) / 2**20
         arms: list[tuple[str, CacheSettings | None]] = [("off", None)]
         for frac in (0.25, 0.5):
             for share in (0.0, 0.5, 0.95):
                 arms.append((f"{int(frac * 100)}%", CacheSettings(mib=frac * mib, cpu_share=share)))
-        off = 0.0
-        for name, settings in arms:
-            us, copies = layer_overhead(path, settings, n_tokens)
+        got: dict[int, tuple[list[float], list[float], list[float]]] = {i: ([], [], []) for i in range(len(arms))}
+        for _ in range(rounds):
+            for i, (_, settings) in enumerate(arms):
+                us, copies, books = layer_overhead(lm, settings, n_tokens)
+                got[i][0].extend(us)
+                got[i][1].append(copies)
+                got[i][2].extend(books)
+        lm.close()
+        off = statistics.median(got[0][0])
+        for i, (name, settings) in enumerate(arms):
+            us, copies = got[i][0], statistics.mean(got[i][1])
             med = statistics.median(us)
-            if settings is None:
-                off = med
             share_cell = "-" if settings is None else f"{settings.cpu_share:g}"
             part = "" if settings is None else f"{med - off:.1f}"
-            print(
-                f"| {label} | {name} | {share_cell} | {med:.1f} | {p95(us):.1f} | {part} | {copies:.1f} |", flush=True
-            )
+            books = got[i][2]
+            kept = f"{statistics.median(books):.1f} | {p95(books):.1f}" if settings is not None else "- | -"
+            print(f"| {label} | {name} | {share_cell} | {med:.1f} | {p95(us):.1f} | {part} | {copies:.1f} | {kept} |",
+                  flush=True)  # fmt: skip
 
 
 def decode_tps(path: Path, settings: CacheSettings | None, n_tokens: int, threads: int) -> float:
@@ -195,29 +228,58 @@ def load_table(path: Path, n_tokens: int) -> None:
 def cold_table(path: Path, n_tokens: int, rounds: int) -> None:
     size = path.stat().st_size
     print(f"\n## A cold `moechat run` against a warm in-process decode ({path.name}, {size / 2**30:.2f} GiB)\n")
-    print("| round | cold run t/s | warm in-process t/s | cold / warm | peak RSS / file |")
-    print("|---|---:|---:|---:|---:|")
+    print("| round | cold run t/s | warm in-process t/s | cold / warm | peak RSS / file | the map's RSS / file "
+          "| cold, map not populated | its cold / warm |")  # fmt: skip
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
     env = {**os.environ, "MOECHAT_CONFIG": os.devnull}
     for r in range(rounds):
-        cmd = [sys.executable, "-c", _COLD_RUN, str(path), str(n_tokens)]
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
-        m = re.search(r"generation: \d+ tokens, ([\d.]+) t/s", proc.stdout + proc.stderr)
-        rss = int(re.search(r"maxrss (\d+)", proc.stdout).group(1)) * 1024  # type: ignore[union-attr]
-        cold = float(m.group(1)) if m else float("nan")
+        runs = []
+        for populate in ("1", "0"):
+            cmd = [sys.executable, "-c", _COLD_RUN, str(path), str(n_tokens), populate]
+            proc = subprocess.run(cmd, capture_output=True, text=True, env=env, check=True)
+            m = re.search(r"generation: \d+ tokens, ([\d.]+) t/s", proc.stdout + proc.stderr)
+            rss = int(re.search(r"maxrss (\d+)", proc.stdout).group(1)) * 1024  # type: ignore[union-attr]
+            in_map = int(re.search(r"map rss (\d+)", proc.stdout).group(1))  # type: ignore[union-attr]
+            runs.append((float(m.group(1)) if m else float("nan"), rss, in_map))
         warm = decode_tps(path, None, n_tokens, 0)
-        print(f"| {r + 1} | {cold:.2f} | {warm:.2f} | {cold / warm:.2f} | {rss / size:.2f} |", flush=True)
+        (cold, rss, in_map), (bare, _, _) = runs
+        print(f"| {r + 1} | {cold:.2f} | {warm:.2f} | {cold / warm:.2f} | {rss / size:.2f} | {in_map / size:.2f} "
+              f"| {bare:.2f} "
+              f"| {bare / warm:.2f} |", flush=True)  # fmt: skip
 
 
-# `moechat run` as a user runs it, then its peak resident memory.
+# `moechat run` as a user runs it (argv[3] "0": without the map populated ahead, for comparison), then
+# its peak resident memory, and the file map's resident bytes at the end (from /proc/self/smaps, read
+# before the process exits: `main` leaves the map to the garbage collector).
 _COLD_RUN = """
 import resource, sys
+from pathlib import Path
+def map_rss():
+    rss, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        if line and not line[0].isupper():
+            inside = line.rstrip().endswith(sys.argv[1])
+        elif inside and line.startswith("Rss:"):
+            rss += int(line.split()[1]) * 1024
+    return rss
+from moechat.engine.gguf.reader import GGUFFile
+peak = [0]
+close = GGUFFile.close
+def measured_close(self):
+    peak[0] = max(peak[0], map_rss())
+    close(self)
+GGUFFile.close = measured_close
 from moechat.app.cli import main
+if sys.argv[3] == "0":
+    from moechat.engine.gguf.reader import GGUFFile
+    GGUFFile.prefault = lambda self: None
 try:
     main(["run", sys.argv[1], "-p", "The history of the harbour town", "-n", sys.argv[2], "--temp", "0",
           "--ignore-eos"])
 except SystemExit:
     pass
 print("maxrss", resource.getrusage(resource.RUSAGE_SELF).ru_maxrss)
+print("map rss", peak[0])
 """
 
 
@@ -228,6 +290,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--skip-load", action="store_true")
     ap.add_argument("--skip-cold", action="store_true")
+    ap.add_argument("--skip-overhead", action="store_true")
     args = ap.parse_args()
     from moechat.app.paths import app_paths
     from moechat.demo.build import ensure_demo
@@ -244,7 +307,8 @@ def main() -> None:
         if args.big is not None:
             models.append(("Qwen3-30B-A3B-shaped, 12 layers (128, top-8)", args.big))
         set_threads(0)
-        overhead_table(models, args.tokens)
+        if not args.skip_overhead:
+            overhead_table(models, args.tokens, args.rounds)
         if not args.skip_load:
             load_table(demo, args.tokens)
         if not args.skip_cold:

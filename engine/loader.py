@@ -176,6 +176,12 @@ def load_model(
         raise ValueError(f"context size must be at least 16, got {n_ctx}")
     gguf, cfg = open_model(path)
     try:
+        # The file's pages mapped ahead of decode (a first touch in decode is a page fault), while the
+        # model is built and its kernels load, when they fit in memory: a larger file is read as used.
+        from .cache.device_memory import device_free_bytes
+
+        if gguf.size < device_free_bytes(torch.device("cpu")):
+            gguf.prefault()
         device = cache.device if cache is not None else "cpu"
         check_context(cfg, n_ctx, torch.device(device))
         tok = Tokenizer.from_metadata(gguf.metadata, str(gguf.path))
@@ -201,12 +207,6 @@ def load_model(
             check_fit(gguf, cfg, model, tok)
         lm = LoadedModel(gguf, cfg, model, tok, template, n_ctx, None, cpu_dequant_mib, cpu_kernels)
         lm.set_cache(cache)  # the one place the executor is swapped for the cache
-        # The file's pages mapped ahead of decode (a first touch in decode is a page fault), when they
-        # fit in memory: a larger file is read as it is used.
-        from .cache.device_memory import device_free_bytes
-
-        if gguf.size < device_free_bytes(torch.device("cpu")):
-            gguf.prefault()
     except BaseException:
         gguf.close()
         raise
