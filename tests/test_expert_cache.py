@@ -167,6 +167,8 @@ def test_statistics_add_up_and_the_trace_replays_them(tmp_path: Path) -> None:
             assert c.uploaded_bytes == c.uploads * expert_bytes
         assert layer.large.bypassed > 0 and layer.large.lookups == 0  # the prefill
         assert layer.small.lookups > 0
+        # Every token's selections, those around the cache (the prefill) and those it planned, counted once.
+        assert sum(layer.use_counts) == 2 * (layer.small.tokens + layer.large.tokens)
     lm.close()
 
     # A minimal replay of the trace through the same policy code gives the same counters.

@@ -192,9 +192,6 @@ class ExpertCache:
         cacheable = n_tokens <= self.settings.max_batch  # larger batches go around any cache
         if self._trace is not None:
             self._trace.write(layer, n_used, flat_ids)
-        uses = self.use_counts[layer]
-        for e in flat:
-            uses[e] += 1
         if layer == self.first_layer:
             self.log.tick(n_tokens, self._slot_contents)
             self.tokens += n_tokens
@@ -211,6 +208,9 @@ class ExpertCache:
         with self._lock:
             if policy is None:
                 count(counters, n_tokens, None, len(set(flat)), info.expert_bytes)
+                uses = self.use_counts[layer]  # a planned lookup's uses the policy counts (ClassLRU.uses)
+                for e in flat:
+                    uses[e] += 1
                 plan = None
             else:
                 plan = policy.plan(layer, flat_ids, n_tokens, self.share.active())
@@ -227,6 +227,13 @@ class ExpertCache:
         """The cacheable lookups of the MIN window (the session's, while it is shorter), in order:
         (layer, experts per token, ids token-major)."""
         return list(self.log.window().records)
+
+    def _uses(self, layer: int, policy: ClassLRU | None) -> tuple[int, ...]:
+        """Each expert's selections since the cache was made: the lookups it planned, and those around it."""
+        around = self.use_counts[layer]
+        if policy is None:
+            return tuple(around)
+        return tuple(int(a) + b for a, b in zip(policy.uses(layer).tolist(), around, strict=True))
 
     def _slot_contents(self) -> tuple[tuple[int, int], ...]:
         """(layer, expert) of every filled slot, group by group."""
@@ -415,7 +422,7 @@ class ExpertCache:
                 layers.append(
                     LayerSnapshot(
                         layer, group.info.index, st.small.frozen(), st.large.frozen(), len(cached), cached,
-                        tuple(self.use_counts[layer]),
+                        self._uses(layer, group.policy),
                     )
                 )  # fmt: skip
             return StatsSnapshot(

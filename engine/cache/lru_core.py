@@ -11,6 +11,7 @@ State, int64 `st` (offsets in its header) and float64 `fl`:
 - per class: the head and tail of its LRU list (least recent at the head);
 - per layer: its clock; per key: its slot (-1 none) and the layer clock at its last use;
 - per expert id: a scratch mark (the experts of the lookup at hand);
+- per key: its selections by the lookups planned (every token's, repeats included), for the heat map;
 - `fl`: the decay table 2^(-dt/128) for dt < 8192, then each key's CRF at its last use.
 Float arithmetic is plain IEEE (no fast-math): the same values as the formulas in policy's doc.
 """
@@ -34,7 +35,7 @@ from .rules import (
 
 # Header of `st`: sizes, counters, then where each region starts.
 H_SLOTS, H_EXPERT, H_LAYERS, H_FILLED, H_ADMIT, H_STAMP = 0, 1, 2, 3, 4, 5
-H_KEY, H_PREV, H_NEXT, H_LIST, H_PREF, H_SMARK, H_HEAD, H_TAIL, H_CLOCK, H_SLOT, H_LAST, H_EMARK = range(6, 18)
+H_KEY, H_PREV, H_NEXT, H_LIST, H_PREF, H_SMARK, H_HEAD, H_TAIL, H_CLOCK, H_SLOT, H_LAST, H_EMARK, H_USES = range(6, 19)
 HEADER = 20
 
 # Regions of the `out` array a step fills (each n_expert long, after a header of counts). The result
@@ -52,7 +53,7 @@ def new_state(n_layers: int, n_expert: int, n_slots: int, admission: int) -> tup
     sizes = [
         (H_KEY, n_slots), (H_PREV, n_slots), (H_NEXT, n_slots), (H_LIST, n_slots), (H_PREF, n_slots),
         (H_SMARK, n_slots), (H_HEAD, N_CLASS), (H_TAIL, N_CLASS), (H_CLOCK, n_layers), (H_SLOT, n_keys),
-        (H_LAST, n_keys), (H_EMARK, n_expert),
+        (H_LAST, n_keys), (H_EMARK, n_expert), (H_USES, n_keys),
     ]  # fmt: skip
     st = np.zeros(HEADER + sum(n for _, n in sizes), np.int64)
     at = HEADER
@@ -227,6 +228,9 @@ def lookup(st, fl, layer, ids, n_tokens, out):
     if n_u > n_slots:
         return n_u
     base = layer * n_expert
+    uses = st[H_USES] + base
+    for i in range(ids.size):
+        st[uses + ids[i]] += 1
     now = st[st[H_CLOCK] + layer]
     last, slot_of, pref = st[H_LAST], st[H_SLOT], st[H_PREF]
     hits, misses, recent = O_HEADER + O_HITS * n_expert, O_HEADER + O_MISSES * n_expert, O_HEADER + O_RECENT * n_expert

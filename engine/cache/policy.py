@@ -162,6 +162,13 @@ class ClassLRU:
     def key(self, layer: int, expert: int) -> int:
         return layer * self.n_expert + expert
 
+    def uses(self, layer: int) -> np.ndarray:
+        """Selections of each expert of `layer` by the lookups planned so far (every token's)."""
+        base = layer * self.n_expert
+        return self._core.region(self._st, self._core.H_USES, (max(self.layers) + 1) * self.n_expert)[
+            base : base + self.n_expert
+        ]
+
     def slot_of(self, layer: int, expert: int) -> int:
         return int(self.slot_map[layer][expert])
 
