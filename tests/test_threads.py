@@ -66,3 +66,37 @@ def test_only_the_default_thread_count_is_governed() -> None:
         assert threads.pace() is not None
     finally:
         set_threads(0)
+
+
+def test_a_thread_is_taken_at_once_and_given_back_after_two_quiet_looks(tmp_path: Path) -> None:
+    """The governor's rule on a recorded /proc/stat (the kernel's format, written here): one look that
+    sees a core busy takes a thread; a single quiet look between two busy ones gives nothing back."""
+    stat = tmp_path / "stat"
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0, 1]
+    if len(cpus) < 2:
+        pytest.skip("needs two cores")
+    busy_ticks = [0] * len(cpus)
+    idle_ticks = [0] * len(cpus)
+
+    def write(busy_cores: int) -> None:  # 0.25 s (25 ticks at 100 Hz) more, `busy_cores` of them busy
+        for i in range(len(cpus)):
+            if i < busy_cores:
+                busy_ticks[i] += 25
+            else:
+                idle_ticks[i] += 25
+        lines = ["cpu  0 0 0 0 0 0 0 0 0 0"]
+        lines += [f"cpu{c} {busy_ticks[i]} 0 0 {idle_ticks[i]} 0 0 0 0 0 0" for i, c in enumerate(cpus)]
+        stat.write_text("\n".join(lines) + "\n")
+
+    write(0)
+    now = [0.0]
+    governor = ThreadGovernor(len(cpus), CoreWatch(str(stat)), clock=lambda: now[0])
+    if os.sysconf("SC_CLK_TCK") != 100:
+        pytest.skip("the recorded ticks assume 100 Hz")
+    seen = []
+    for busy in (1, 0, 1, 0, 0):
+        write(busy)
+        now[0] += LOOK_EVERY_S
+        seen.append(governor.pace())
+    full = len(cpus)
+    assert seen == [full - 1, full - 1, full - 1, full - 1, full]

@@ -26,6 +26,7 @@ logger = logging.getLogger(__name__)
 LOOK_EVERY_S = 0.25
 # Others' use, in cores, that takes a thread away: above half a core, a thread would share its core.
 TAKE_AT = 0.5
+UP_AFTER = 2  # looks in a row that find a core free before a thread is given back
 
 
 class CoreWatch:
@@ -95,6 +96,7 @@ class ThreadGovernor:
         self.n = self.n_max
         self.busy_elsewhere = 0.0
         self._next = clock() + LOOK_EVERY_S
+        self._up_votes = 0
         self._applied = threading.local()
 
     def pace(self) -> int:
@@ -106,9 +108,13 @@ class ThreadGovernor:
             if others is not None:
                 self.busy_elsewhere = others
                 n = max(1, min(self.n_max, len(self.watch.cpus) - int(others + (1 - TAKE_AT))))
-                if n != self.n:
+                # A thread is taken away at once, given back only after two looks agree: a core that
+                # looked free for one look (the other process between two bursts) costs a collapse.
+                self._up_votes = self._up_votes + 1 if n > self.n else 0
+                if n < self.n or (n > self.n and self._up_votes >= UP_AFTER):
                     logger.info("other processes keep %.1f cores busy: %d kernel threads", others, n)
                     self.n = n
+                    self._up_votes = 0
         if getattr(self._applied, "n", None) != self.n:
             self._applied.n = self.n
             set_kernel_threads(self.n)
