@@ -15,6 +15,7 @@ import ctypes
 import logging
 import mmap
 import os
+import sys
 import threading
 import time
 
@@ -25,6 +26,8 @@ CHUNK = 16 << 20  # bytes per call: a stop request waits for one chunk at most
 
 
 def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
+    if not sys.platform.startswith("linux"):  # the advice's number means this on Linux only
+        return None
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         f = libc.madvise
@@ -52,7 +55,12 @@ class Prefault:
         self.seconds = 0.0
         self.bytes = 0
         self._stop = threading.Event()
-        regions = [(_address(m), len(m)) for m in maps if len(m)]
+        regions = []
+        for m in maps:
+            try:
+                regions.append((_address(m), len(m)))
+            except (TypeError, ValueError, BufferError) as e:  # a read-only or closed map: read as used
+                logger.debug("%s: pages not mapped ahead (%s)", name, e)
         self._thread = threading.Thread(target=self._run, args=(regions,), name="moechat-prefault", daemon=True)
         self._thread.start()
 
