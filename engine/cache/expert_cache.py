@@ -186,8 +186,9 @@ class ExpertCache:
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         n_tokens, n_used = ids.shape
-        ids = ids.cpu()  # the one host sync the routing needs
-        flat_ids = ids.view(-1).numpy()  # [T*k] int64, what the compiled policy reads
+        if ids.device.type != "cpu":
+            ids = ids.cpu()  # the one host sync the routing needs
+        flat_ids = ids.numpy().reshape(-1)  # [T*k] int64, what the compiled policy reads
         flat = flat_ids.tolist()
         cacheable = n_tokens <= self.settings.max_batch  # larger batches go around any cache
         if self._trace is not None:
