@@ -1011,3 +1011,22 @@ async def test_the_export_shows_the_cache_in_use_after_a_cache_change(tmp_path: 
     assert d["cpu_share"] == 0.9 == live.cpu_share
     assert [layer["occupancy"] for layer in d["layers"]] == [ls.occupancy for ls in live.layers]
     assert all(layer["occupancy"] > 0 for layer in d["layers"])
+
+
+async def test_the_dashboard_says_what_its_totals_cover(tmp_path: Path) -> None:
+    """The totals count the cache in use: the whole session until a cache change, then since the change
+    (the export's headline adds every cache up, and says so)."""
+    from moechat.widgets.dashboard import SCOPES
+
+    engine = FakeEngine(WORDS)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        title = screen.query_one("#cache-title", Static)
+        await say(pilot, screen, "hi")
+        await until(pilot, lambda: not screen.generating)
+        assert str(title.content) == SCOPES[False] == "expert cache (this session)"
+        engine.set_cache(1.5, 0.9)
+        app.apply_cache_settings(1.5, 0.9)  # as the wizard's Apply does
+        await say(pilot, screen, "again")
+        await until(pilot, lambda: str(title.content) == "expert cache (since the last change)")

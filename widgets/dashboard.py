@@ -11,6 +11,9 @@ from textual.app import ComposeResult
 from textual.containers import VerticalScroll
 from textual.widgets import Static
 
+# The totals' title says what they cover (the session's export always adds up every cache it ran).
+SCOPES = {False: "expert cache (this session)", True: "expert cache (since the last change)"}
+
 
 class Dashboard(VerticalScroll):
     DEFAULT_CSS = """
@@ -26,7 +29,7 @@ class Dashboard(VerticalScroll):
         self._snap: StatsSnapshot | None = None  # the latest, to fold again on a resize
 
     def compose(self) -> ComposeResult:
-        yield Static("expert cache", classes="title")
+        yield Static(SCOPES[False], classes="title", id="cache-title")
         yield RowsView("waiting for the first tokens", id="totals")
         yield ThroughputPlot(id="tps")
         yield Static("per layer", classes="title")
@@ -80,6 +83,11 @@ class Dashboard(VerticalScroll):
               + (f"  |  {snap.policy}" if snap.policy != "classlru" else "")
               + (f"  |  prefetch {t.prefetch_hits}/{t.prefetched}" if t.prefetched else ""), "")],
         ])  # fmt: skip
+
+    def show_scope(self, since_change: bool) -> None:
+        """What the totals cover: the whole session, or the cache in use since the last cache change
+        (the exports add every cache of the session up)."""
+        self.query_one("#cache-title", Static).update(SCOPES[since_change])
 
     def show_bound(self, bound: MinBound | None) -> None:
         """MIN's hit rate at this cache size and the cache's, on the same lookups: how far the policy is from it."""

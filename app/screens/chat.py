@@ -87,6 +87,10 @@ class ChatScreen(Screen[None]):
             yield Dashboard(id="dashboard")
         yield Footer()
 
+    def on_screen_resume(self) -> None:
+        # Back from the wizard or the settings: a cache they changed starts its counters again.
+        self.query_one(Dashboard).show_scope(bool(self.moechat.session.periods))
+
     def on_mount(self) -> None:
         self.conv.model = self.moechat.engine.info.name
         self.conv.system = self.moechat.settings.system
@@ -165,7 +169,9 @@ class ChatScreen(Screen[None]):
     def on_stats_update(self, msg: StatsUpdate) -> None:
         self.stats_updates += 1
         recent = self.moechat.session.add(msg.snapshot, msg.tokens, msg.tps)  # the window is computed once, there
-        self.query_one(Dashboard).show(msg.snapshot, msg.tokens, msg.tps, msg.upload_mib_per_token, msg.full, recent)
+        dash = self.query_one(Dashboard)
+        dash.show_scope(bool(self.moechat.session.periods))
+        dash.show(msg.snapshot, msg.tokens, msg.tps, msg.upload_mib_per_token, msg.full, recent)
         if self.generating and msg.tps:
             self.query_one("#status", Static).update(f"writing... {msg.tokens} tokens, {msg.tps:.1f} t/s", layout=False)
 
