@@ -40,7 +40,7 @@ from .lookup_log import LookupLog
 from .policy import ClassLRU, CpuShare, Plan, bypasses, count, count_prefetch
 from .settings import CacheSettings
 from .slot_groups import SlotGroup, build_groups
-from .stats import LayerCounters, LayerSnapshot, StatsSnapshot
+from .stats import SMALL_BATCH, LayerCounters, LayerSnapshot, StatsSnapshot
 from .trace import TraceWriter
 from .uploads import Uploader
 
@@ -65,6 +65,7 @@ class ExpertCache:
         self.prefetch_tokens = settings.max_batch if settings.prefetch else 0
         self.n_expert_used = n_expert_used
         self.share = CpuShare(settings.cpu_share)
+        self._split = self.share.active()  # what the policy asks for the CPU's misses (None: none)
         # On the CPU device without an emulated link a slot is the host copy itself: an upload would copy
         # bytes to where they already are. Its slots then hold no bytes of their own (no banks), the
         # kernels read the expert in place, and the counters count the upload as on a device.
@@ -205,7 +206,8 @@ class ExpertCache:
             and bypasses(n_tokens, n_used, info.n_expert, policy.n_slots, self.settings.max_batch)
         ):
             policy = None
-        counters = self.stats[layer].of(n_tokens)
+        layer_stats = self.stats[layer]
+        counters = layer_stats.small if n_tokens <= SMALL_BATCH else layer_stats.large  # LayerCounters.of, inline
         with self._lock:
             if policy is None:
                 count(counters, n_tokens, None, len(set(flat)), info.expert_bytes)
@@ -214,7 +216,7 @@ class ExpertCache:
                     uses[e] += 1
                 plan = None
             else:
-                plan = policy.plan(layer, flat_ids, n_tokens, self.share.active())
+                plan = policy.plan(layer, flat_ids, n_tokens, self._split)
                 count(counters, n_tokens, plan, 0, info.expert_bytes)
         if cacheable:
             self.log.add(layer, n_used, flat, -1 if plan is None else len(plan.hits))
