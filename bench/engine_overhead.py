@@ -133,9 +133,14 @@ def layer_overhead(
     return out, spent[1] * 1e6 / max(1, len(out)), books
 
 
+def loaded_expert_mib(lm: LoadedModel) -> float:
+    """MiB of every routed expert of a loaded model."""
+    return sum(lx.bytes_per_expert * lx.gate.raw.shape[0] for lx in lm.model.host_experts.layers.values()) / 2**20
+
+
 def expert_mib(path: Path) -> float:
     lm = load_model(path, n_ctx=64)
-    mib = sum(lx.bytes_per_expert * lx.gate.raw.shape[0] for lx in lm.model.host_experts.layers.values()) / 2**20
+    mib = loaded_expert_mib(lm)
     lm.close()
     return mib
 
@@ -160,7 +165,7 @@ def overhead_table(models: list[tuple[str, Path]], n_tokens: int, rounds: int) -
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for label, path in models:
         lm = load_model(path, n_ctx=n_tokens + 64)
-        mib = sum(lx.bytes_per_expert * lx.gate.raw.shape[0] for lx in lm.model.host_experts.layers.values()) / 2**20
+        mib = loaded_expert_mib(lm)
         arms: list[tuple[str, CacheSettings | None]] = [("off", None)]
         for frac in (0.25, 0.5):
             for share in (0.0, 0.5, 0.95):

@@ -88,9 +88,8 @@ class ExpertCache:
         )
         self._lock = threading.Lock()  # guards the counters while a snapshot is taken
         self.warm_counts: warm_start.Counts | None = None
-        self.preloaded: list[
-            tuple[int, int]
-        ] = []  # (layer, expert) the warm start put in slots, before the first token
+        # (layer, expert) the warm start put in slots, before the first token
+        self.preloaded: list[tuple[int, int]] = []
         self.warm_bytes = 0
         if settings.warm_start is not None:
             n_expert = {layer: lx.gate.raw.shape[0] for layer, lx in self.host.layers.items()}

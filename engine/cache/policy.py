@@ -129,9 +129,10 @@ class ClassLRU:
         self.clock = core.region(st, core.H_CLOCK, n_layers)  # per layer: tokens it has seen
         self.last_use = core.region(st, core.H_LAST, n_keys)  # layer clock at each key's last use
         self.crf = self._fl[core.N_DECAY :]  # CRF at each key's last use; 0: never used
-        slots = core.region(st, core.H_SLOT, n_keys)
+        slots, uses = core.region(st, core.H_SLOT, n_keys), core.region(st, core.H_USES, n_keys)
         # Per layer, each expert's slot (-1: not cached): views the kernels read as they are.
         self.slot_map: dict[int, np.ndarray] = {il: slots[il * n_expert : (il + 1) * n_expert] for il in self.layers}
+        self._uses = {il: uses[il * n_expert : (il + 1) * n_expert] for il in self.layers}
 
     @property
     def full(self) -> bool:
@@ -163,11 +164,8 @@ class ClassLRU:
         return layer * self.n_expert + expert
 
     def uses(self, layer: int) -> np.ndarray:
-        """Selections of each expert of `layer` by the lookups planned so far (every token's)."""
-        base = layer * self.n_expert
-        return self._core.region(self._st, self._core.H_USES, (max(self.layers) + 1) * self.n_expert)[
-            base : base + self.n_expert
-        ]
+        """Selections of each expert of `layer` by the lookups planned so far (every token's): a view."""
+        return self._uses[layer]
 
     def slot_of(self, layer: int, expert: int) -> int:
         return int(self.slot_map[layer][expert])
@@ -182,10 +180,13 @@ class ClassLRU:
         Each takes the CRF it had when saved, as of clock 0; returns (layer, expert, slot) placed.
         """
         placed = []
+        nxt = self._core.region(self._st, self._core.H_NEXT, self.n_slots)
         for layer, e, c in picks:
             if self.n_filled == self.n_slots or self.slot_map[layer][e] >= 0:
                 continue
-            s = next(s for s in self.lists[0] if self.key_of[s] < 0)  # empty slots lead class 0
+            s = int(self._st[self._st[self._core.H_HEAD]])  # empty slots lead class 0: its first empty one
+            while self.key_of[s] >= 0:
+                s = int(nxt[s])
             key = self.key(layer, e)
             self.crf[key], self.last_use[key] = c, self.clock[layer]
             self._core.place(self._st, self._fl, layer, e, s)
@@ -199,9 +200,8 @@ class ClassLRU:
 
     def decayed_crf(self, layer: int) -> list[float]:
         """Each expert's CRF of `layer` decayed to the layer's clock now (0: never used)."""
-        base, now = layer * self.n_expert, int(self.clock[layer])
-        return [float(self.crf[base + e]) * 2.0 ** ((int(self.last_use[base + e]) - now) / CRF_HALF_LIFE)
-                for e in range(self.n_expert)]  # fmt: skip
+        base = layer * self.n_expert
+        return [self.decayed(base + e) for e in range(self.n_expert)]
 
     def plan(self, layer: int, ids: Sequence[int] | np.ndarray, n_tokens: int, share: MissSplit | None = None) -> Plan:
         """Give a slot to each expert that `ids` (n_tokens x experts used) selects in `layer`.
