@@ -211,6 +211,6 @@ def replay(
         plan = lru.plan(layer, ids, n_tokens, active)
         if count_now:
             count(c, n_tokens, plan, 0, g.expert_bytes)
-            res.upload_bytes += len(plan.uploads) * g.expert_bytes
-            res.cpu_bytes += len(plan.cpu) * g.expert_bytes
+            res.upload_bytes += plan.n_uploads * g.expert_bytes
+            res.cpu_bytes += plan.n_cpu * g.expert_bytes
     return res

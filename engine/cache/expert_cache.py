@@ -185,11 +185,11 @@ class ExpertCache:
     # -- execution -------------------------------------------------------------------------
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        n_tokens, n_used = ids.shape
         if ids.device.type != "cpu":
             ids = ids.cpu()  # the one host sync the routing needs
-        flat_ids = ids.numpy().reshape(-1)  # [T*k] int64, what the compiled policy reads
-        flat = flat_ids.tolist()
+        ids_h = ids.numpy()  # [T, k] int64
+        n_tokens, n_used = ids_h.shape
+        flat_ids = ids_h.reshape(-1)  # [T*k], what the compiled policy reads
         cacheable = n_tokens <= self.settings.max_batch  # larger batches go around any cache
         if self._trace is not None:
             self._trace.write(layer, n_used, flat_ids)
@@ -198,29 +198,28 @@ class ExpertCache:
             self.tokens += n_tokens
         group = self.group_of[layer]
         policy = group.policy
-        info = group.info
         if (
             policy is not None
             and not (cacheable and n_tokens * n_used <= policy.n_slots)
-            and bypasses(n_tokens, n_used, info.n_expert, policy.n_slots, self.settings.max_batch)
+            and bypasses(n_tokens, n_used, group.info.n_expert, policy.n_slots, self.settings.max_batch)
         ):
             policy = None
         layer_stats = self.stats[layer]
         counters = layer_stats.small if n_tokens <= SMALL_BATCH else layer_stats.large  # LayerCounters.of, inline
         with self._lock:
             if policy is None:
-                count(counters, n_tokens, None, len(set(flat)), info.expert_bytes)
+                flat = flat_ids.tolist()
+                count(counters, n_tokens, None, len(set(flat)), group.info.expert_bytes)
                 uses = self.use_counts[layer]  # a planned lookup's uses the policy counts (ClassLRU.uses)
                 for e in flat:
                     uses[e] += 1
-                plan = None
-            else:
-                plan = policy.plan(layer, flat_ids, n_tokens, self._split)
-                count(counters, n_tokens, plan, 0, info.expert_bytes)
+                if cacheable:
+                    self.log.add(layer, n_used, flat, -1)
+                return self._uncached_path(layer, x, ids, weights)
+            plan = policy.plan(layer, flat_ids, n_tokens, self._split)
+            count(counters, n_tokens, plan, 0, group.info.expert_bytes)
         if cacheable:
-            self.log.add(layer, n_used, flat, -1 if plan is None else len(plan.hits))
-        if plan is None or policy is None:
-            return self._uncached_path(layer, x, ids, weights)
+            self.log.add(layer, n_used, flat_ids.tolist(), plan.n_hits)
         if plan.prefetched_hits:
             self.uploader.wait_ahead()  # experts a prefetch uploaded are read now: their copies must be in
         return self._cached_path[layer](layer, group, policy, self.host.layers[layer], plan, x, ids, weights)
@@ -307,23 +306,21 @@ class ExpertCache:
 
         Both parts fill their own rows of one contribution buffer, summed once in expert order. The
         device is this CPU: the share runs inline, as handing it to another thread costs more than
-        it could overlap.
+        it could overlap. Slots in place (no banks) are the host copy: one call computes the layer.
         """
         xh, ih, wh = host_arrays(x, ids, weights)
         contrib = np.empty((ih.size, xh.shape[1]), np.float32)  # [T*k, E]
-        if plan.cpu:
-            self.host.run_host_part(layer, xh, ih, wh, list(plan.cpu), contrib)
-        if plan.uploads:
+        if self.in_place:
+            # Every part reads the same host bytes with the same kernels: the layer in one call.
+            self.host.run_host_part(layer, xh, ih, wh, None, contrib)
+            return layer_output(contrib, ih)
+        if plan.n_cpu:
+            self.host.run_host_part(layer, xh, ih, wh, plan.cpu_array, contrib)
+        if plan.n_uploads:
             self.uploader.upload(group, lx, plan.uploads)
-            on_device: list[int] | None = [*plan.hits, *(e for e, _ in plan.uploads)]
-        else:
-            on_device = list(plan.hits)
-        if on_device:
-            mats, slot_of = (
-                (self.host.mats(layer), None) if self.in_place else (group.host_banks, policy.slot_array(layer))
-            )
-            run_fused(lx, mats, slot_of, self.host.act_code, xh, ih, wh, None if not plan.cpu else on_device, contrib,
-                      self.host.bits)  # fmt: skip
+        if plan.n_uploads or plan.n_hits:
+            run_fused(lx, group.host_banks, policy.slot_array(layer), self.host.act_code, xh, ih, wh,
+                      plan.device_array if plan.n_cpu else None, contrib, self.host.bits)  # fmt: skip
         return layer_output(contrib, ih)
 
     def _run_triton(
@@ -335,7 +332,7 @@ class ExpertCache:
         host_in = host_arrays(x, ids, weights) if plan.cpu else None
         self.uploader.upload(group, lx, plan.uploads)
         on_device = np.zeros(group.info.n_expert, dtype=bool)
-        on_device[[*plan.hits, *(e for e, _ in plan.uploads)]] = True
+        on_device[plan.device_array] = True
         ih = ids.cpu().numpy()  # the routing's one sync: the policy has read these ids already
         table, n_pairs = device_kernels.pair_table(ih, policy.slot_array(layer), on_device)
         table_d = torch.from_numpy(table).to(self.device, non_blocking=True)

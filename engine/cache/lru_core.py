@@ -3,7 +3,8 @@
 `policy.ClassLRU` is the interface; this module holds what runs at every MoE layer of every token,
 so that the policy costs a few microseconds whatever the number of experts (the engine calls it per
 layer and token, the simulator per replayed lookup). One call covers a lookup whose experts are all
-in slots; a lookup with misses takes a second call once the Python side knows the CPU's share.
+in slots; `step` is the whole lookup in one call, the CPU share's carry included (`lookup` and
+`settle` are its halves, for a caller that decides the CPU's part itself).
 
 State, int64 `st` (offsets in its header) and float64 `fl`:
 - per slot: the key (layer * n_expert + expert, -1 empty) it holds, its class list and the list's
@@ -29,6 +30,7 @@ from .rules import (
     PROTECT_RATIO,
     SECOND_USE,
     SECOND_USE_WINDOW,
+    SHARE_ONE,
     UPLOAD_CAP,
     UPLOAD_CAP_RULE,
 )
@@ -406,6 +408,30 @@ def settle(st, fl, layer, n_tokens, n_cpu, out):
         at += n
     st[st[H_CLOCK] + layer] = now + n_tokens
     return True
+
+
+@njit(fastmath=False, cache=True)
+def step(st, fl, layer, ids, n_tokens, q, carry, out):
+    """A whole lookup: `lookup`, then, with misses, `settle` with the CPU's part of a full group's
+    misses taken at share q (in 1/SHARE_ONE) through the layer's carry (carry[layer], kept below
+    SHARE_ONE): over many lookups exactly q / SHARE_ONE of the misses. Returns the distinct experts'
+    count (the caller refuses a lookup that exceeds the slots, before any change), or -1 when no
+    slot can be evicted. out[3:6] are 0 for a lookup without misses."""
+    n_u = lookup(st, fl, layer, ids, n_tokens, out)
+    if n_u > st[H_SLOTS]:
+        return n_u
+    n_m = out[1]
+    if n_m == 0:
+        out[3], out[4], out[5] = 0, 0, 0
+        return n_u
+    n_cpu = 0
+    if q > 0 and st[H_FILLED] == st[H_SLOTS]:
+        v = n_m * q + carry[layer]
+        carry[layer] = v & (SHARE_ONE - 1)
+        n_cpu = min(v >> 16, n_m)
+    if not settle(st, fl, layer, n_tokens, n_cpu, out):
+        return -1
+    return n_u
 
 
 @njit(fastmath=False, cache=True)

@@ -27,8 +27,8 @@ class lists as linked lists of slots and the CRF decay from a table.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import NamedTuple, Protocol
+from collections.abc import Iterator, Sequence
+from typing import Protocol
 
 import numpy as np
 
@@ -40,25 +40,85 @@ from .rules import (  # noqa: F401 (the policy's numbers, named here too)
     POLICIES,
     PROTECT_RATIO,
     SECOND_USE_WINDOW,
+    SHARE_ONE,
     UPLOAD_CAP,
 )
 from .stats import Counters
-
-SHARE_ONE = 1 << 16  # the CPU share is kept in 1/65536
 
 
 class CachePolicyError(RuntimeError):
     """A lookup the cache cannot serve (more distinct experts than slots)."""
 
 
-class Plan(NamedTuple):
-    """What one lookup decided. Experts are ids within the layer."""
+class Plan:
+    """What one lookup decided. Experts are ids within the layer.
 
-    hits: tuple[int, ...]  # already in a slot
-    uploads: tuple[tuple[int, int], ...]  # (expert, slot) to fill from the host copy, in expert order
-    cpu: tuple[int, ...]  # misses computed on the CPU from the host copy, not cached
-    evicted: tuple[tuple[int, int], ...]  # (layer, expert) that lost their slot
-    prefetched_hits: int = 0  # hits on experts a prefetch put in their slots, used for the first time
+    hits: already in a slot; uploads: (expert, slot) to fill from the host copy, in expert order;
+    cpu: misses computed on the CPU from the host copy, not cached; evicted: (layer, expert) that lost
+    their slot; prefetched_hits: hits on experts a prefetch put in their slots, used for the first
+    time. The policy's result region is kept as one array (`v`: hits, cpu, uploads' experts, their
+    slots, evictions' layers, their experts) and read as tuples only when asked: the engine at each
+    layer needs the counts and the arrays.
+    """
+
+    __slots__ = ("n_cpu", "n_evicted", "n_hits", "n_uploads", "prefetched_hits", "v")
+
+    def __init__(self, v: np.ndarray, n_hits: int, n_cpu: int = 0, n_uploads: int = 0, n_evicted: int = 0,
+                 prefetched_hits: int = 0) -> None:  # fmt: skip
+        self.v = v
+        self.n_hits, self.n_cpu, self.n_uploads, self.n_evicted = n_hits, n_cpu, n_uploads, n_evicted
+        self.prefetched_hits = prefetched_hits
+
+    @classmethod
+    def of(cls, hits: Sequence[int], uploads: Sequence[tuple[int, int]], cpu: Sequence[int],
+           evicted: Sequence[tuple[int, int]], prefetched_hits: int = 0) -> Plan:  # fmt: skip
+        v = [*hits, *cpu, *(e for e, _ in uploads), *(s for _, s in uploads), *(la for la, _ in evicted),
+             *(e for _, e in evicted)]  # fmt: skip
+        return cls(np.array(v, np.int64), len(hits), len(cpu), len(uploads), len(evicted), prefetched_hits)
+
+    @property
+    def hit_array(self) -> np.ndarray:
+        return self.v[: self.n_hits]
+
+    @property
+    def cpu_array(self) -> np.ndarray:
+        return self.v[self.n_hits : self.n_hits + self.n_cpu]
+
+    @property
+    def device_array(self) -> np.ndarray:
+        """The experts the device computes: the hits, then the uploaded experts."""
+        a = self.n_hits + self.n_cpu
+        return np.concatenate((self.v[: self.n_hits], self.v[a : a + self.n_uploads]))
+
+    @property
+    def hits(self) -> tuple[int, ...]:
+        return tuple(self.v[: self.n_hits].tolist())
+
+    @property
+    def cpu(self) -> tuple[int, ...]:
+        return tuple(self.cpu_array.tolist())
+
+    @property
+    def uploads(self) -> tuple[tuple[int, int], ...]:
+        a, n = self.n_hits + self.n_cpu, self.n_uploads
+        return tuple(zip(self.v[a : a + n].tolist(), self.v[a + n : a + 2 * n].tolist(), strict=True))
+
+    @property
+    def evicted(self) -> tuple[tuple[int, int], ...]:
+        a, n = self.n_hits + self.n_cpu + 2 * self.n_uploads, self.n_evicted
+        return tuple(zip(self.v[a : a + n].tolist(), self.v[a + n : a + 2 * n].tolist(), strict=True))
+
+    def __iter__(self) -> Iterator[object]:
+        return iter((self.hits, self.uploads, self.cpu, self.evicted, self.prefetched_hits))
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Plan) and tuple(self) == tuple(other)
+
+    __hash__ = None  # type: ignore[assignment]
+
+    def __repr__(self) -> str:
+        return (f"Plan(hits={self.hits}, uploads={self.uploads}, cpu={self.cpu}, evicted={self.evicted}, "
+                f"prefetched_hits={self.prefetched_hits})")  # fmt: skip
 
 
 def bypasses(n_tokens: int, n_used: int, n_expert: int, n_slots: int, max_batch: int) -> bool:
@@ -78,11 +138,11 @@ def count(c: Counters, n_tokens: int, plan: Plan | None, n_distinct: int, expert
         c.bypassed += n_distinct
         c.bypassed_bytes += n_distinct * expert_bytes
         return
-    n_up = len(plan.uploads)
-    c.lookups += len(plan.hits) + n_up + len(plan.cpu)
-    c.hits += len(plan.hits)
-    c.misses += n_up + len(plan.cpu)
-    c.cpu += len(plan.cpu)
+    n_up, n_cpu = plan.n_uploads, plan.n_cpu
+    c.lookups += plan.n_hits + n_up + n_cpu
+    c.hits += plan.n_hits
+    c.misses += n_up + n_cpu
+    c.cpu += n_cpu
     c.uploads += n_up
     c.uploaded_bytes += n_up * expert_bytes
     c.prefetch_hits += plan.prefetched_hits
@@ -123,6 +183,8 @@ class ClassLRU:
         self._st, self._fl = core.new_state(n_layers, n_expert, n_slots, ADMISSIONS[admission])
         self._out = core.new_out(n_expert)
         self._result = core.O_HEADER + core.O_RESULT * n_expert  # where a plan lies compactly in _out
+        self._n_layers = n_layers
+        self._no_carry = np.zeros(max(n_layers, 1), np.int64)
         st, n_keys = self._st, n_layers * n_expert
         self.key_of = core.region(st, core.H_KEY, n_slots)  # key (layer * n_expert + expert) in each slot, -1 empty
         self.list_of = core.region(st, core.H_LIST, n_slots)  # each slot's class list
@@ -209,25 +271,33 @@ class ClassLRU:
         `share.take(layer, n_misses)` says how many of the misses the CPU takes; it is asked
         only when the group is full. Advances the layer's clock by n_tokens.
         """
-        out, res = self._out, self._result
-        n_u = self._core.lookup(self._st, self._fl, layer, np.asarray(ids, np.int64), n_tokens, out)
-        if n_u > self.n_slots:
-            raise CachePolicyError(
-                f"layer {layer}: the lookup selects {n_u} distinct experts but the cache has {self.n_slots} slots"
-            )
-        n_h, n_m, n_p = out[:3].tolist()
-        if not n_m:
-            return Plan(tuple(out[res : res + n_h].tolist()), (), (), (), n_p)
-        n_cpu = 0
-        if share is not None and self._st[self._core.H_FILLED] == self.n_slots:
-            n_cpu = min(share.take(layer, n_m), n_m)
-        if not self._core.settle(self._st, self._fl, layer, n_tokens, n_cpu, out):
+        out, res, core = self._out, self._result, self._core
+        if share is None or type(share) is CpuShare:
+            # The whole lookup in one compiled call, the share's carry included.
+            q, carry = (0, self._no_carry) if share is None else (share.q, share.carries(self._n_layers))
+            n_u = core.step(self._st, self._fl, layer, np.asarray(ids, np.int64), n_tokens, q, carry, out)
+            if n_u > self.n_slots:
+                raise self._too_many(layer, n_u)
+        else:
+            n_u = core.lookup(self._st, self._fl, layer, np.asarray(ids, np.int64), n_tokens, out)
+            if n_u > self.n_slots:
+                raise self._too_many(layer, n_u)
+            n_cpu = 0
+            if out[1]:
+                if self._st[core.H_FILLED] == self.n_slots:
+                    n_cpu = min(share.take(layer, int(out[1])), int(out[1]))
+                n_u = n_u if core.settle(self._st, self._fl, layer, n_tokens, n_cpu, out) else -1
+            else:
+                out[3:6] = 0
+        if n_u < 0:
             raise CachePolicyError("no slot can be evicted")
-        n_c, n_up, n_ev = out[3:6].tolist()
-        v = out[res : res + n_h + n_c + 2 * n_up + 2 * n_ev].tolist()
-        a, b, c, d = n_h + n_c, n_h + n_c + n_up, n_h + n_c + 2 * n_up, n_h + n_c + 2 * n_up + n_ev
-        return Plan(tuple(v[:n_h]), tuple(zip(v[a:b], v[b:c], strict=True)), tuple(v[n_h:a]),
-                    tuple(zip(v[c:d], v[d:], strict=True)), n_p)  # fmt: skip
+        n_h, _, n_p, n_c, n_up, n_ev = out[:6].tolist()
+        return Plan(out[res : res + n_h + n_c + 2 * n_up + 2 * n_ev].copy(), n_h, n_c, n_up, n_ev, n_p)
+
+    def _too_many(self, layer: int, n_u: int) -> CachePolicyError:
+        return CachePolicyError(
+            f"layer {layer}: the lookup selects {n_u} distinct experts but the cache has {self.n_slots} slots"
+        )
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> tuple[tuple[int, int], ...]:
         """Put predicted experts of `layer` in slots ahead of its lookup: (expert, slot) to upload.
@@ -270,11 +340,18 @@ class CpuShare:
             raise ValueError(f"CPU share must be in [0, 1], got {share}")
         self.share = share
         self.q = round(share * SHARE_ONE)
-        self.carry: dict[int, int] = {}
+        self.carry = np.zeros(0, np.int64)  # per layer, below SHARE_ONE; the compiled lookup updates it in place
+
+    def carries(self, n_layers: int) -> np.ndarray:
+        """The carry of each of the first `n_layers` layers (grown with zeros)."""
+        if self.carry.size < n_layers:
+            self.carry = np.concatenate((self.carry, np.zeros(n_layers - self.carry.size, np.int64)))
+        return self.carry
 
     def take(self, layer: int, n_misses: int) -> int:
-        v = n_misses * self.q + self.carry.get(layer, 0)
-        self.carry[layer] = v & (SHARE_ONE - 1)
+        carry = self.carries(layer + 1)
+        v = n_misses * self.q + int(carry[layer])
+        carry[layer] = v & (SHARE_ONE - 1)
         return v >> 16
 
     def active(self) -> CpuShare | None:

@@ -17,3 +17,4 @@ CLASSLRU, SECOND_USE, UPLOAD_CAP_RULE, PROTECT = 0, 1, 2, 3
 ADMISSIONS: dict[str, int] = {"classlru": CLASSLRU, "second-use": SECOND_USE, "upload-cap": UPLOAD_CAP_RULE,
                               "protect": PROTECT}  # fmt: skip
 POLICIES = tuple(ADMISSIONS)
+SHARE_ONE = 1 << 16  # the CPU share is kept in 1/65536

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -130,7 +130,13 @@ class HostExperts:
         return lambda e: cache.get((layer, e), lambda: (lx.gate.expert(e), lx.up.expert(e), lx.down.expert(e)))
 
     def run_host_part(
-        self, layer: int, x: np.ndarray, ids: np.ndarray, w: np.ndarray, experts: list[int] | None, contrib: np.ndarray
+        self,
+        layer: int,
+        x: np.ndarray,
+        ids: np.ndarray,
+        w: np.ndarray,
+        experts: Sequence[int] | np.ndarray | None,
+        contrib: np.ndarray,
     ) -> None:
         """Fused path: the contributions of `experts` (None: all selected), from the host copy, into their rows."""
         run_fused(self.layers[layer], self.mats(layer), None, self.act_code, x, ids, w, experts, contrib, self.bits)

@@ -40,7 +40,7 @@ def run_fused(
     x: np.ndarray,
     ids: np.ndarray,
     weights: np.ndarray,
-    experts: Sequence[int] | None,
+    experts: Sequence[int] | np.ndarray | None,
     contrib: np.ndarray,
     bits: int = 16,
 ) -> None:

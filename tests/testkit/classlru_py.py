@@ -303,7 +303,7 @@ class ClassLRU:
                     evicted.append(gone)
                 uploads.append((e, s))
         self.clock[layer] = now + n_tokens
-        return Plan(tuple(hits), tuple(uploads), tuple(cpu), tuple(evicted), n_prefetched)
+        return Plan.of(hits, uploads, cpu, evicted, n_prefetched)
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> tuple[tuple[int, int], ...]:
         """Put predicted experts of `layer` in slots ahead of its lookup: (expert, slot) to upload.
