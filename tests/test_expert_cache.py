@@ -490,3 +490,30 @@ def test_the_min_window_is_bounded_and_counts_what_the_cache_counted(tmp_path: P
     assert bound is not None and not bound.from_start and bound.rate >= bound.hit_rate
     cold = min_hit_rate([g.info for g in cache.groups], 2, cache.settings.max_batch, w.records)
     assert cold is not None and bound.rate >= cold  # starting from the slots' experts, not from empty slots
+
+
+def test_the_lookup_log_is_the_same_whether_the_compiled_lookup_or_python_wrote_it(tmp_path: Path) -> None:
+    """The policy's compiled lookup appends each lookup to the log while the buffer has room; with no
+    room the cache appends it itself and the buffer grows. Both give the same window: the same
+    records, hits and lookups as the cache counted."""
+    from moechat.engine.cache.lookup_log import LookupLog
+
+    path = tiny_moe(tmp_path / "m.gguf", n_expert=8)
+    windows = []
+    for per_token in (64, 1):  # a roomy buffer, then one too small from the first token
+        lm = load_model(path, n_ctx=128, cache=CacheSettings(mib=EXPERT_MIB / 3, cpu_share=0.5))
+        cache = lm.cache
+        assert cache is not None
+        cache.log = LookupLog(cache.preloaded, per_token=per_token, window_tokens=16, every_tokens=4)
+        size = cache.log.buf.size
+        kv = lm.new_cache()
+        tok = int(lm.model(torch.tensor(lm.tokenizer.encode(PROMPT)[:4]), 0, kv)[-1].argmax())
+        for _ in range(12):
+            with torch.inference_mode():
+                tok = int(lm.model(torch.tensor([tok]), kv.pos, kv)[-1].argmax())
+        w = cache.log.window()
+        assert w.from_start and w.hits == cache.snapshot().total.hits and w.lookups == cache.snapshot().total.lookups
+        assert (cache.log.buf.size > size) == (per_token == 1)
+        windows.append(w)
+        lm.close()
+    assert windows[0] == windows[1] and len(windows[0].records) == 2 * 13  # 2 MoE layers, the prompt and 12 tokens

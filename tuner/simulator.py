@@ -12,7 +12,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from moechat.engine.cache.policy import ClassLRU, CpuShare, bypasses, count, count_prefetch, split_budget
+from moechat.engine.cache.policy import ClassLRU, CpuShare, bypasses, count_bypass, count_prefetch, split_budget
 from moechat.engine.cache.stats import CountersSnapshot, LayerCounters
 from moechat.engine.cache.trace import read_trace
 from moechat.engine.cache.warm_start import hottest
@@ -205,12 +205,18 @@ def replay(
         if lru is None or bypassed:
             if count_now:
                 n = len(set(ids))
-                count(c, n_tokens, None, n, g.expert_bytes)
+                count_bypass(c, n_tokens, n, g.expert_bytes)
                 res.bypass_bytes += n * g.expert_bytes
             continue
+        if lru.counting != count_now:
+            lru.counting = count_now  # the policy counts its planned lookups after the warm-up only
         plan = lru.plan(layer, ids, n_tokens, active)
         if count_now:
-            count(c, n_tokens, plan, 0, g.expert_bytes)
             res.upload_bytes += plan.n_uploads * g.expert_bytes
             res.cpu_bytes += plan.n_cpu * g.expert_bytes
+    for layer, (g, lru) in policies.items():
+        if lru is not None:
+            small, large = lru.counted(layer, g.expert_bytes)
+            res.layers[layer].small.add(small)
+            res.layers[layer].large.add(large)
     return res

@@ -36,20 +36,20 @@ from ..moe.host_experts import Contribution, HostExperts, run_experts, sum_parts
 from ..moe.kernel_calls import host_arrays, layer_output, run_fused
 from . import warm_start
 from .device_memory import pinned
-from .lookup_log import LookupLog
-from .policy import ClassLRU, CpuShare, Plan, bypasses, count, count_prefetch
+from .lookup_log import RECORD, LookupLog
+from .policy import ClassLRU, CpuShare, bypasses, count_bypass, count_prefetch
+from .rules import LOGGED
 from .settings import CacheSettings
 from .slot_groups import SlotGroup, build_groups
-from .stats import SMALL_BATCH, LayerCounters, LayerSnapshot, StatsSnapshot
+from .stats import LayerCounters, LayerSnapshot, StatsSnapshot
 from .trace import TraceWriter
 from .uploads import Uploader
 
 logger = logging.getLogger(__name__)
 
 
-CachedPath = Callable[
-    [int, SlotGroup, ClassLRU, LayerExperts, Plan, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
-]
+CachedPath = Callable[[int, SlotGroup, ClassLRU, LayerExperts, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+PREFETCHED_HITS = LOGGED - 1  # the bits of a step's result that count hits on prefetched experts
 
 
 class ExpertCache:
@@ -65,7 +65,6 @@ class ExpertCache:
         self.prefetch_tokens = settings.max_batch if settings.prefetch else 0
         self.n_expert_used = n_expert_used
         self.share = CpuShare(settings.cpu_share)
-        self._split = self.share.active()  # what the policy asks for the CPU's misses (None: none)
         # On the CPU device without an emulated link a slot is the host copy itself: an upload would copy
         # bytes to where they already are. Its slots then hold no bytes of their own (no banks), the
         # kernels read the expert in place, and the counters count the upload as on a device.
@@ -98,7 +97,10 @@ class ExpertCache:
                 self._preload(self.warm_counts)
         # The recent cacheable lookups, which the app replays through MIN after a reply (the bound at
         # this size): a bounded window, from the slots as they were at its start.
-        self.log = LookupLog(self.preloaded)
+        self.log = LookupLog(self.preloaded, len(host.layers) * (RECORD + n_expert_used), settings.max_batch)
+        for g in self.groups:
+            if g.policy is not None:
+                g.policy.set_share(self.share)
         self._trace = TraceWriter(settings.trace, self._trace_header()) if settings.trace else None
         self._biases: dict[int, tuple[torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]] = {}
         self.triton = {layer: self._use_triton(layer, lx) for layer, lx in self.host.layers.items()}
@@ -185,12 +187,13 @@ class ExpertCache:
     # -- execution -------------------------------------------------------------------------
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        # At every MoE layer of every token: as few steps as possible, the policy's whole lookup (its
+        # counters and the lookup log included) in one compiled call.
         if ids.device.type != "cpu":
             ids = ids.cpu()  # the one host sync the routing needs
         ids_h = ids.numpy()  # [T, k] int64
         n_tokens, n_used = ids_h.shape
         flat_ids = ids_h.reshape(-1)  # [T*k], what the compiled policy reads
-        cacheable = n_tokens <= self.settings.max_batch  # larger batches go around any cache
         if self._trace is not None:
             self._trace.write(layer, n_used, flat_ids)
         if layer == self.first_layer:
@@ -198,31 +201,34 @@ class ExpertCache:
             self.tokens += n_tokens
         group = self.group_of[layer]
         policy = group.policy
-        if (
-            policy is not None
-            and not (cacheable and n_tokens * n_used <= policy.n_slots)
+        if policy is None or (
+            (n_tokens > self.settings.max_batch or n_tokens * n_used > policy.n_slots)
             and bypasses(n_tokens, n_used, group.info.n_expert, policy.n_slots, self.settings.max_batch)
         ):
-            policy = None
-        layer_stats = self.stats[layer]
-        counters = layer_stats.small if n_tokens <= SMALL_BATCH else layer_stats.large  # LayerCounters.of, inline
+            return self._around(layer, x, ids, weights, flat_ids, n_tokens, n_used, group.info.expert_bytes)
         with self._lock:
-            if policy is None:
-                flat = flat_ids.tolist()
-                count(counters, n_tokens, None, len(set(flat)), group.info.expert_bytes)
-                uses = self.use_counts[layer]  # a planned lookup's uses the policy counts (ClassLRU.uses)
-                for e in flat:
-                    uses[e] += 1
-                if cacheable:
-                    self.log.add(layer, n_used, flat, -1)
-                return self._uncached_path(layer, x, ids, weights)
-            plan = policy.plan(layer, flat_ids, n_tokens, self._split)
-            count(counters, n_tokens, plan, 0, group.info.expert_bytes)
-        if cacheable:
-            self.log.add(layer, n_used, flat_ids.tolist(), plan.n_hits)
-        if plan.prefetched_hits:
+            r = policy.step(layer, flat_ids, n_tokens, self.log.buf)
+        if r < 0:
+            raise policy.refused(layer, r)
+        if not r & LOGGED:
+            self.log.add(layer, n_used, flat_ids, policy.last_plan().n_hits)
+        if r & PREFETCHED_HITS:
             self.uploader.wait_ahead()  # experts a prefetch uploaded are read now: their copies must be in
-        return self._cached_path[layer](layer, group, policy, self.host.layers[layer], plan, x, ids, weights)
+        return self._cached_path[layer](layer, group, policy, self.host.layers[layer], x, ids, weights)
+
+    def _around(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, flat_ids: np.ndarray,
+                n_tokens: int, n_used: int, expert_bytes: int) -> torch.Tensor:  # fmt: skip
+        """A lookup that goes around the cache: counted, its uses too, and the experts read from the host."""
+        flat = flat_ids.tolist()
+        layer_stats = self.stats[layer]
+        with self._lock:
+            count_bypass(layer_stats.of(n_tokens), n_tokens, len(set(flat)), expert_bytes)
+            uses = self.use_counts[layer]  # a planned lookup's uses the policy counts (ClassLRU.uses)
+            for e in flat:
+                uses[e] += 1
+        if n_tokens <= self.settings.max_batch:
+            self.log.add(layer, n_used, flat, -1)
+        return self._uncached_path(layer, x, ids, weights)
 
     def lookups(self) -> list[tuple[int, int, tuple[int, ...]]]:
         """The cacheable lookups of the MIN window (the session's, while it is shorter), in order:
@@ -274,11 +280,12 @@ class ExpertCache:
         return sum_parts(x, run_experts(lx, x, ids, weights, self.host.act, uniq, fetch=self._host_fetch(lx)))
 
     def _run_exact(
-        self, layer: int, group: SlotGroup, policy: ClassLRU, lx: LayerExperts, plan: Plan, x: torch.Tensor,
-        ids: torch.Tensor, weights: torch.Tensor,
+        self, layer: int, group: SlotGroup, policy: ClassLRU, lx: LayerExperts, x: torch.Tensor, ids: torch.Tensor,
+        weights: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """Layers without kernels (or `--cpu-kernels exact`): each expert dequantized and multiplied, the
         CPU's part in the worker meanwhile."""
+        plan = policy.last_plan()
         future: Future[list[Contribution]] | None = None
         if plan.cpu and self._worker is not None:
             xh, wh = x.cpu(), weights.cpu()  # the CPU part reads host copies
@@ -299,8 +306,8 @@ class ExpertCache:
         return sum_parts(x, parts)
 
     def _run_fused(
-        self, layer: int, group: SlotGroup, policy: ClassLRU, lx: LayerExperts, plan: Plan, x: torch.Tensor,
-        ids: torch.Tensor, weights: torch.Tensor,
+        self, layer: int, group: SlotGroup, policy: ClassLRU, lx: LayerExperts, x: torch.Tensor, ids: torch.Tensor,
+        weights: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """CPU device, fused kernels: hits and uploads from the slots, the CPU share from the host copy.
 
@@ -314,6 +321,7 @@ class ExpertCache:
             # Every part reads the same host bytes with the same kernels: the layer in one call.
             self.host.run_host_part(layer, xh, ih, wh, None, contrib)
             return layer_output(contrib, ih)
+        plan = policy.last_plan()
         if plan.n_cpu:
             self.host.run_host_part(layer, xh, ih, wh, plan.cpu_array, contrib)
         if plan.n_uploads:
@@ -324,10 +332,11 @@ class ExpertCache:
         return layer_output(contrib, ih)
 
     def _run_triton(
-        self, layer: int, group: SlotGroup, policy: ClassLRU, lx: LayerExperts, plan: Plan, x: torch.Tensor,
-        ids: torch.Tensor, weights: torch.Tensor,
+        self, layer: int, group: SlotGroup, policy: ClassLRU, lx: LayerExperts, x: torch.Tensor, ids: torch.Tensor,
+        weights: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """The device's experts in three launches (device_kernels), the CPU share from the host copy meanwhile."""
+        plan = policy.last_plan()
         # The CPU share's inputs cross now, while the device is idle after the routing's sync.
         host_in = host_arrays(x, ids, weights) if plan.cpu else None
         self.uploader.upload(group, lx, plan.uploads)
@@ -415,14 +424,15 @@ class ExpertCache:
             for layer in sorted(self.host.layers):
                 group = self.group_of[layer]
                 st = self.stats[layer]
+                small, large = st.small.frozen(), st.large.frozen()  # around the cache, prefetches
                 cached: tuple[int, ...] = ()
                 if group.policy is not None:
                     cached = tuple(e for e, s in enumerate(group.policy.slot_map[layer]) if s >= 0)
+                    planned = group.policy.counted(layer, group.info.expert_bytes)
+                    small, large = small + planned[0], large + planned[1]
                 layers.append(
-                    LayerSnapshot(
-                        layer, group.info.index, st.small.frozen(), st.large.frozen(), len(cached), cached,
-                        self._uses(layer, group.policy),
-                    )
+                    LayerSnapshot(layer, group.info.index, small, large, len(cached), cached,
+                                  self._uses(layer, group.policy))
                 )  # fmt: skip
             return StatsSnapshot(
                 time.time(), self.tokens, tuple(g.info for g in self.groups), tuple(layers), self.settings.cpu_share,

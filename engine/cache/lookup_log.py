@@ -7,16 +7,23 @@ the experts the slots held at that checkpoint (MIN starts from them, as the cach
 hits the cache itself had on those lookups, so that the bound and the hit rate beside it cover
 the same lookups. While the session is shorter than the window, the window is the whole session,
 from the warm-started slots.
+
+The lookups lie in one int32 buffer, which the policy's compiled lookup appends to directly
+(`lru_core.step`): buf[0] is where the next record goes; a record is layer, experts per token,
+number of ids, the cache's hits (-1: the lookup went around the cache), then the ids.
 """
 
 from __future__ import annotations
 
-from array import array
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+import numpy as np
+
 WINDOW_TOKENS = 2048  # tokens of the cache's first layer
 EVERY_TOKENS = 256  # a checkpoint this often
+HEAD = 1  # buf[0]: the end of the records
+RECORD = 4  # a record's fields before its ids
 
 
 @dataclass(frozen=True)
@@ -34,42 +41,49 @@ class LookupWindow:
 @dataclass
 class _Checkpoint:
     token: int
-    at: int  # index of its first lookup
-    ids_at: int  # offset of that lookup's ids
+    at: int  # offset of its first record, counted from the session's first
     slots: tuple[tuple[int, int], ...]
 
 
 class LookupLog:
-    def __init__(self, preload: Sequence[tuple[int, int]], window_tokens: int = WINDOW_TOKENS,
-                 every_tokens: int = EVERY_TOKENS) -> None:  # fmt: skip
+    def __init__(self, preload: Sequence[tuple[int, int]], per_token: int = 64, batch_tokens: int = 1,
+                 window_tokens: int = WINDOW_TOKENS, every_tokens: int = EVERY_TOKENS) -> None:  # fmt: skip
+        """`per_token`: the entries one token's lookups take at most (each cached layer: RECORD + its
+        experts per token); `batch_tokens`: the most tokens one lookup logged may have. The buffer
+        holds a whole window from the start, so the compiled lookup always finds room."""
         self.window_tokens = window_tokens
         self.every_tokens = every_tokens
-        self._heads = array("i")  # per lookup: layer, experts per token, ids, the cache's hits (-1: bypassed)
-        self._ids = array("h")  # 2 bytes an expert id
-        self._checkpoints = [_Checkpoint(0, 0, 0, tuple(preload))]
-        self._dropped = 0  # lookups dropped before the oldest checkpoint kept
-        self._dropped_ids = 0
+        self.buf = np.zeros(HEAD + per_token * (window_tokens + 2 * every_tokens + batch_tokens), np.int32)
+        self.buf[0] = HEAD
+        self._checkpoints = [_Checkpoint(0, 0, tuple(preload))]
+        self._dropped = 0  # entries dropped before the oldest checkpoint kept
         self.tokens = 0
 
-    def add(self, layer: int, n_used: int, ids: list[int], hits: int) -> None:
+    def add(self, layer: int, n_used: int, ids: Sequence[int] | np.ndarray, hits: int) -> None:
         """One lookup of the cache: its ids, and its hits (-1: it went around the cache)."""
-        self._heads.extend((layer, n_used, len(ids), hits))
-        self._ids.extend(ids)
+        n = len(ids)
+        end = int(self.buf[0])
+        if end + RECORD + n > self.buf.size:
+            self.buf = np.concatenate((self.buf, np.zeros(max(self.buf.size, RECORD + n), np.int32)))
+        buf = self.buf
+        buf[end : end + RECORD] = (layer, n_used, n, hits)
+        buf[end + RECORD : end + RECORD + n] = ids
+        buf[0] = end + RECORD + n
 
     def tick(self, n_tokens: int, slots: Callable[[], tuple[tuple[int, int], ...]]) -> None:
         """Before the first layer's lookup of `n_tokens` tokens: a checkpoint when one is due (with the
         slots' experts as they are), and the window's start moved past what it no longer needs."""
         if self.tokens // self.every_tokens != (self.tokens + n_tokens) // self.every_tokens:
-            at, ids_at = self._dropped + len(self._heads) // 4, self._dropped_ids + len(self._ids)
-            self._checkpoints.append(_Checkpoint(self.tokens, at, ids_at, slots()))
+            end = int(self.buf[0])
+            self._checkpoints.append(_Checkpoint(self.tokens, self._dropped + end - HEAD, slots()))
             start = self._start()
             if start > 0:
                 first = self._checkpoints[start]
                 del self._checkpoints[:start]
-                n_heads, n_ids = (first.at - self._dropped) * 4, first.ids_at - self._dropped_ids
-                del self._heads[:n_heads]
-                del self._ids[:n_ids]
-                self._dropped, self._dropped_ids = first.at, first.ids_at
+                drop = first.at - self._dropped
+                self.buf[HEAD : end - drop] = self.buf[HEAD + drop : end]  # numpy copies overlapping slices safely
+                self.buf[0] = end - drop
+                self._dropped = first.at
         self.tokens += n_tokens
 
     def _start(self) -> int:
@@ -82,17 +96,17 @@ class LookupLog:
 
     def window(self) -> LookupWindow:
         first = self._checkpoints[self._start()]
-        heads, ids = self._heads, self._ids
+        buf = self.buf[: int(self.buf[0])].tolist()
         records = []
         hits = lookups = 0
-        h, at = (first.at - self._dropped) * 4, first.ids_at - self._dropped_ids
-        while h < len(heads):
-            layer, n_used, n, hit = heads[h], heads[h + 1], heads[h + 2], heads[h + 3]
-            picked = tuple(ids[at : at + n])
+        h = HEAD + first.at - self._dropped
+        while h < len(buf):
+            layer, n_used, n, hit = buf[h : h + RECORD]
+            picked = tuple(buf[h + RECORD : h + RECORD + n])
             records.append((layer, n_used, picked))
             if hit >= 0:
                 hits += hit
                 lookups += len(set(picked))
-            h, at = h + 4, at + n
+            h += RECORD + n
         return LookupWindow(tuple(records), first.slots, hits, lookups, self.tokens - first.token,
                             first.token == 0 and self._dropped == 0)  # fmt: skip

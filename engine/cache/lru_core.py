@@ -3,8 +3,9 @@
 `policy.ClassLRU` is the interface; this module holds what runs at every MoE layer of every token,
 so that the policy costs a few microseconds whatever the number of experts (the engine calls it per
 layer and token, the simulator per replayed lookup). One call covers a lookup whose experts are all
-in slots; `step` is the whole lookup in one call, the CPU share's carry included (`lookup` and
-`settle` are its halves, for a caller that decides the CPU's part itself).
+in slots; `step` is the whole lookup in one call, the CPU share, the counters and the lookup log
+included (`lookup`, `settle` and `tally` are its parts, for a caller that decides the CPU's part
+itself).
 
 State, int64 `st` (offsets in its header) and float64 `fl`:
 - per slot: the key (layer * n_expert + expert, -1 empty) it holds, its class list and the list's
@@ -13,6 +14,8 @@ State, int64 `st` (offsets in its header) and float64 `fl`:
 - per layer: its clock; per key: its slot (-1 none) and the layer clock at its last use;
 - per expert id: a scratch mark (the experts of the lookup at hand);
 - per key: its selections by the lookups planned (every token's, repeats included), for the heat map;
+- per layer: the CPU share's carry, and the planned lookups' counters (COUNTED) for small and large
+  batches; in the header the share (in 1/SHARE_ONE) and whether lookups are counted;
 - `fl`: the decay table 2^(-dt/128) for dt < 8192, then each key's CRF at its last use.
 Float arithmetic is plain IEEE (no fast-math): the same values as the formulas in policy's doc.
 """
@@ -24,6 +27,7 @@ import numpy as np
 from ..kernels.jit import njit
 from .rules import (
     CRF_HALF_LIFE,
+    LOGGED,
     N_CLASS,
     N_DECAY,
     PROTECT,
@@ -34,11 +38,18 @@ from .rules import (
     UPLOAD_CAP,
     UPLOAD_CAP_RULE,
 )
+from .stats import SMALL_BATCH
 
 # Header of `st`: sizes, counters, then where each region starts.
 H_SLOTS, H_EXPERT, H_LAYERS, H_FILLED, H_ADMIT, H_STAMP = 0, 1, 2, 3, 4, 5
 H_KEY, H_PREV, H_NEXT, H_LIST, H_PREF, H_SMARK, H_HEAD, H_TAIL, H_CLOCK, H_SLOT, H_LAST, H_EMARK, H_USES = range(6, 19)
-HEADER = 20
+H_CARRY, H_COUNT, H_SHARE, H_COUNTING = 19, 20, 21, 22
+HEADER = 24
+
+# The counters of the planned lookups, per layer and batch size (small: <= SMALL_BATCH tokens, then
+# large), in this order: as `stats.Counters` names them.
+COUNTED = ("calls", "tokens", "lookups", "hits", "misses", "cpu", "uploads", "prefetch_hits")
+N_COUNT = len(COUNTED)
 
 # Regions of the `out` array a step fills (each n_expert long, after a header of counts). The result
 # region holds the plan compactly, for one read: hits, CPU misses, uploads' experts, their slots,
@@ -55,14 +66,14 @@ def new_state(n_layers: int, n_expert: int, n_slots: int, admission: int) -> tup
     sizes = [
         (H_KEY, n_slots), (H_PREV, n_slots), (H_NEXT, n_slots), (H_LIST, n_slots), (H_PREF, n_slots),
         (H_SMARK, n_slots), (H_HEAD, N_CLASS), (H_TAIL, N_CLASS), (H_CLOCK, n_layers), (H_SLOT, n_keys),
-        (H_LAST, n_keys), (H_EMARK, n_expert), (H_USES, n_keys),
+        (H_LAST, n_keys), (H_EMARK, n_expert), (H_USES, n_keys), (H_CARRY, n_layers), (H_COUNT, n_layers * 2 * N_COUNT),
     ]  # fmt: skip
     st = np.zeros(HEADER + sum(n for _, n in sizes), np.int64)
     at = HEADER
     for field, n in sizes:
         st[field] = at
         at += n
-    st[H_SLOTS], st[H_EXPERT], st[H_LAYERS], st[H_ADMIT] = n_slots, n_expert, n_layers, admission
+    st[H_SLOTS], st[H_EXPERT], st[H_LAYERS], st[H_ADMIT], st[H_COUNTING] = n_slots, n_expert, n_layers, admission, 1
     region(st, H_KEY, n_slots)[:] = -1
     region(st, H_SLOT, n_keys)[:] = -1
     region(st, H_HEAD, N_CLASS)[:] = -1
@@ -411,27 +422,63 @@ def settle(st, fl, layer, n_tokens, n_cpu, out):
 
 
 @njit(fastmath=False, cache=True)
-def step(st, fl, layer, ids, n_tokens, q, carry, out):
-    """A whole lookup: `lookup`, then, with misses, `settle` with the CPU's part of a full group's
-    misses taken at share q (in 1/SHARE_ONE) through the layer's carry (carry[layer], kept below
-    SHARE_ONE): over many lookups exactly q / SHARE_ONE of the misses. Returns the distinct experts'
-    count (the caller refuses a lookup that exceeds the slots, before any change), or -1 when no
-    slot can be evicted. out[3:6] are 0 for a lookup without misses."""
+def tally(st, layer, n_tokens, out):
+    """Count a planned lookup (out as `lookup` and `settle` left it) in its layer's counters, while counting is on."""
+    if st[H_COUNTING] == 0:
+        return
+    c = st[H_COUNT] + (layer * 2 + (1 if n_tokens > SMALL_BATCH else 0)) * N_COUNT
+    n_h, n_m = out[0], out[1]
+    st[c] += 1
+    st[c + 1] += n_tokens
+    st[c + 2] += n_h + n_m
+    st[c + 3] += n_h
+    st[c + 4] += n_m
+    st[c + 5] += out[3]
+    st[c + 6] += out[4]
+    st[c + 7] += out[2]
+
+
+@njit(fastmath=False, cache=True)
+def step(st, fl, layer, ids, n_tokens, out, log):
+    """A whole lookup, as the engine makes it at every MoE layer: `lookup`; with misses, `settle` with
+    the CPU's part of a full group's misses taken at the group's share (st[H_SHARE], in 1/SHARE_ONE)
+    through the layer's carry, which keeps it exact over many lookups; `tally`; and the lookup
+    appended to `log` (an int32 buffer, log[0] its end: layer, experts per token, number of ids,
+    hits, the ids) when it has room.
+
+    Returns the hits on prefetched experts, plus LOGGED when the log took the lookup; -1 when no slot
+    can be evicted; -2 - n when the lookup selects n distinct experts, more than the slots (nothing
+    changed). out[3:6] are 0 for a lookup without misses."""
     n_u = lookup(st, fl, layer, ids, n_tokens, out)
     if n_u > st[H_SLOTS]:
-        return n_u
+        return -2 - n_u
     n_m = out[1]
     if n_m == 0:
         out[3], out[4], out[5] = 0, 0, 0
-        return n_u
-    n_cpu = 0
-    if q > 0 and st[H_FILLED] == st[H_SLOTS]:
-        v = n_m * q + carry[layer]
-        carry[layer] = v & (SHARE_ONE - 1)
-        n_cpu = min(v >> 16, n_m)
-    if not settle(st, fl, layer, n_tokens, n_cpu, out):
-        return -1
-    return n_u
+    else:
+        n_cpu = 0
+        q = st[H_SHARE]
+        if q > 0 and st[H_FILLED] == st[H_SLOTS]:
+            at = st[H_CARRY] + layer
+            v = n_m * q + st[at]
+            st[at] = v & (SHARE_ONE - 1)
+            n_cpu = min(v >> 16, n_m)
+        if not settle(st, fl, layer, n_tokens, n_cpu, out):
+            return -1
+    tally(st, layer, n_tokens, out)
+    result = out[2]
+    n = ids.size
+    end = log[0] if log.size else 0
+    if log.size and end + 4 + n <= log.size:
+        log[end] = layer
+        log[end + 1] = n // n_tokens
+        log[end + 2] = n
+        log[end + 3] = out[0]
+        for i in range(n):
+            log[end + 4 + i] = ids[i]
+        log[0] = end + 4 + n
+        result += LOGGED
+    return result
 
 
 @njit(fastmath=False, cache=True)

@@ -43,7 +43,7 @@ from .rules import (  # noqa: F401 (the policy's numbers, named here too)
     SHARE_ONE,
     UPLOAD_CAP,
 )
-from .stats import Counters
+from .stats import Counters, CountersSnapshot
 
 
 class CachePolicyError(RuntimeError):
@@ -128,24 +128,13 @@ def bypasses(n_tokens: int, n_used: int, n_expert: int, n_slots: int, max_batch:
     return n_slots == 0 or n_tokens > max_batch or min(n_tokens * n_used, n_expert) > n_slots
 
 
-def count(c: Counters, n_tokens: int, plan: Plan | None, n_distinct: int, expert_bytes: int) -> None:
-    """Add one lookup to `c`: a plan's hits, uploads and CPU misses, or, for a lookup that
-    bypassed the cache (plan None), its `n_distinct` experts. The engine and its replay count
-    through this one function, so their counters can only agree."""
+def count_bypass(c: Counters, n_tokens: int, n_distinct: int, expert_bytes: int) -> None:
+    """Add a lookup that went around the cache, of `n_distinct` experts, to `c`. The planned lookups
+    are counted by the policy itself (`ClassLRU.counted`), for the engine and its replay alike."""
     c.calls += 1
     c.tokens += n_tokens
-    if plan is None:
-        c.bypassed += n_distinct
-        c.bypassed_bytes += n_distinct * expert_bytes
-        return
-    n_up, n_cpu = plan.n_uploads, plan.n_cpu
-    c.lookups += plan.n_hits + n_up + n_cpu
-    c.hits += plan.n_hits
-    c.misses += n_up + n_cpu
-    c.cpu += n_cpu
-    c.uploads += n_up
-    c.uploaded_bytes += n_up * expert_bytes
-    c.prefetch_hits += plan.prefetched_hits
+    c.bypassed += n_distinct
+    c.bypassed_bytes += n_distinct * expert_bytes
 
 
 def count_prefetch(c: Counters, n_uploads: int, expert_bytes: int) -> None:
@@ -183,8 +172,7 @@ class ClassLRU:
         self._st, self._fl = core.new_state(n_layers, n_expert, n_slots, ADMISSIONS[admission])
         self._out = core.new_out(n_expert)
         self._result = core.O_HEADER + core.O_RESULT * n_expert  # where a plan lies compactly in _out
-        self._n_layers = n_layers
-        self._no_carry = np.zeros(max(n_layers, 1), np.int64)
+        self._no_log = np.zeros(0, np.int32)
         st, n_keys = self._st, n_layers * n_expert
         self.key_of = core.region(st, core.H_KEY, n_slots)  # key (layer * n_expert + expert) in each slot, -1 empty
         self.list_of = core.region(st, core.H_LIST, n_slots)  # each slot's class list
@@ -271,33 +259,71 @@ class ClassLRU:
         `share.take(layer, n_misses)` says how many of the misses the CPU takes; it is asked
         only when the group is full. Advances the layer's clock by n_tokens.
         """
-        out, res, core = self._out, self._result, self._core
-        if share is None or type(share) is CpuShare:
-            # The whole lookup in one compiled call, the share's carry included.
-            q, carry = (0, self._no_carry) if share is None else (share.q, share.carries(self._n_layers))
-            n_u = core.step(self._st, self._fl, layer, np.asarray(ids, np.int64), n_tokens, q, carry, out)
-            if n_u > self.n_slots:
-                raise self._too_many(layer, n_u)
+        out, core, st = self._out, self._core, self._st
+        ids = np.asarray(ids, np.int64)
+        if share is None or type(share) is CpuShare:  # the whole lookup in one compiled call
+            q = share.q if share is not None else 0
+            if st[core.H_SHARE] != q:
+                st[core.H_SHARE] = q
+            r = core.step(st, self._fl, layer, ids, n_tokens, out, self._no_log)
         else:
-            n_u = core.lookup(self._st, self._fl, layer, np.asarray(ids, np.int64), n_tokens, out)
-            if n_u > self.n_slots:
-                raise self._too_many(layer, n_u)
-            n_cpu = 0
-            if out[1]:
-                if self._st[core.H_FILLED] == self.n_slots:
-                    n_cpu = min(share.take(layer, int(out[1])), int(out[1]))
-                n_u = n_u if core.settle(self._st, self._fl, layer, n_tokens, n_cpu, out) else -1
-            else:
+            n_u = core.lookup(st, self._fl, layer, ids, n_tokens, out)
+            r = -2 - n_u if n_u > self.n_slots else 0
+            if r == 0 and out[1]:
+                n_cpu = min(share.take(layer, int(out[1])), int(out[1])) if st[core.H_FILLED] == self.n_slots else 0
+                r = 0 if core.settle(st, self._fl, layer, n_tokens, n_cpu, out) else -1
+            elif r == 0:
                 out[3:6] = 0
-        if n_u < 0:
-            raise CachePolicyError("no slot can be evicted")
+            if r == 0:
+                core.tally(st, layer, n_tokens, out)
+        if r < 0:
+            raise self.refused(layer, r)
+        return self.last_plan()
+
+    def step(self, layer: int, ids: np.ndarray, n_tokens: int, log: np.ndarray) -> int:
+        """The engine's lookup of `ids` (int64, token-major): `plan` at the group's share (`set_share`),
+        without building the plan (`last_plan` builds it), the lookup appended to `log` when it has
+        room (`lookup_log.LookupLog.buf`). Returns the hits on prefetched experts, plus `LOGGED`
+        when the log took the lookup; negative: refused (`refused` says why)."""
+        return int(self._core.step(self._st, self._fl, layer, ids, n_tokens, self._out, log))
+
+    def set_share(self, share: CpuShare | None) -> None:
+        """The CPU share `step` takes of a full group's misses."""
+        self._st[self._core.H_SHARE] = share.q if share is not None else 0
+
+    def last_plan(self) -> Plan:
+        """The plan of the last lookup."""
+        out, res = self._out, self._result
         n_h, _, n_p, n_c, n_up, n_ev = out[:6].tolist()
         return Plan(out[res : res + n_h + n_c + 2 * n_up + 2 * n_ev].copy(), n_h, n_c, n_up, n_ev, n_p)
 
-    def _too_many(self, layer: int, n_u: int) -> CachePolicyError:
+    def refused(self, layer: int, r: int) -> CachePolicyError:
+        """The error of a lookup `step` refused with result r."""
+        if r == -1:
+            return CachePolicyError("no slot can be evicted")
         return CachePolicyError(
-            f"layer {layer}: the lookup selects {n_u} distinct experts but the cache has {self.n_slots} slots"
+            f"layer {layer}: the lookup selects {-2 - r} distinct experts but the cache has {self.n_slots} slots"
         )
+
+    @property
+    def counting(self) -> bool:
+        """Whether planned lookups are counted (the replay counts only after its warm-up)."""
+        return bool(self._st[self._core.H_COUNTING])
+
+    @counting.setter
+    def counting(self, on: bool) -> None:
+        self._st[self._core.H_COUNTING] = int(on)
+
+    def counted(self, layer: int, expert_bytes: int) -> tuple[CountersSnapshot, CountersSnapshot]:
+        """The counters of `layer`'s planned lookups: (small batches, large batches)."""
+        core = self._core
+        at = int(self._st[core.H_COUNT]) + layer * 2 * core.N_COUNT
+        values = self._st[at : at + 2 * core.N_COUNT].tolist()
+        out = []
+        for half in (values[: core.N_COUNT], values[core.N_COUNT :]):
+            c = dict(zip(core.COUNTED, half, strict=True))
+            out.append(CountersSnapshot(**c, uploaded_bytes=c["uploads"] * expert_bytes))
+        return out[0], out[1]
 
     def prefetch(self, layer: int, experts: Sequence[int]) -> tuple[tuple[int, int], ...]:
         """Put predicted experts of `layer` in slots ahead of its lookup: (expert, slot) to upload.
@@ -333,25 +359,21 @@ def split_budget(
 
 
 class CpuShare:
-    """How many misses go to the CPU: `share` of them on average, per layer, carried in 1/65536."""
+    """How many misses go to the CPU: `share` of them on average, per layer, carried in 1/65536.
+
+    The policy's compiled lookup keeps its own carry per layer at this share (`ClassLRU.set_share`);
+    `take` is the same rule for callers that decide the CPU's part themselves."""
 
     def __init__(self, share: float) -> None:
         if not 0.0 <= share <= 1.0:
             raise ValueError(f"CPU share must be in [0, 1], got {share}")
         self.share = share
         self.q = round(share * SHARE_ONE)
-        self.carry = np.zeros(0, np.int64)  # per layer, below SHARE_ONE; the compiled lookup updates it in place
-
-    def carries(self, n_layers: int) -> np.ndarray:
-        """The carry of each of the first `n_layers` layers (grown with zeros)."""
-        if self.carry.size < n_layers:
-            self.carry = np.concatenate((self.carry, np.zeros(n_layers - self.carry.size, np.int64)))
-        return self.carry
+        self.carry: dict[int, int] = {}
 
     def take(self, layer: int, n_misses: int) -> int:
-        carry = self.carries(layer + 1)
-        v = n_misses * self.q + int(carry[layer])
-        carry[layer] = v & (SHARE_ONE - 1)
+        v = n_misses * self.q + self.carry.get(layer, 0)
+        self.carry[layer] = v & (SHARE_ONE - 1)
         return v >> 16
 
     def active(self) -> CpuShare | None:

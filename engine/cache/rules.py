@@ -18,3 +18,4 @@ ADMISSIONS: dict[str, int] = {"classlru": CLASSLRU, "second-use": SECOND_USE, "u
                               "protect": PROTECT}  # fmt: skip
 POLICIES = tuple(ADMISSIONS)
 SHARE_ONE = 1 << 16  # the CPU share is kept in 1/65536
+LOGGED = 1 << 32  # in a compiled lookup's result: the lookup went into the lookup log

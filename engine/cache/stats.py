@@ -29,6 +29,10 @@ class Counters:
     def frozen(self) -> CountersSnapshot:
         return CountersSnapshot(**{k: getattr(self, k) for k in self.__dataclass_fields__})
 
+    def add(self, other: CountersSnapshot) -> None:
+        for k in self.__dataclass_fields__:
+            setattr(self, k, getattr(self, k) + getattr(other, k))
+
 
 @dataclass(frozen=True)
 class CountersSnapshot:
