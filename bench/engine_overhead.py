@@ -1,6 +1,7 @@
 """What the engine costs around the kernels at decode: the expert cache's bookkeeping, threads under load, a cold map.
 
-    python bench/engine_overhead.py [--big QWEN3_SHAPED.gguf] [--tokens 48] [--skip-load] [--skip-cold]
+    python bench/engine_overhead.py [--big QWEN3_SHAPED.gguf] [--tokens 48] [--rounds 2]
+        [--skip-overhead] [--skip-onoff] [--skip-load] [--skip-cold]
 
 1. Per MoE layer per decode token, on the CPU device: the time of the experts' call (router ids in,
    layer output out) minus the time inside the expert kernels (gate/up and down), that is the
@@ -13,7 +14,8 @@
    (16 experts, top-1), generated layers of 16 to 256 experts at top-1 to top-8 (a DeepSeek-V3-sized
    router: 256 experts, top-8), and with --big the 12-layer Qwen3-30B-A3B-shaped model
    (bench/decode_vs_llamacpp.py --big generates one; 128 experts, top-8).
-2. Decode t/s of the demo (its default cache) quiet and with one core kept busy by another process,
+2. Decode t/s in-process, cache arms against cache off, on the demo and the --big model; then decode
+   t/s of the demo (its default cache) quiet and with one core kept busy by another process,
    per thread setting (0: the default, which gives way to other processes).
 3. A cold `moechat run` (a new process, the file in the page cache) against the same model decoded
    in-process after warm-up tokens, and the run's peak resident memory against the file's size.
@@ -205,6 +207,35 @@ def decode_tps(path: Path, settings: CacheSettings | None, n_tokens: int, thread
     return tps
 
 
+def onoff_table(models: list[tuple[str, Path]], n_tokens: int, rounds: int) -> None:
+    """Decode t/s in-process with the cache on (25% and 50% of the experts, shares 0 and 0.5) against off:
+    one model load, each arm a new cache (`set_cache`), arms interleaved `rounds` times, medians."""
+    print("\n## Decode t/s in-process, cache arms against cache off (same run, arms interleaved), medians\n")
+    print("| model | off t/s | 25%, share 0 | 25%, 0.5 | 50%, 0 | 50%, 0.5 |")
+    print("|---|---:|---:|---:|---:|---:|")
+    for label, path in models:
+        lm = load_model(path, n_ctx=n_tokens + 64)
+        mib = loaded_expert_mib(lm)
+        arms: list[CacheSettings | None] = [None] + [CacheSettings(mib=f * mib, cpu_share=s) for f in (0.25, 0.5)
+                                                      for s in (0.0, 0.5)]  # fmt: skip
+        got: list[list[float]] = [[] for _ in arms]
+        for _ in range(rounds):
+            for i, settings in enumerate(arms):
+                lm.set_cache(settings)
+                kv = lm.new_cache()
+                tok = int(prefill(lm.model, lm.tokenizer.encode(PROMPT), kv).argmax())
+                for _ in range(4):
+                    tok = int(decode_one(lm.model, tok, kv).argmax())
+                t = time.perf_counter()
+                for _ in range(n_tokens):
+                    tok = int(decode_one(lm.model, tok, kv).argmax())
+                got[i].append(n_tokens / (time.perf_counter() - t))
+        lm.close()
+        off = statistics.median(got[0])
+        cells = " | ".join(f"{statistics.median(g) / off:.2f}x" for g in got[1:])
+        print(f"| {label} | {off:.1f} | {cells} |", flush=True)
+
+
 @contextmanager
 def one_core_busy() -> Iterator[None]:
     spin = subprocess.Popen([sys.executable, "-c", "while True: pass"])
@@ -296,6 +327,7 @@ def main() -> None:
     ap.add_argument("--skip-load", action="store_true")
     ap.add_argument("--skip-cold", action="store_true")
     ap.add_argument("--skip-overhead", action="store_true")
+    ap.add_argument("--skip-onoff", action="store_true")
     args = ap.parse_args()
     from moechat.app.paths import app_paths
     from moechat.demo.build import ensure_demo
@@ -314,6 +346,9 @@ def main() -> None:
         set_threads(0)
         if not args.skip_overhead:
             overhead_table(models, args.tokens, args.rounds)
+        if not args.skip_onoff:
+            onoff_table([models[0], *models[-1:]] if args.big is not None else models[:1], args.tokens * 2,
+                        args.rounds + 1)  # fmt: skip
         if not args.skip_load:
             load_table(demo, args.tokens)
         if not args.skip_cold:
