@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .errors import ParameterError
 from .gguf.reader import GGUFFile
 from .kernels.jit import compile_notes
-from .models import build_model
+from .models import build_model, compile_ahead
 from .models.decoder import MoeDecoder
 from .models.gemma3 import Gemma3
 from .models.opening import open_model
@@ -175,7 +175,13 @@ def load_model(
     if n_ctx < 16:
         raise ValueError(f"context size must be at least 16, got {n_ctx}")
     gguf, cfg = open_model(path)
+    helper = None
     try:
+        on_cpu = (cache.device if cache is not None else "cpu") == "cpu"
+        # A first start compiles the kernels on a second core too, from the far end of the forward.
+        model_kind = compile_ahead.kind(gguf, cfg, cpu_kernels)
+        if on_cpu and cpu_kernels != "exact":
+            helper = compile_ahead.start(gguf.path, n_ctx, cpu_kernels, model_kind)
         # The file's pages mapped ahead of decode (a first touch in decode is a page fault), while the
         # model is built and its kernels load, when they fit in memory: a larger file is read as used.
         from .cache.device_memory import device_free_bytes
@@ -192,7 +198,6 @@ def load_model(
             bos_token=tok.tokens[sp.bos] if sp.bos is not None else "",
             eos_token=tok.tokens[sp.eos] if sp.eos is not None else "",
         )
-        on_cpu = device == "cpu"
         # The dense matrices stay the file's bytes: on the CPU under the CPU kernels, on a GPU under
         # the device kernels where they read the type (else dequantized once to float32 there).
         on_gpu_kernels = not on_cpu and cache is not None and cache.device_kernels != "torch"
@@ -205,9 +210,14 @@ def load_model(
             model.to_device(torch.device(device))
         with compile_notes(progress):  # one token through every layer: the kernels compile here
             check_fit(gguf, cfg, model, tok)
+            if cache is not None and cache.mib > 0:
+                compile_ahead.warm_policy()  # the cache's lookup, before a first reply waits for it
+        compile_ahead.stop(helper)
+        compile_ahead.mark_compiled(model_kind)
         lm = LoadedModel(gguf, cfg, model, tok, template, n_ctx, None, cpu_dequant_mib, cpu_kernels)
         lm.set_cache(cache)  # the one place the executor is swapped for the cache
     except BaseException:
+        compile_ahead.stop(helper)
         gguf.close()
         raise
     logger.info("loaded %s: %s, %d layers, context %d", gguf.path.name, cfg.arch, cfg.n_layers, n_ctx)

@@ -11,6 +11,9 @@ from testkit.ggufgen import tiny_moe
 
 # Files that are slow to make and never change between runs (the demos' source GGUFs, the built
 # demo, reference tokenizers) are kept here; everything the tests write goes to tmp dirs.
+# Each new kind of model would start a helper that compiles kernels ahead (engine/models/compile_ahead.py):
+# the suite makes dozens of kinds, and tests that helper where they mean to.
+os.environ.setdefault("MOECHAT_COMPILE_AHEAD", "0")
 TEST_CACHE = Path(os.environ.get("MOECHAT_TEST_CACHE", Path.home() / ".cache" / "moechat-tests"))
 
 

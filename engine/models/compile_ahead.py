@@ -1,0 +1,139 @@
+"""A first start's kernels compiled on two cores: a helper process compiles from the far end of the forward.
+
+numba compiles one kernel at a time per process, and a first start compiles dozens (the layer
+halves alone take most of it). While `load_model` runs its first token through the model, which
+compiles the kernels in the forward's order (attention first), a helper process loads the same
+file and compiles from the other end: the dense FFN and shared-expert halves, the routing and the
+output head with attention and experts skipped, then the experts and the expert cache's policy,
+then attention. Both write numba's disk cache, and a kernel the helper has written is loaded, not
+compiled, when the forward reaches it. They meet in the middle; whatever both compiled costs only
+the helper's core. The helper starts only when this model's kernels were never compiled here
+(a stamp per model kind in the kernel cache), only with a second core, and not with
+MOECHAT_COMPILE_AHEAD=0 (the test suite's many small models would each start one).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+
+from ..config import ModelConfig
+from ..gguf.reader import GGUFFile
+
+logger = logging.getLogger(__name__)
+
+
+def kind(gguf: GGUFFile, cfg: ModelConfig, cpu_kernels: str) -> str:
+    """What decides which kernels a model compiles: its architecture, its tensors' names (block numbers
+    left out) and types, the kernel mode."""
+    parts = sorted({f"{re.sub(r'[0-9]+', 'N', name)}:{t.qtype.name}" for name, t in gguf.tensors.items()})
+    digest = hashlib.sha256("\n".join([cfg.arch, cpu_kernels, *parts]).encode()).hexdigest()
+    return digest[:16]
+
+
+def _stamp(model_kind: str) -> Path | None:
+    cache = os.environ.get("NUMBA_CACHE_DIR")
+    return Path(cache) / "models" / model_kind if cache else None
+
+
+def compiled(model_kind: str) -> bool:
+    """Whether a model of this kind has had its kernels compiled into this kernel cache."""
+    stamp = _stamp(model_kind)
+    return stamp is None or stamp.exists()
+
+
+def mark_compiled(model_kind: str) -> None:
+    stamp = _stamp(model_kind)
+    if stamp is not None:
+        try:
+            stamp.parent.mkdir(parents=True, exist_ok=True)
+            stamp.touch()
+        except OSError as e:  # a read-only cache: the next start compiles on one core again
+            logger.debug("cannot write %s: %s", stamp, e)
+
+
+def start(path: Path, n_ctx: int, cpu_kernels: str, model_kind: str) -> subprocess.Popen[bytes] | None:
+    """The helper process for a model whose kernels were never compiled here, on a machine with a second core."""
+    if os.environ.get("MOECHAT_COMPILE_AHEAD", "1") == "0" or compiled(model_kind) or (os.cpu_count() or 1) < 2:
+        return None
+    cmd = [sys.executable, "-m", __name__, str(path), str(n_ctx), cpu_kernels]
+    env = {**os.environ, "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
+    try:
+        return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)  # fmt: skip
+    except OSError as e:
+        logger.debug("no helper to compile ahead: %s", e)
+        return None
+
+
+def stop(helper: subprocess.Popen[bytes] | None) -> None:
+    """The forward is through: what the helper still compiles is compiled already."""
+    if helper is not None and helper.poll() is None:
+        helper.kill()
+        helper.wait()
+
+
+def _skip_attention(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+    return x
+
+
+def _no_experts(layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return torch.zeros_like(x)
+
+
+def compile_passes(path: Path, n_ctx: int, cpu_kernels: str) -> None:
+    """The helper's work: the model built as `load_model` builds it on the CPU, then one token through it
+    three times (attention and experts skipped, then attention skipped, then all), then the policy's."""
+    from ..nn.layers import KVCache
+    from ..nn.qlinear import set_activation_bits
+    from ..nn.weights import load_weights
+    from . import build_model
+    from .opening import open_model
+
+    torch.set_num_threads(1)
+    gguf, cfg = open_model(path)
+    try:
+        model = build_model(gguf, cfg, n_ctx, quantized=cpu_kernels != "exact", kernels=cpu_kernels)
+        load_weights(model, gguf)
+        if cpu_kernels == "int8":
+            set_activation_bits(model, 8)
+        experts = model.experts
+        with torch.inference_mode():
+            for skip_attention, skip_experts in ((True, True), (True, False), (False, False)):
+                for block in model.blocks:
+                    attn: Any = cast(Any, block).attn
+                    if skip_attention:
+                        attn.decode_block = _skip_attention
+                    else:
+                        vars(attn).pop("decode_block", None)
+                model.experts = _no_experts if skip_experts else experts
+                model(torch.tensor([0]), 0, KVCache(cfg, 1, device=model.device))
+                if not skip_experts and skip_attention and cfg.is_moe:
+                    warm_policy()  # the loading process needs it last: before the attention it has begun with
+    finally:
+        gguf.close()
+
+
+def warm_policy() -> None:
+    """The expert cache's compiled lookup and prefetch, compiled (or loaded from the disk cache)."""
+    from ..cache.policy import ClassLRU
+
+    policy = ClassLRU([0, 1], 4, 2)
+    policy.plan(0, [0, 1], 1)
+    policy.plan(1, [2, 3], 1)
+    policy.prefetch(0, [2])
+
+
+if __name__ == "__main__":
+    try:
+        compile_passes(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+    except Exception:  # the helper only saves time: the loading process compiles whatever is missing
+        sys.exit(1)

@@ -1,0 +1,64 @@
+"""A first start compiles on two cores: the helper process compiles the very kernels a load needs."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from moechat.engine.loader import load_model
+from moechat.engine.models import compile_ahead
+from testkit.ggufgen import tiny_moe
+
+COUNT_COMPILES = """
+import sys, torch
+from moechat.engine.loader import load_model
+from moechat.engine.generate import decode_one
+notes = []
+lm = load_model(sys.argv[1], n_ctx=64, progress=notes.append)
+kv = lm.new_cache()
+with torch.inference_mode():
+    decode_one(lm.model, int(lm.model(torch.tensor([1, 2]), 0, kv)[-1].argmax()), kv)
+print(len(notes))
+"""
+
+
+@pytest.mark.slow
+def test_the_helper_compiles_exactly_the_kernels_a_first_load_needs(tmp_path: Path) -> None:
+    """From an empty kernel cache the helper alone compiles; a load after it then compiles nothing
+    (its kernels are the same specializations, loaded from the disk cache)."""
+    path = tiny_moe(tmp_path / "m.gguf")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "kernels"), "MOECHAT_COMPILE_AHEAD": "0"}
+    helper = subprocess.run([sys.executable, "-m", compile_ahead.__name__, str(path), "64", "fast"], env=env,
+                            capture_output=True, timeout=600)  # fmt: skip
+    assert helper.returncode == 0, helper.stderr.decode()[-2000:]
+    assert any((tmp_path / "kernels").rglob("*.nbi"))  # it wrote the disk cache
+    load = subprocess.run([sys.executable, "-c", COUNT_COMPILES, str(path)], env=env, capture_output=True, text=True,
+                          timeout=600)  # fmt: skip
+    assert load.returncode == 0, load.stderr[-2000:]
+    assert int(load.stdout.split()[-1]) == 0
+
+
+def test_a_load_starts_the_helper_once_per_kind_of_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A model whose kind was never compiled here starts the helper, stops it once its own forward is
+    through, and stamps the kind; the next load of that kind starts none."""
+    path = tiny_moe(tmp_path / "m.gguf")
+    monkeypatch.setenv("MOECHAT_COMPILE_AHEAD", "1")
+    # The stamps in an empty folder; numba itself keeps the suite's warm cache (it read the variable at import).
+    monkeypatch.setenv("NUMBA_CACHE_DIR", str(tmp_path / "kernels"))
+    started: list[subprocess.Popen[bytes] | None] = []
+    start = compile_ahead.start
+
+    def spy(*args: object) -> subprocess.Popen[bytes] | None:
+        started.append(start(*args))  # type: ignore[arg-type,unused-ignore]
+        return started[-1]
+
+    monkeypatch.setattr(compile_ahead, "start", spy)
+    for _ in range(2):
+        load_model(path, n_ctx=64).close()
+    first, second = started
+    assert first is not None and first.returncode is not None  # started, then stopped by the load
+    assert second is None
+    assert len(list((tmp_path / "kernels" / "models").iterdir())) == 1
