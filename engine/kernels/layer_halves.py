@@ -24,9 +24,9 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .codes import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_SELECTED
-from .cpu import ROWS, act, dots
+from .cpu import ROWS, act
 from .jit import njit, prange
-from .qblocks import quantize_rows
+from .qblocks import dot_row, quantize_rows
 
 FEW_ROWS = 8  # up to this many rows (decode), RMS norm and routing run as compiled calls
 
@@ -47,10 +47,9 @@ def _rotate(x: np.ndarray, cis: np.ndarray, pos: int, neox: bool) -> None:
 @njit(inline="always")
 def _project(code: int, w: np.ndarray, q: Any, one: np.ndarray, r0: int, y: np.ndarray) -> None:
     """y[r] = row r of w times the one quantized activation row q, for the ROWS rows from r0 (a work item)."""
-    acc = np.empty(1, np.float32)
+    xq, dx, bs = q
     for r in range(r0, min(w.shape[0], r0 + ROWS)):
-        dots(code, w, r * w.strides[0], q[0].shape[1], q, one, 0, 1, acc)
-        y[r] = acc[0]
+        y[r] = dot_row(code, w, r * w.strides[0], xq.shape[1], xq, dx, bs, one[0])
 
 
 @njit(inline="always")
@@ -215,12 +214,12 @@ def _ffn(cg, cu, cd, bits, h, gate, up, down, code, y):
     one = np.zeros(1, np.int64)
     qh = quantize_rows(h, one, bits)
     g = np.empty((1, f), np.float32)
+    xq, dx, bs = qh
     for job in prange((f + ROWS - 1) // ROWS):
-        ag, au = np.empty(1, np.float32), np.empty(1, np.float32)
         for r in range(job * ROWS, min(f, job * ROWS + ROWS)):
-            dots(cg, gate, r * gate.strides[0], e, qh, one, 0, 1, ag)
-            dots(cu, up, r * up.strides[0], e, qh, one, 0, 1, au)
-            g[0, r] = act(code, ag[0], au[0])
+            gv = dot_row(cg, gate, r * gate.strides[0], e, xq, dx, bs, one[0])
+            uv = dot_row(cu, up, r * up.strides[0], e, xq, dx, bs, one[0])
+            g[0, r] = act(code, gv, uv)
     qg = quantize_rows(g, one, bits)
     for job in prange((e + ROWS - 1) // ROWS):
         _project(cd, down, qg, one, job * ROWS, y[0])
