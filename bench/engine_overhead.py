@@ -192,9 +192,8 @@ def overhead_table(models: list[tuple[str, Path]], n_tokens: int, rounds: int) -
                   flush=True)  # fmt: skip
 
 
-def decode_tps(path: Path, settings: CacheSettings | None, n_tokens: int, threads: int) -> float:
-    set_threads(threads)
-    lm = load_model(path, n_ctx=n_tokens + 64, cache=settings)
+def timed_decode(lm: LoadedModel, n_tokens: int) -> float:
+    """Decode t/s of `n_tokens` greedy tokens after the prompt and 4 untimed tokens, a new KV cache."""
     cache = lm.new_cache()
     tok = int(prefill(lm.model, lm.tokenizer.encode(PROMPT), cache).argmax())
     for _ in range(4):
@@ -202,7 +201,13 @@ def decode_tps(path: Path, settings: CacheSettings | None, n_tokens: int, thread
     t = time.perf_counter()
     for _ in range(n_tokens):
         tok = int(decode_one(lm.model, tok, cache).argmax())
-    tps = n_tokens / (time.perf_counter() - t)
+    return n_tokens / (time.perf_counter() - t)
+
+
+def decode_tps(path: Path, settings: CacheSettings | None, n_tokens: int, threads: int) -> float:
+    set_threads(threads)
+    lm = load_model(path, n_ctx=n_tokens + 64, cache=settings)
+    tps = timed_decode(lm, n_tokens)
     lm.close()
     return tps
 
@@ -222,14 +227,7 @@ def onoff_table(models: list[tuple[str, Path]], n_tokens: int, rounds: int) -> N
         for _ in range(rounds):
             for i, settings in enumerate(arms):
                 lm.set_cache(settings)
-                kv = lm.new_cache()
-                tok = int(prefill(lm.model, lm.tokenizer.encode(PROMPT), kv).argmax())
-                for _ in range(4):
-                    tok = int(decode_one(lm.model, tok, kv).argmax())
-                t = time.perf_counter()
-                for _ in range(n_tokens):
-                    tok = int(decode_one(lm.model, tok, kv).argmax())
-                got[i].append(n_tokens / (time.perf_counter() - t))
+                got[i].append(timed_decode(lm, n_tokens))
         lm.close()
         off = statistics.median(got[0])
         cells = " | ".join(f"{statistics.median(g) / off:.2f}x" for g in got[1:])

@@ -136,11 +136,6 @@ def test_misses_fill_consecutive_slots_in_expert_order() -> None:
     assert plan.uploads == ((3, 0), (4, 1), (5, 2), (7, 3))
 
 
-class OneToCpu:
-    def take(self, layer: int, n_misses: int) -> int:
-        return 1
-
-
 def test_lowest_crf_misses_go_to_the_cpu() -> None:
     p = ClassLRU([0], n_expert=8, n_slots=2)
     p.plan(0, [0, 1], 1)  # full
@@ -148,7 +143,7 @@ def test_lowest_crf_misses_go_to_the_cpu() -> None:
         p.plan(0, [0, 1], 1)
     p.plan(0, [0, 2], 1)
     p.plan(0, [0, 2], 1)  # 2 has some CRF now, 3 none
-    plan = p.plan(0, [2, 3], 1, OneToCpu())
+    plan = p.plan(0, [2, 3], 1, CpuShare(1.0))  # 2 hits; its one miss goes to the CPU
     assert plan.cpu == (3,)
 
 

@@ -4,8 +4,7 @@
 so that the policy costs a few microseconds whatever the number of experts (the engine calls it per
 layer and token, the simulator per replayed lookup). One call covers a lookup whose experts are all
 in slots; `step` is the whole lookup in one call, the CPU share, the counters and the lookup log
-included (`lookup`, `settle` and `tally` are its parts, for a caller that decides the CPU's part
-itself).
+included (`lookup`, `settle` and `tally` are its parts).
 
 State, int64 `st` (offsets in its header) and float64 `fl`:
 - per slot: the key (layer * n_expert + expert, -1 empty) it holds, its class list and the list's

@@ -77,10 +77,6 @@ class Plan:
         return cls(np.array(v, np.int64), len(hits), len(cpu), len(uploads), len(evicted), prefetched_hits)
 
     @property
-    def hit_array(self) -> np.ndarray:
-        return self.v[: self.n_hits]
-
-    @property
     def cpu_array(self) -> np.ndarray:
         return self.v[self.n_hits : self.n_hits + self.n_cpu]
 
@@ -253,29 +249,14 @@ class ClassLRU:
         base = layer * self.n_expert
         return [self.decayed(base + e) for e in range(self.n_expert)]
 
-    def plan(self, layer: int, ids: Sequence[int] | np.ndarray, n_tokens: int, share: MissSplit | None = None) -> Plan:
+    def plan(self, layer: int, ids: Sequence[int] | np.ndarray, n_tokens: int, share: CpuShare | None = None) -> Plan:
         """Give a slot to each expert that `ids` (n_tokens x experts used) selects in `layer`.
 
-        `share.take(layer, n_misses)` says how many of the misses the CPU takes; it is asked
-        only when the group is full. Advances the layer's clock by n_tokens.
+        Once the group is full, `share` of the misses (lowest CRF first) go to the CPU, exact on
+        average through a carry per layer in the policy's state. Advances the layer's clock by n_tokens.
         """
-        out, core, st = self._out, self._core, self._st
-        ids = np.asarray(ids, np.int64)
-        if share is None or type(share) is CpuShare:  # the whole lookup in one compiled call
-            q = share.q if share is not None else 0
-            if st[core.H_SHARE] != q:
-                st[core.H_SHARE] = q
-            r = core.step(st, self._fl, layer, ids, n_tokens, out, self._no_log)
-        else:
-            n_u = core.lookup(st, self._fl, layer, ids, n_tokens, out)
-            r = -2 - n_u if n_u > self.n_slots else 0
-            if r == 0 and out[1]:
-                n_cpu = min(share.take(layer, int(out[1])), int(out[1])) if st[core.H_FILLED] == self.n_slots else 0
-                r = 0 if core.settle(st, self._fl, layer, n_tokens, n_cpu, out) else -1
-            elif r == 0:
-                out[3:6] = 0
-            if r == 0:
-                core.tally(st, layer, n_tokens, out)
+        self.set_share(share)
+        r = self._core.step(self._st, self._fl, layer, np.asarray(ids, np.int64), n_tokens, self._out, self._no_log)
         if r < 0:
             raise self.refused(layer, r)
         return self.last_plan()
@@ -362,7 +343,7 @@ class CpuShare:
     """How many misses go to the CPU: `share` of them on average, per layer, carried in 1/65536.
 
     The policy's compiled lookup keeps its own carry per layer at this share (`ClassLRU.set_share`);
-    `take` is the same rule for callers that decide the CPU's part themselves."""
+    `take` is the same rule in Python, for the reference implementations the tests hold it to."""
 
     def __init__(self, share: float) -> None:
         if not 0.0 <= share <= 1.0:
