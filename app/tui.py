@@ -1,4 +1,9 @@
-"""The moechat Textual app: loads the engine in a worker, then the chat screen takes over."""
+"""The moechat Textual app: the chat screen at once, the engine loading in a worker behind it.
+
+The input is usable from the first frame: a message sent during the load waits, shown as queued,
+and its reply starts when the engine is ready. The load's progress (the demo's build, each kernel a
+first start compiles) shows on the chat screen's info line.
+"""
 
 from __future__ import annotations
 
@@ -22,35 +27,32 @@ from textual import work
 from textual.app import App, ComposeResult, SystemCommand
 from textual.notifications import SeverityLevel
 from textual.screen import Screen
-from textual.widgets import Label, LoadingIndicator
+from textual.widgets import Label
 
 logger = logging.getLogger(__name__)
 
 EngineFactory = Callable[[Callable[[str], None]], ChatEngine]
 
 
-class Loading(Screen[None]):
+class LoadFailed(Screen[None]):
+    """The model did not load: its one-line error stays on screen until a key is pressed (then the app exits)."""
+
     DEFAULT_CSS = """
-    Loading { align: center middle; }
-    Loading Label { margin: 1; }
-    Loading .error { color: $error; width: 90%; }
+    LoadFailed { align: center middle; }
+    LoadFailed Label { margin: 1; }
+    LoadFailed .error { color: $error; width: 90%; }
     """
 
-    def compose(self) -> ComposeResult:
-        yield Label("loading the model...", id="what", markup=False)
-        yield LoadingIndicator()
+    def __init__(self, message: str) -> None:
+        super().__init__()
+        self.message = message
 
-    def show_failure(self, message: str) -> None:
-        """The load failed: the error stays on screen until a key is pressed (then the app exits)."""
-        self.query_one(LoadingIndicator).remove()
-        what = self.query_one("#what", Label)
-        what.update(message)
-        what.add_class("error")
-        self.mount(Label("press any key to quit", id="hint"))
+    def compose(self) -> ComposeResult:
+        yield Label(self.message, id="what", classes="error", markup=False)
+        yield Label("press any key to quit", id="hint")
 
     def on_key(self) -> None:
-        if getattr(self.app, "failure", None) is not None:
-            self.app.exit(2, return_code=2)
+        self.app.exit(2, return_code=2)
 
 
 class MoechatApp(App[int]):
@@ -65,6 +67,7 @@ class MoechatApp(App[int]):
         self.config_path = config_path or self.paths.config / "config.toml"
         self.startup_warnings = list(warnings)
         self.engine: ChatEngine = None  # type: ignore[assignment,unused-ignore]  # set once loaded
+        self.chat = ChatScreen()  # shown from the start: the input works while the engine loads
         self.engine_lock = threading.Lock()  # one engine job at a time (a reply, a sweep, a cache change)
         self.store = ConversationStore(self.paths.data / "conversations")
         self.session: SessionStats = SessionStats({}, {})
@@ -80,7 +83,7 @@ class MoechatApp(App[int]):
             self.theme = self.settings.theme
         for w in self.startup_warnings:
             self.notify(w, severity="warning", timeout=10)
-        self.push_screen(Loading())
+        self.push_screen(self.chat)
         self.load_engine()
 
     @work(thread=True, exclusive=True, group="load")
@@ -103,23 +106,20 @@ class MoechatApp(App[int]):
         super().notify(message, title=title, severity=severity, timeout=timeout, markup=False)
 
     def _loading_text(self, text: str) -> None:
-        if isinstance(self.screen, Loading):
-            self.screen.query_one("#what", Label).update(text)
+        self.chat.show_loading(text)
 
     def _failed(self, message: str) -> None:
         self.failure = f"moechat: error: {message}"
         logger.error("%s", self.failure)
-        if isinstance(self.screen, Loading):
-            self.screen.show_failure(self.failure)
-        else:
-            self.exit(2, return_code=2)
+        if self.chat.conv.messages:  # a message sent during the load is kept
+            self.save_conversation(self.chat.conv)
+        self.push_screen(LoadFailed(self.failure))
 
     def _engine_ready(self, engine: ChatEngine) -> None:
-
         self.engine = engine
         self.cache_in_effect = engine.cache()
         self.session = SessionStats(asdict(engine.info), self.settings_dict())
-        self.switch_screen(ChatScreen())
+        self.chat.engine_ready()
 
     @property
     def settings(self) -> Settings:

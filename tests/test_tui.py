@@ -363,7 +363,7 @@ async def test_engine_failure_is_shown_and_the_app_stays_usable(tmp_path: Path) 
 async def test_a_model_that_does_not_load_stays_on_screen_and_the_app_exits_non_zero(tmp_path: Path, kind: str) -> None:
     """The real engine process on a bad file: its one-line error replaces the spinner until a key is pressed."""
     from moechat.app.paths import AppPaths
-    from moechat.app.tui import Loading, real_engine_factory
+    from moechat.app.tui import LoadFailed, real_engine_factory
     from textual.widgets import Label
 
     model = tmp_path / "model.gguf"
@@ -377,10 +377,86 @@ async def test_a_model_that_does_not_load_stays_on_screen_and_the_app_exits_non_
     app = MoechatApp(real_engine_factory(str(model), settings, None), settings, paths=paths)
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: app.failure is not None, timeout=120)
-        assert isinstance(app.screen, Loading)
+        assert isinstance(app.screen, LoadFailed)
         shown = str(app.screen.query_one("#what", Label).render())
         assert shown.startswith("moechat: error:") and "model.gguf" in shown, shown
         assert "\n" not in shown
+        await pilot.press("q")
+        await until(pilot, lambda: app.return_code is not None)
+    assert app.return_code == 2
+
+
+def _loading_app(tmp_path: Path, engine: FakeEngine, fail: str = "") -> tuple[MoechatApp, Any, list[str]]:
+    """An app whose engine loads only when the test says so (`go.set()`), reporting progress meanwhile."""
+    import threading
+
+    from moechat.app.paths import AppPaths
+
+    go = threading.Event()
+    said: list[str] = []
+
+    def factory(progress: Any) -> FakeEngine:
+        progress("compiling the CPU kernels for this machine (first start only): 1, now attention")
+        said.append("progress")
+        go.wait(30)
+        if fail:
+            raise ValueError(fail)
+        return engine
+
+    paths = AppPaths(tmp_path / "config", tmp_path / "data", tmp_path / "cache", tmp_path / "log")
+    return MoechatApp(factory, Settings(), paths=paths), go, said
+
+
+async def test_the_input_works_while_the_model_loads_and_a_queued_message_gets_its_reply(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS)
+    app, go, said = _loading_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await until(pilot, lambda: isinstance(app.screen, ChatScreen) and isinstance(app.focused, ChatInput))
+        screen = app.screen
+        assert isinstance(screen, ChatScreen) and app.engine is None
+        info = screen.query_one("#info", Static)
+        await until(pilot, lambda: "now attention" in drawn(info))  # the load's progress, on the chat screen
+        for ch in "hi":
+            await pilot.press(ch)
+        await pilot.press("enter")
+        await until(pilot, lambda: len(screen.conv.messages) == 1)
+        assert screen.conv.messages[0]["content"] == "hi" and len(screen.query(Turn)) == 1
+        status = screen.query_one("#status", Static)
+        assert "queued" in drawn(status) and not screen.generating
+        # A second message, the wizard and the export wait for the engine too: refused, nothing changes.
+        await pilot.press("x", "enter")
+        await pilot.press("ctrl+t")
+        await pilot.press("ctrl+e")
+        await until(pilot, lambda: len(app._notifications) >= 3)
+        notes = " | ".join(n.message for n in app._notifications)
+        assert "already waits" in notes and "wizard runs once the model is loaded" in notes, notes
+        assert app.screen is screen and len(screen.conv.messages) == 1
+        assert not (tmp_path / "data" / "exports").exists()
+        go.set()
+        await until(pilot, lambda: len(screen.conv.messages) == 2 and not screen.generating)
+        assert screen.conv.messages[1]["content"] == "The river rose in spring."
+        assert screen.conv.model == engine.info.name and engine.info.name in drawn(info)
+        assert "reply 6 tok" in drawn(status)
+        assert said == ["progress"]
+
+
+async def test_a_load_that_fails_keeps_the_message_sent_meanwhile(tmp_path: Path) -> None:
+    from moechat.app.tui import LoadFailed
+
+    app, go, _ = _loading_app(tmp_path, FakeEngine(WORDS), fail="m.gguf: unsupported architecture 'mamba'")
+    async with app.run_test(size=(100, 30)) as pilot:
+        await until(pilot, lambda: isinstance(app.focused, ChatInput))
+        screen = app.screen
+        assert isinstance(screen, ChatScreen)
+        for ch in "keep me":
+            await pilot.press(ch if ch != " " else "space")
+        await pilot.press("enter")
+        await until(pilot, lambda: len(screen.conv.messages) == 1)
+        go.set()
+        await until(pilot, lambda: isinstance(app.screen, LoadFailed))
+        assert "unsupported architecture" in str(app.screen.query_one("#what").render())
+        saved = json.loads(app.store.path(screen.conv.id).read_text())
+        assert saved["messages"] == [{"role": "user", "content": "keep me"}]
         await pilot.press("q")
         await until(pilot, lambda: app.return_code is not None)
     assert app.return_code == 2

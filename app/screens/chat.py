@@ -71,6 +71,8 @@ class ChatScreen(Screen[None]):
         self._reply_settings: dict[str, Any] = {}  # what the reply in progress runs with, for the export
         self.stats_updates = 0  # StatsUpdate messages handled (tests bound their rate)
         self.first_shown = 0  # index in conv.messages of the oldest turn in the log
+        self._composed = False  # on_mount has run: the load's news can reach the widgets
+        self._load_text = "loading the model..."  # the load's latest news, shown once composed
 
     @property
     def moechat(self) -> ScreenHost:
@@ -91,23 +93,59 @@ class ChatScreen(Screen[None]):
         # Back from the wizard or the settings: a cache they changed starts its counters again.
         self.query_one(Dashboard).show_scope(bool(self.moechat.session.periods))
 
+    @property
+    def loaded(self) -> bool:
+        return self.moechat.engine is not None
+
     def on_mount(self) -> None:
-        self.conv.model = self.moechat.engine.info.name
+        self._composed = True
         self.conv.system = self.moechat.settings.system
         log = self.query_one("#log", VerticalScroll)
         log.anchor()
         self.query_one(EarlierMarker).display = False
         self.watch(log, "scroll_y", self._scrolled)
-        self.refresh_info()
-        if self.moechat.engine.info.template_note:
-            self.notify(f"{self.moechat.engine.info.template_note}; using the plain format", severity="warning")
+        if self.loaded:
+            self.engine_ready()
+        else:
+            self.show_loading(self._load_text)
+            self.query_one("#status", Static).update(
+                "the model is loading: type now, the reply starts once it is ready"
+            )
         self.query_one(ChatInput).focus()
         # What exists now (modules, the app, this screen's widgets) lives as long as the app:
         # moved out of the collector's sight, the collections that streaming's many short-lived
         # objects set off scan far less (UI CPU while streaming 14.0 -> 12.1% of a core, A/B).
         gc.freeze()
 
+    def show_loading(self, text: str) -> None:
+        """What the engine's load is doing (the demo's build, the kernels a first start compiles)."""
+        self._load_text = text
+        if self._composed and not self.loaded:
+            self.query_one("#info", Static).update(text)
+
+    def engine_ready(self) -> None:
+        """The engine is loaded: its description on the info line, and a message sent meanwhile gets its reply."""
+        if not self._composed:
+            return  # on_mount calls it
+        info = self.moechat.engine.info
+        self.conv.model = info.name
+        self.refresh_info()
+        if info.template_note:
+            self.notify(f"{info.template_note}; using the plain format", severity="warning")
+        if self.conv.messages and self.conv.messages[-1]["role"] == "user" and not self.generating:
+            self.run_worker(self.start_reply(), group="queued")
+        else:
+            self.query_one("#status", Static).update("ready")
+
+    def _loading_refused(self, what: str) -> bool:
+        if self.loaded:
+            return False
+        self.notify(f"{what} once the model is loaded", severity="warning")
+        return True
+
     def refresh_info(self) -> None:
+        if not self.loaded:
+            return
         app = self.moechat
         s, info = app.settings, app.engine.info
         mib, share = app.cache_in_effect
@@ -127,10 +165,16 @@ class ChatScreen(Screen[None]):
         if self.generating:
             self.notify("a reply is still being written: Esc stops it", severity="warning")
             return
+        if not self.loaded and self.conv.messages and self.conv.messages[-1]["role"] == "user":
+            self.notify("a message already waits for the model to load", severity="warning")
+            return
         self.conv.messages.append({"role": "user", "content": event.text})
         log = self.query_one("#log", VerticalScroll)
         await log.mount(Turn("user", event.text))
         log.scroll_end(animate=False)  # a new exchange: follow it, even if the user had scrolled up
+        if not self.loaded:  # it waits: engine_ready starts its reply
+            self.query_one("#status", Static).update("queued: the reply starts once the model is loaded")
+            return
         await self.start_reply()
 
     async def start_reply(self) -> None:
@@ -238,6 +282,8 @@ class ChatScreen(Screen[None]):
             self.stop_event.set()
 
     async def action_regenerate(self) -> None:
+        if self._loading_refused("regenerate"):
+            return
         if self.generating or not self.conv.messages or self.conv.messages[-1]["role"] != "assistant":
             self.notify("nothing to regenerate", severity="warning")
             return
@@ -251,7 +297,8 @@ class ChatScreen(Screen[None]):
         if self.generating:
             self.notify("stop the reply first (Esc)", severity="warning")
             return
-        self.conv = Conversation(model=self.moechat.engine.info.name, system=self.moechat.settings.system)
+        model = self.moechat.engine.info.name if self.loaded else ""
+        self.conv = Conversation(model=model, system=self.moechat.settings.system)
         await self.query(Turn).remove()
         self.first_shown = 0
         self._update_marker()
@@ -324,6 +371,8 @@ class ChatScreen(Screen[None]):
         self.app.push_screen(SettingsDialog(self.moechat.settings), done)
 
     def action_tune(self) -> None:
+        if self._loading_refused("the wizard runs"):
+            return
         if self.generating:
             self.notify("stop the reply first (Esc)", severity="warning")
             return
@@ -331,6 +380,8 @@ class ChatScreen(Screen[None]):
         self.app.push_screen(TuneWizard(), lambda _: self.refresh_info())
 
     def action_export(self) -> None:
+        if self._loading_refused("the export runs"):
+            return
         self.moechat.export_all()
 
     def action_toggle_dashboard(self) -> None:

@@ -37,8 +37,9 @@ async def ready(pilot: Pilot[int], timeout: float = 20.0) -> ChatScreen:
     app = pilot.app
     # The screen is on the stack before its widgets are: its input having the focus says both.
     # (Asking for the input with query_one then raised when the check ran in between.)
+    # The chat screen shows while the engine loads: ready means loaded too.
     await until(pilot, lambda: isinstance(app.screen, ChatScreen) and isinstance(app.focused, ChatInput)
-                and app.focused.screen is app.screen, timeout)  # fmt: skip
+                and app.focused.screen is app.screen and getattr(app, "engine", None) is not None, timeout)  # fmt: skip
     return app.screen
 
 
