@@ -72,8 +72,9 @@ class ChatEngine(Protocol):
         ...
 
     def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
-              ) -> Iterator[SweepEvent]:  # fmt: skip
-        """The calibration sweep (runs kept from earlier sweeps are reused unless `fresh`)."""
+              check: bool = False) -> Iterator[SweepEvent]:  # fmt: skip
+        """The calibration sweep (runs kept from earlier sweeps are reused unless `fresh`). `check`: a
+        noise check first; a NoiseCheck that is not steady ends the sweep (tuner.sweep.calibrate)."""
         ...
 
     def recommend(self, done: SweepDone) -> TuneReport: ...

@@ -187,8 +187,8 @@ class ProcessEngine:
         return self._call("min_bound")
 
     def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
-              ) -> Iterator[SweepEvent]:  # fmt: skip
-        return self._stream("sweep", (max_mib, tokens, fresh), stop)
+              check: bool = False) -> Iterator[SweepEvent]:  # fmt: skip
+        return self._stream("sweep", (max_mib, tokens, fresh, check), stop)
 
     def recommend(self, done: SweepDone) -> TuneReport:
         return self._call("recommend", done)

@@ -180,13 +180,13 @@ class RealEngine:
         )  # fmt: skip
 
     def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
-              ) -> Iterator[SweepEvent]:  # fmt: skip
+              check: bool = False) -> Iterator[SweepEvent]:  # fmt: skip
         mib, share = self.cache()
         settings = self._sweep_settings(max_mib, tokens)
         if fresh:
             forget_runs(settings, app_paths().cache)
         try:
-            yield from calibrate(settings, cache_dir=app_paths().cache, stop=stop, loaded=self.lm)
+            yield from calibrate(settings, cache_dir=app_paths().cache, stop=stop, loaded=self.lm, check_noise=check)
         finally:
             self.set_cache(mib, share)  # the session's own cache again, whatever happened
 

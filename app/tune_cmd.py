@@ -14,7 +14,14 @@ from moechat.app.paths import app_paths
 from moechat.app.settings import ENGINE
 
 if TYPE_CHECKING:
+    from moechat.engine.loader import LoadedModel
+    from moechat.tuner.events import NoiseCheck, SweepDone
     from moechat.tuner.simulator import Routing
+    from moechat.tuner.sweep import SweepSettings
+    from rich.console import Console
+
+# A busy machine found by the noise check: checked again this many times, this far apart, then measured anyway.
+NOISE_CHECKS, NOISE_WAIT_S = 3, 10.0
 
 
 # The engine's settings a sweep runs with; it picks cache sizes and shares itself, and traces none.
@@ -55,12 +62,11 @@ def run_tune(args: argparse.Namespace) -> int:
     check_model_file(args.model)  # bad values and files fail before the engine loads
     from moechat.app.demo_model import resolve_model
     from moechat.engine.loader import set_threads
-    from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone
+    from moechat.tuner.events import Cancelled, SweepDone
     from moechat.tuner.recommend import recommend
-    from moechat.tuner.report import duration, render, to_json
-    from moechat.tuner.sweep import SweepSettings, calibrate, forget_runs
+    from moechat.tuner.report import render, to_json
+    from moechat.tuner.sweep import SweepSettings, forget_runs, load_for_sweep
     from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
 
     if args.tokens < args.warmup + 8:
         raise ValueError(f"--tokens must be at least --warmup + 8 = {args.warmup + 8}, got {args.tokens}")
@@ -79,38 +85,32 @@ def run_tune(args: argparse.Namespace) -> int:
         forget_runs(settings, cache_dir)
     err = Console(stderr=True)
     stop = threading.Event()
-    done = None
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
-                  console=err, transient=True) as bar:  # fmt: skip
-        task = None
-        started, estimated = time.monotonic(), False
-        try:
-            for ev in calibrate(settings, cache_dir=cache_dir, stop=stop):
-                if isinstance(ev, ArmStarted):
-                    task = bar.add_task(f"run {ev.index + 1}/{ev.n_arms}: cache {ev.mib:g} MiB, share {ev.share:g}",
-                                        total=settings.tokens)  # fmt: skip
-                    started = time.monotonic()
-                elif isinstance(ev, ArmProgress) and task is not None:
-                    bar.update(task, completed=ev.tokens_done)
-                    if not estimated and ev.tokens_done >= max(8, ev.tokens_total // 8):
-                        # The whole sweep's length, once the first measured run has a rate to go by.
-                        estimated = True
-                        rate = ev.tokens_done / max(time.monotonic() - started, 1e-6)
-                        left = (ev.n_arms - ev.index) * ev.tokens_total - ev.tokens_done
-                        bar.console.print(f"estimate: about {duration(left / rate)} for the {ev.n_arms - ev.index} "
-                                          f"runs left, at {rate:.1f} tokens/s so far")  # fmt: skip
-                elif isinstance(ev, ArmDone):
-                    a = ev.arm
-                    how = "reused" if ev.cached else f"{a.attempts} run(s)"
-                    bar.console.print(f"run {ev.index + 1}/{ev.n_arms}: cache {a.mib:g} MiB, share {a.share:g}: "
-                                      f"{a.tps:.1f} t/s, hits {100 * a.hit_rate:.0f}% ({how})")  # fmt: skip
-                elif isinstance(ev, SweepDone):
-                    done = ev
-        except (KeyboardInterrupt, Cancelled):
-            stop.set()
-            print("moechat: tune cancelled; finished runs are kept, the unfinished one is not", file=sys.stderr)
-            return 130
-    assert done is not None  # calibrate ends with SweepDone or raises
+    lm = load_for_sweep(settings)
+    done: SweepDone | None = None
+    try:
+        # A busy machine is found before minutes of runs measure it: checked again after a wait,
+        # then measured anyway (with the runs interleaved, steady other work costs every run alike).
+        for attempt in range(1, NOISE_CHECKS + 2):
+            check = attempt <= NOISE_CHECKS
+            outcome = _sweep_with_bars(settings, cache_dir, stop, lm, check, err)
+            if isinstance(outcome, SweepDone):
+                done = outcome
+                break
+            if attempt < NOISE_CHECKS:
+                err.print(f"moechat: the machine looks busy: {outcome.describe()}; checking again in "
+                          f"{NOISE_WAIT_S:g} s (Ctrl+C stops)", markup=False, highlight=False)  # fmt: skip
+                time.sleep(NOISE_WAIT_S)
+            else:
+                err.print(f"moechat: the machine still looks busy: {outcome.describe()}; measuring anyway, so the "
+                          "runs may measure that other work too", markup=False, highlight=False)  # fmt: skip
+    except (KeyboardInterrupt, Cancelled):
+        stop.set()
+        print("moechat: tune cancelled; finished runs are kept, unfinished ones are not", file=sys.stderr)
+        return 130
+    finally:
+        lm.close()
+    if done is None:  # the last sweep runs without a check, so it ends with its result or raises
+        raise RuntimeError("the sweep ended without its result")
     report = recommend(done, model.name, workers=min(2, os.cpu_count() or 1))
     print(to_json(report) if args.json else render(report, markdown=args.markdown))
     if args.save:
@@ -120,6 +120,53 @@ def run_tune(args: argparse.Namespace) -> int:
         where = save_tuned(file_identity(model), model.name, rec.mib, rec.share)
         print(f"moechat: kept for {model.name} in {where}", file=sys.stderr)
     return 0  # a recommendation was printed; a doubtful fit is among its warnings
+
+
+def _sweep_with_bars(settings: SweepSettings, cache_dir: Path, stop: threading.Event, lm: LoadedModel, check: bool,
+                     err: Console) -> SweepDone | NoiseCheck:  # fmt: skip
+    """One sweep with a progress bar per run: its SweepDone, or the NoiseCheck that stopped it."""
+    from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, NoiseCheck, SweepDone
+    from moechat.tuner.report import duration
+    from moechat.tuner.sweep import calibrate
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeRemainingColumn(),
+                  console=err, transient=True) as bar:  # fmt: skip
+        # A bar per run; on the CPU device the runs go together, a token of each in turn.
+        tasks: dict[int, TaskID] = {}
+        done_tokens: dict[int, int] = {}
+        started, estimated = time.monotonic(), False
+        for ev in calibrate(settings, cache_dir=cache_dir, stop=stop, loaded=lm, check_noise=check):
+            if isinstance(ev, NoiseCheck):
+                if not ev.steady:
+                    return ev
+                bar.console.print(f"the machine looks steady: {ev.describe()}", markup=False, highlight=False)
+            elif isinstance(ev, ArmStarted):
+                tasks[ev.index] = bar.add_task(f"run {ev.index + 1}/{ev.n_arms}: cache {ev.mib:g} MiB, "
+                                               f"share {ev.share:g}", total=settings.tokens)  # fmt: skip
+                done_tokens[ev.index] = 0
+                started = time.monotonic() if len(tasks) == 1 else started
+            elif isinstance(ev, ArmProgress) and ev.index in tasks:
+                bar.update(tasks[ev.index], completed=ev.tokens_done)
+                done_tokens[ev.index] = ev.tokens_done
+                if not estimated and sum(done_tokens.values()) >= max(8, ev.tokens_total // 8):
+                    # The whole sweep's length, once the runs measured so far give a rate to go by.
+                    estimated = True
+                    rate = sum(done_tokens.values()) / max(time.monotonic() - started, 1e-6)
+                    # the runs started and not through, and those still to start
+                    to_start = ev.n_arms - 1 - max(tasks)
+                    left = sum(ev.tokens_total - d for d in done_tokens.values()) + ev.tokens_total * to_start
+                    n_runs = sum(d < ev.tokens_total for d in done_tokens.values()) + to_start
+                    bar.console.print(f"estimate: about {duration(left / rate)} for the {n_runs} runs left, "
+                                      f"at {rate:.1f} tokens/s so far")  # fmt: skip
+            elif isinstance(ev, ArmDone):
+                a = ev.arm
+                how = "reused" if ev.cached else f"{a.attempts} run(s)"
+                bar.console.print(f"run {ev.index + 1}/{ev.n_arms}: cache {a.mib:g} MiB, share {a.share:g}: "
+                                  f"{a.tps:.1f} t/s, hits {100 * a.hit_rate:.0f}% ({how})")  # fmt: skip
+            elif isinstance(ev, SweepDone):
+                return ev
+    raise RuntimeError("the sweep ended without its result")  # calibrate ends with SweepDone, a NoiseCheck or raises
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:

@@ -9,7 +9,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Generator, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -124,7 +124,7 @@ def generate(
     ignore_eos: bool = False,
     stop: threading.Event | None = None,
     before: Sequence[int] = (),
-) -> Iterator[Event]:
+) -> Generator[Event, None, None]:
     """Prefill `prompt` after what `cache` holds, then decode; yields TokenEvents and one DoneEvent.
 
     `before`: the tokens the cache holds ahead of `prompt` (a resumed prompt): the repeat penalty

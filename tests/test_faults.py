@@ -12,7 +12,7 @@ from moechat.app.real_engine import RealEngine
 from moechat.engine.cache.settings import CacheError, CacheSettings
 from moechat.engine.events import GREEDY, DoneEvent, TokenEvent
 from moechat.engine.loader import load_model
-from moechat.tuner.events import ArmProgress, ArmStarted, Cancelled, SweepDone
+from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone
 from testkit.ggufgen import tiny_moe
 
 HELLO = [{"role": "user", "content": "Tell me about the river and the ferry."}]
@@ -85,22 +85,38 @@ def test_stop_in_every_calibration_arm_keeps_the_session(model: Path, reference:
                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
     monkeypatch.setenv("MOECHAT_HOME", str(tmp_path / "home"))
     engine = _engine(model, mib=1.0, share=0.5)
-    for arm in range(6):
+    runs = tmp_path / "home" / "cache" / "tune"
+    # On the CPU device the six arms run together, a token of each in turn: a stop at any token of
+    # any arm keeps none of them (none has finished), leaves no partial file and restores the session.
+    for arm, at in ((0, 1), (3, 3), (5, 4)):  # progress comes at each of the first 4 tokens
         stop = threading.Event()
         with pytest.raises(Cancelled):
             for ev in engine.sweep(stop, None, 24):
-                if isinstance(ev, ArmProgress) and ev.index == arm and ev.tokens_done >= 2:
+                if isinstance(ev, ArmProgress) and ev.index == arm and ev.tokens_done >= at:
                     stop.set()
-                assert not isinstance(ev, SweepDone)
+                assert not isinstance(ev, (SweepDone, ArmDone))
         assert engine.cache() == (1.0, 0.5), "the session's cache was not restored"
-        runs = next((tmp_path / "home" / "cache" / "tune").iterdir())
-        assert len(list(runs.glob("*.json"))) == arm  # the finished arms are kept, the stopped one is not
-        assert not list(runs.glob("*.part")) and not list(runs.glob("*.tmp"))
+        assert not list(runs.rglob("*.json")) and not list(runs.rglob("*.part")) and not list(runs.rglob("*.tmp"))
         _consistent(engine)
     assert _tokens(engine) == reference
-    # With nothing stopping it, the sweep now finishes (reusing the five finished arms).
+    # With nothing stopping it, the sweep finishes; the next one reuses all six arms.
     events = list(engine.sweep(threading.Event(), None, 24))
-    assert sum(isinstance(e, ArmStarted) for e in events) == 1 and isinstance(events[-1], SweepDone)
+    assert sum(isinstance(e, ArmStarted) for e in events) == 6 and isinstance(events[-1], SweepDone)
+    again = list(engine.sweep(threading.Event(), None, 24))
+    assert not any(isinstance(e, ArmStarted) for e in again) and isinstance(again[-1], SweepDone)
+    # One arm missing: it runs alone (as every arm does on a GPU), and a stop in it keeps the other five.
+    (kept,) = [p for p in runs.rglob("*.json") if p.name.startswith("run-") and p.name.endswith("-0.5.json")][:1]
+    kept.unlink()
+    stop = threading.Event()
+    with pytest.raises(Cancelled):
+        for ev in engine.sweep(stop, None, 24):
+            if isinstance(ev, ArmProgress) and ev.tokens_done >= 2:
+                stop.set()
+    assert len(list(runs.rglob("*.json"))) == 5 and not list(runs.rglob("*.part"))
+    alone = list(engine.sweep(threading.Event(), None, 24))
+    assert sum(isinstance(e, ArmStarted) for e in alone) == 1 and isinstance(alone[-1], SweepDone)
+    assert engine.cache() == (1.0, 0.5)
+    assert _tokens(engine) == reference
     engine.close()
 
 
@@ -110,21 +126,19 @@ def test_a_cache_larger_than_the_device_allows_proposes_one_that_fits(
     import moechat.engine.cache.device_memory as memory
 
     monkeypatch.setattr(memory, "device_free_bytes", lambda device: 2 * 2**20)
-    # With an emulated link the CPU device's slots hold copies, as a device's do (without one they
-    # read the host copy in place and need no memory: that cache loads).
+    # The CPU device's slots are the host copy and need no memory (that cache loads); with the device's
+    # kernels (Triton's interpreter here) its slots hold copies, as a device's do.
     load_model(model, n_ctx=64, cache=CacheSettings(mib=3.0)).close()
     with pytest.raises(CacheError, match=r"has 2 MiB free") as info:
-        load_model(model, n_ctx=64, cache=CacheSettings(mib=3.0, emulate_link_gbps=100.0))
+        load_model(model, n_ctx=64, cache=CacheSettings(mib=3.0, device_kernels="triton"))
     assert info.value.parameter == "mib" and info.value.suggestion is not None
     proposed = int(info.value.suggestion)
-    load_model(model, n_ctx=64, cache=CacheSettings(mib=proposed, emulate_link_gbps=100.0)).close()  # it fits
-    from moechat.app.cli import main
+    load_model(model, n_ctx=64, cache=CacheSettings(mib=proposed, device_kernels="triton")).close()  # it fits
+    from moechat.app.settings import error_line
 
-    argv = ["run", str(model), "-p", "hi", "-n", "1", "-c", "64", "--moe-cache-mib", "3", "--emulate-link-gbps", "100"]
-    assert main(argv) == 2
     # The command line names its own flag, and the value to try.
-    err = capsys.readouterr().err
-    assert "--moe-cache-mib: a cache of 3 MiB" in err and f"try --moe-cache-mib {proposed}" in err
+    line = error_line(info.value)
+    assert "--moe-cache-mib: a cache of 3 MiB" in line and f"try --moe-cache-mib {proposed}" in line
 
 
 @pytest.mark.slow

@@ -527,6 +527,35 @@ async def test_wizard_confirms_the_recommendation_before_applying_it(
             assert app.screen is wizard and engine.set_cache_calls == [] and not app.config_path.exists()
 
 
+async def test_wizard_stops_on_a_busy_machine_and_offers_to_check_again_or_go_on(tmp_path: Path) -> None:
+    """A noise check comes first; parts that differ beyond its bound stop the sweep before any run,
+    with the choice on screen: w checks again, g measures anyway."""
+    engine = FakeEngine(WORDS)
+    engine.noise = [(12.0, 41.0, 40.0), (30.0, 45.0, 44.0)]  # busy, then busy again; a third check is steady
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(120, 40)) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+t")
+        await until(pilot, lambda: isinstance(app.screen, TuneWizard) and app.screen.noisy is not None)
+        wizard = app.screen
+        assert isinstance(wizard, TuneWizard)
+        advice = wizard.query_one("#advice", Static)
+        assert "the machine looks busy: 3 parts of a short run went at 12.0, 41.0, 40.0 tokens/s" in drawn(advice)
+        assert "differ by 242%, more than 25%" in drawn(advice) and "w: check again" in drawn(advice)
+        assert wizard.report is None and engine.checks == [True]
+        await pilot.press("w")
+        await until(pilot, lambda: len(engine.checks) == 2 and wizard.noisy is not None and not wizard.running)
+        assert "12.0" not in drawn(advice) and "30.0, 45.0, 44.0" in drawn(advice) and wizard.report is None
+        await pilot.press("g")  # go on: measured without a check
+        await until(pilot, lambda: wizard.report is not None)
+        assert engine.checks == [True, True, False] and wizard.noisy is None
+        assert "recommended:" in drawn(advice)
+        await pilot.press("m")  # measuring again checks again (steady now)
+        await until(pilot, lambda: len(engine.checks) == 4 and wizard.report is not None)
+        assert engine.checks[-1] is True
+        assert str(wizard.query_one("#eta", Static).content) == "done"
+
+
 @pytest.mark.slow
 async def test_wizard_says_what_it_measures_and_how_long_is_left(tmp_path: Path) -> None:
     engine = FakeEngine(WORDS, sweep_delay=0.1)

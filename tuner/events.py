@@ -67,7 +67,32 @@ class SweepDone:
     device: str
 
 
-SweepEvent = ArmStarted | ArmProgress | ArmDone | SweepDone
+@dataclass(frozen=True)
+class NoiseCheck:
+    """Before the runs: one short generation timed in parts. Parts that differ by more than `bound`
+    mean other work comes and goes on the machine: runs measured now would measure it too."""
+
+    tps: tuple[float, ...]  # each part's tokens per second, in order
+    bound: float  # the largest relative spread taken as steady
+
+    @property
+    def spread(self) -> float:
+        """(fastest - slowest) / slowest part."""
+        return max(self.tps) / min(self.tps) - 1 if self.tps and min(self.tps) > 0 else float("inf")
+
+    @property
+    def steady(self) -> bool:
+        return self.spread <= self.bound
+
+    def describe(self) -> str:
+        parts = ", ".join(f"{t:.1f}" for t in self.tps)
+        return (
+            f"{len(self.tps)} parts of a short run went at {parts} tokens/s: they differ by "
+            f"{100 * self.spread:.0f}%" + (f", more than {100 * self.bound:.0f}%" if not self.steady else "")
+        )
+
+
+SweepEvent = NoiseCheck | ArmStarted | ArmProgress | ArmDone | SweepDone
 
 
 @dataclass(frozen=True)

@@ -7,9 +7,10 @@ having a CPU part at all; `overlap` (usually negative) is the time saved because
 while the device uploads. Fitted by least squares (numpy); a fit that is not physical (a speed
 that is not positive, a base that is not a fair part of the fastest run, an overlap hiding more
 than the cheaper path) falls back to the model without the overlap term, and a negative split
-(noise) drops that term. When the device is the CPU itself, a miss computed "on the CPU" runs on
-the same cores as a hit, beside the main thread: it can cost nothing extra, so there a CPU cost
-that fits at or below zero is taken as zero (`cpu_is_device`), not as a sign of a busy machine.
+(noise) drops that term. When the device is the CPU itself (`cpu_is_device`), a miss computed "on
+the CPU" is the same work as a hit: the model is `base + up * upload GiB` wherever that fits the runs
+within MAX_FIT_ERROR; elsewhere a CPU cost that fits at or below zero is taken as zero, not as a
+sign of a busy machine.
 """
 
 from __future__ import annotations
@@ -139,6 +140,14 @@ def _fit(runs: Sequence[Observation], cpu_is_device: bool) -> TimeModel:
         paths = up > 0 and (cpu_free or (cpu > 0 and -overlap <= min(up, cpu)))
         return paths and m.get("base", 0.0) >= 0.2 * float(y.min())
 
+    if cpu_is_device:
+        # A miss computed "on the CPU" and a hit are the same kernels on the same cores and bytes (the
+        # slots are the host copy): time is the rest of the token plus the link's, nothing to split
+        # or overlap. Two terms are what six noisy runs can pin down; the general model only where
+        # two do not fit.
+        two = _model(solve(["base", "up"]), runs, y)
+        if physical(solve(["base", "up"]), cpu_free=True) and two.max_error <= MAX_FIT_ERROR:
+            return two
     m = solve(list(TERMS))
     ok = physical(m)
     if not ok:
@@ -147,7 +156,11 @@ def _fit(runs: Sequence[Observation], cpu_is_device: bool) -> TimeModel:
     if not ok and cpu_is_device and m.get("cpu", 0.0) <= 0:
         m = solve(["base", "up", "split"])  # CPU misses free: no CPU cost, nothing for it to overlap
         ok = physical(m, cpu_free=True)
+    return _model(m, runs, y, ok)
+
+
+def _model(m: dict[str, float], runs: Sequence[Observation], y: np.ndarray, physical: bool = True) -> TimeModel:
     base, up, cpu, split, overlap = (m.get(t, 0.0) for t in TERMS)
-    model = TimeModel(base, up, cpu, split, overlap, physical=ok)
+    model = TimeModel(base, up, cpu, split, overlap, physical=physical)
     errors = tuple((model.ms(o.upload_gib, o.cpu_gib, o.share) - o.ms_per_token) / o.ms_per_token for o in runs)
-    return TimeModel(base, up, cpu, split, overlap, physical=ok, errors=errors)
+    return replace(model, errors=errors)

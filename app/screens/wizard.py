@@ -16,7 +16,7 @@ from typing import ClassVar
 from moechat.app.messages import CacheApplied, ConfirmUpdate, SweepFailed, SweepUpdate, TuneReady
 from moechat.app.screens.host import ScreenHost
 from moechat.app.tuned import save_tuned
-from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, ConfirmDone, SweepDone
+from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, ConfirmDone, NoiseCheck, SweepDone
 from moechat.tuner.recommend import TuneReport
 from moechat.tuner.report import cpu_speed, duration, error_bar, upload_speed
 from rich.text import Text
@@ -44,6 +44,8 @@ class TuneWizard(Screen[bool]):
         Binding("a", "apply", "Apply"),
         Binding("s", "save", "Keep for this model"),
         Binding("m", "measure_again", "Measure again"),
+        Binding("w", "check_again", "Check the noise again", show=False),
+        Binding("g", "go_on", "Go on despite the noise", show=False),
     ]
     DEFAULT_CSS = """
     TuneWizard VerticalScroll { padding: 0 2; }
@@ -62,7 +64,9 @@ class TuneWizard(Screen[bool]):
         self._advice = ""
         self.running = False
         self._timing: tuple[float, int] | None = None  # (start, tokens measured by then) of this sweep's runs
-        self._done_tokens = 0  # tokens of finished runs
+        self._arm_tokens: dict[int, int] = {}  # tokens measured so far by each run this sweep measures
+        self.check = True  # the next sweep checks for noise first (off once the user chose to go on)
+        self.noisy: NoiseCheck | None = None  # a noise check that stopped the sweep, until the user answers
 
     @property
     def moechat(self) -> ScreenHost:
@@ -117,7 +121,7 @@ class TuneWizard(Screen[bool]):
     def _sweep(self) -> None:
         engine = self.moechat.engine
         done = None
-        for ev in engine.sweep(self.stop, None, self.tokens, self.fresh):
+        for ev in engine.sweep(self.stop, None, self.tokens, self.fresh, self.check):
             self.post_message(SweepUpdate(ev))
             if isinstance(ev, SweepDone):
                 done = ev
@@ -126,7 +130,17 @@ class TuneWizard(Screen[bool]):
 
     def on_sweep_update(self, msg: SweepUpdate) -> None:
         ev = msg.event
-        if isinstance(ev, ArmStarted):
+        if isinstance(ev, NoiseCheck):
+            if ev.steady:
+                self.query_one("#eta", Static).update(f"the machine looks steady: {ev.describe()}")
+                return
+            self.running, self.noisy = False, ev
+            self.query_one("#eta", Static).update("stopped before measuring: the machine looks busy")
+            self.query_one("#advice", Static).update(
+                f"the machine looks busy: {ev.describe()}. Runs measured now would measure that other work "
+                "too.  w: check again (after closing what runs beside moechat), g: go on anyway, Esc: back"
+            )
+        elif isinstance(ev, ArmStarted):
             self.query_one(f"#arm-label-{ev.index}", Static).update(
                 f"run {ev.index + 1}/{ev.n_arms}: cache {ev.mib:g} MiB, CPU share {ev.share:g}"
             )
@@ -135,7 +149,6 @@ class TuneWizard(Screen[bool]):
             self._estimate(ev)
         elif isinstance(ev, ArmDone):
             a = ev.arm
-            self._done_tokens += 0 if ev.cached else self.tokens
             self.query_one(f"#arm-{ev.index}", ProgressBar).update(total=1, progress=1)
             self.query_one(f"#arm-label-{ev.index}", Static).update(
                 f"run {ev.index + 1}/{ev.n_arms}: cache {a.mib:g} MiB, CPU share {a.share:g}: {a.tps:.1f} t/s, "
@@ -145,7 +158,8 @@ class TuneWizard(Screen[bool]):
     def _estimate(self, ev: ArmProgress) -> None:
         """Time left from the pace so far: the tokens still to generate at this sweep's tokens per second."""
         now = time.monotonic()
-        measured = self._done_tokens + ev.tokens_done
+        self._arm_tokens[ev.index] = ev.tokens_done
+        measured = sum(self._arm_tokens.values())
         if self._timing is None:
             self._timing = (now, measured)
             return
@@ -153,7 +167,10 @@ class TuneWizard(Screen[bool]):
         if measured - first < 8:
             return
         rate = (measured - first) / (now - start)
-        left = (ev.n_arms - ev.index) * ev.tokens_total - ev.tokens_done
+        # the runs started and not through (on the CPU device they run together), and those to start
+        left = sum(ev.tokens_total - d for d in self._arm_tokens.values()) + ev.tokens_total * (
+            ev.n_arms - 1 - max(self._arm_tokens)
+        )
         self.query_one("#eta", Static).update(f"time left: about {duration(left / rate)} at {rate:.1f} tokens/s")
 
     def on_tune_ready(self, msg: TuneReady) -> None:
@@ -187,7 +204,7 @@ class TuneWizard(Screen[bool]):
         how = "measured" if rec.measured else "predicted"
         noisy = " (the runs look noisy: m measures them again)" if r.warnings else ""
         self._advice = (f"recommended: {rec.command()} ({rec.tps:.1f}{error_bar(rec.tps, r.time_model, rec.measured)} "
-                        f"t/s {how}){noisy}  -  a: apply now and save to config.toml, s: save only, m: measure again, "
+                        f"t/s {how}){noisy}  -  a: apply now and keep for this model, s: keep only, m: measure again, "
                         "Esc: back")  # fmt: skip
         current, target = self.moechat.cache_in_effect, (rec.mib, rec.share)
         if target == current:
@@ -243,12 +260,26 @@ class TuneWizard(Screen[bool]):
             self.notify("tuning cancelled; settings unchanged")
         self.dismiss(False)
 
+    def action_check_again(self) -> None:
+        """After a noisy check: check again, then measure if the machine is steady."""
+        if self.noisy is not None and not self.running:
+            self._sweep_again(fresh=self.fresh, check=True)
+
+    def action_go_on(self) -> None:
+        """After a noisy check: measure anyway."""
+        if self.noisy is not None and not self.running:
+            self._sweep_again(fresh=self.fresh, check=False)
+
     def action_measure_again(self) -> None:
         """Drop the kept runs and sweep again from the first run."""
         if self.running:
             self.notify("tuning is under way", severity="warning")
             return
-        self.report, self.verdict, self.fresh, self._timing, self._done_tokens = None, None, True, None, 0
+        self._sweep_again(fresh=True, check=True)
+
+    def _sweep_again(self, fresh: bool, check: bool) -> None:
+        self.report, self.verdict, self.noisy, self._timing, self._arm_tokens = None, None, None, None, {}
+        self.fresh, self.check = fresh, check
         self.stop = threading.Event()
         for i in range(N_ARMS):
             self.query_one(f"#arm-label-{i}", Static).update(f"run {i + 1}/{N_ARMS}: waiting")

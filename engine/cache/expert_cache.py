@@ -68,8 +68,7 @@ class ExpertCache:
         # On the CPU device without an emulated link a slot is the host copy itself: an upload would copy
         # bytes to where they already are. Its slots then hold no bytes of their own (no banks), the
         # kernels read the expert in place, and the counters count the upload as on a device.
-        self.in_place = self.device.type == "cpu" and not settings.emulate_link_gbps and (
-            settings.device_kernels != "triton")  # fmt: skip
+        self.in_place = self.device.type == "cpu" and settings.device_kernels != "triton"
         self.groups = build_groups(self.host, n_expert_used, settings.mib, settings.cpu_share, self.device,
                                    settings.policy, allocate=not self.in_place)  # fmt: skip
         self.group_of = {layer: g for g in self.groups for layer in g.info.layers}
@@ -317,11 +316,13 @@ class ExpertCache:
         """
         xh, ih, wh = host_arrays(x, ids, weights)
         contrib = np.empty((ih.size, xh.shape[1]), np.float32)  # [T*k, E]
+        plan = policy.last_plan()
         if self.in_place:
+            if plan.n_uploads and self.uploader.link_gbps:
+                self.uploader.upload(group, lx, plan.uploads)  # no bytes move: the emulated link's time
             # Every part reads the same host bytes with the same kernels: the layer in one call.
             self.host.run_host_part(layer, xh, ih, wh, None, contrib)
             return layer_output(contrib, ih)
-        plan = policy.last_plan()
         if plan.n_cpu:
             self.host.run_host_part(layer, xh, ih, wh, plan.cpu_array, contrib)
         if plan.n_uploads:

@@ -53,7 +53,10 @@ class Uploader:
         """Copy each (expert, slot) of `uploads` from the host copy `lx` into the group's banks.
 
         `ahead`: a prefetch; the device waits for it only at `wait_ahead`."""
-        if not uploads or not group.banks:  # no banks: the slots are the host copy (ExpertCache.in_place)
+        if not uploads:
+            return
+        if not group.banks:  # the slots are the host copy (ExpertCache.in_place): only the link's time
+            self._on_link(len(uploads) * group.info.expert_bytes, self.clock.now(), ahead)
             return
         # Runs of consecutive experts into consecutive slots go in one copy.
         runs: list[tuple[int, int, int]] = []
@@ -76,17 +79,22 @@ class Uploader:
             return
         began = self.clock.now()
         _copy_runs(group, lx, runs)
-        if self.link_gbps:
-            # Each upload costs bytes / link speed, serially after what the link already carries, and
-            # the copy itself is that transfer (a link's DMA is the copy): it counts toward the link's
-            # time, not on top of it. The device's own time is when the upload began plus what it
-            # still owes: compute never absorbs link time.
-            now = self.clock.now()
-            start = max(began + self._debt, self._link_free)
-            self._link_free = start + len(uploads) * group.info.expert_bytes / (self.link_gbps * 1e9)
-            if not ahead:
-                self._debt = self._link_free - now  # the device waits for its experts
-                self._pay()
+        self._on_link(len(uploads) * group.info.expert_bytes, began, ahead)
+
+    def _on_link(self, n_bytes: int, began: float, ahead: bool) -> None:
+        """The emulated link carries `n_bytes` from `began`: the device waits for them unless `ahead`."""
+        if not self.link_gbps:
+            return
+        # Each upload costs bytes / link speed, serially after what the link already carries, and
+        # a copy made for it is that transfer (a link's DMA is the copy): it counts toward the link's
+        # time, not on top of it. The device's own time is when the upload began plus what it
+        # still owes: compute never absorbs link time.
+        now = self.clock.now()
+        start = max(began + self._debt, self._link_free)
+        self._link_free = start + n_bytes / (self.link_gbps * 1e9)
+        if not ahead:
+            self._debt = self._link_free - now  # the device waits for its experts
+            self._pay()
 
     def wait_ahead(self) -> None:
         """The device waits for the uploads made ahead (and, on the emulated link, all queued before)."""

@@ -21,6 +21,7 @@ from moechat.tuner.events import (
     Cancelled,
     ConfirmDone,
     ConfirmEvent,
+    NoiseCheck,
     SweepDone,
     SweepEvent,
 )
@@ -38,6 +39,8 @@ class FakeEngine:
         self.n_layers, self.n_expert = n_layers, n_expert
         self.delay, self.fail_after, self.sweep_delay = delay, fail_after, sweep_delay
         self.sweeps: list[bool] = []  # each sweep asked for: whether fresh
+        self.checks: list[bool] = []  # ... and whether it checked for noise first
+        self.noise: list[tuple[float, ...]] = []  # scripted: each noise check's parts (t/s); steady when empty
         self.window_after = 4096  # tokens after which the MIN bound covers a window of recent ones
         self.info = ModelInfo("fake.gguf", "/nonexistent/fake.gguf", "0" * 64, "fakemoe", n_layers, n_expert, K,
                               n_ctx, "cpu", "test machine", "gguf")  # fmt: skip
@@ -105,8 +108,14 @@ class FakeEngine:
         self.mib, self.share = mib, share
 
     def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
-              ) -> Iterator[SweepEvent]:  # fmt: skip
+              check: bool = False) -> Iterator[SweepEvent]:  # fmt: skip
         self.sweeps.append(fresh)
+        self.checks.append(check)
+        if check:
+            noise = NoiseCheck(self.noise.pop(0) if self.noise else (50.0, 51.0, 50.5), 0.25)
+            yield noise
+            if not noise.steady:
+                return
         arms = []
         for i, (mib, share) in enumerate([(0.5, 0.0), (0.5, 0.5), (0.5, 0.95), (1.5, 0.0), (1.5, 0.5), (1.5, 0.95)]):
             yield ArmStarted(i, 6, mib, share)
