@@ -27,6 +27,14 @@ def build_parser() -> argparse.ArgumentParser:
     from moechat.app.settings import MODEL_HELP
 
     p_inspect.add_argument("model", nargs="?", help=MODEL_HELP)
+    p_inspect.add_argument("--hosts", type=int, default=1, metavar="N",
+                           help="plan a split of the layers over N hosts (torch.distributed): who maps what, "
+                           "what each needs, the bytes per token on the wire")  # fmt: skip
+    p_inspect.add_argument("--host-memory", type=float, nargs="+", metavar="GIB",
+                           help="each host's memory in GiB, rank 0 first (one value: every host; "
+                           "default: this machine's)")  # fmt: skip
+    p_inspect.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
+                           help="context the plan's KV caches hold (default 4096)")  # fmt: skip
     p_chat = sub.add_parser("chat", help="chat in the terminal (the default command)")
     from moechat.app.repl import add_chat_arguments
 
@@ -81,9 +89,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     if args.command == "inspect":
+        from moechat.app.inspect_cmd import check_plan_arguments
         from moechat.app.settings import check_model_file
 
         try:
+            check_plan_arguments(args.hosts, args.host_memory, args.ctx_size)
             check_model_file(args.model)
         except (ValueError, OSError) as e:
             return _fail(str(e))
@@ -100,7 +110,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             from moechat.app.inspect_cmd import run_inspect
             from rich.console import Console
 
-            return run_inspect(str(resolve_model(args.model)), Console())
+            return run_inspect(str(resolve_model(args.model)), Console(), hosts=args.hosts,
+                               host_memory=args.host_memory, n_ctx=args.ctx_size)  # fmt: skip
         if args.command == "run":
             from moechat.app.run_cmd import run
 

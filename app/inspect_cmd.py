@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import os
 import re
 from collections import defaultdict
 
 from moechat.engine.config import ModelConfig
+from moechat.engine.distributed.plan import Plan, plan_split
 from moechat.engine.gguf.reader import GGUFFile
 from moechat.engine.models.decoder import is_moe_layer
 from moechat.engine.models.opening import open_model, quant_histogram
@@ -97,7 +99,45 @@ def summary_rows(gguf: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str]]:
     return rows
 
 
-def run_inspect(path: str, console: Console) -> int:
+def check_plan_arguments(hosts: int, host_memory: list[float] | None, n_ctx: int) -> None:
+    """`--hosts`, `--host-memory` and `--ctx-size`, checked before the file is read."""
+    if hosts < 1:
+        raise ValueError(f"--hosts must be at least 1, got {hosts}")
+    if host_memory is not None:
+        if len(host_memory) not in (1, hosts):
+            raise ValueError(f"--host-memory takes one size or one per host ({hosts}), got {len(host_memory)}")
+        if any(not m > 0 for m in host_memory):
+            raise ValueError("--host-memory sizes must be above 0 GiB")
+    if n_ctx < 1:
+        raise ValueError(f"--ctx-size must be at least 1, got {n_ctx}")
+
+
+def this_machines_memory() -> int:
+    """Bytes of memory of this machine (what every host is taken to have unless told)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def plan_table(plan: Plan) -> Table:
+    table = Table(title=Text(f"a split over {len(plan.hosts)} hosts, context {plan.n_ctx}"))
+    for col in ("rank", "layers", "maps", "KV / state", "needs", "memory", "fits"):
+        table.add_column(col, justify="left" if col in ("layers", "fits") else "right")
+    for h in plan.hosts:
+        ends = " + embedding, head" if h.rank == 0 else ""
+        span = f"{h.first}" if h.end == h.first + 1 else f"{h.first}-{h.end - 1}"
+        what = f"{span}{ends}" if h.end > h.first else f"none{ends}"
+        table.add_row(str(h.rank), what, _gib(h.weight_bytes), _gib(h.state_bytes), _gib(h.need_bytes),
+                      _gib(h.memory_bytes), "yes" if h.fits else "NO")  # fmt: skip
+    return table
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:,.2f} GiB" if n >= 2**30 else _mib(n)
+
+
+def run_inspect(path: str, console: Console, hosts: int = 1, host_memory: list[float] | None = None,
+                n_ctx: int = 4096) -> int:  # fmt: skip
+    """The file's summary; with `hosts` > 1 the plan of a split over that many hosts too (exit 1
+    when a host's share does not fit its memory)."""
     gguf, cfg = open_model(path)
     with gguf:
         # The values come from the file (its name, its metadata): rich Text, so that rich never
@@ -108,4 +148,17 @@ def run_inspect(path: str, console: Console) -> int:
         for key, value in summary_rows(gguf, cfg):
             table.add_row(key, Text(value))
         console.print(table)
+        if hosts == 1 and host_memory is None:
+            return 0
+        sizes = [int(g * 2**30) for g in host_memory] if host_memory else [this_machines_memory()]
+        plan = plan_split(gguf, cfg, sizes * hosts if len(sizes) == 1 else sizes, min(n_ctx, cfg.n_ctx_train))
+    console.print(plan_table(plan))
+    console.print(f"on the wire per decode token: {plan.wire_bytes_per_token:,} bytes "
+                  f"({len(plan.hosts) if len(plan.hosts) > 1 else 0} hops of the hidden state, "
+                  f"{plan.n_embd} x float32)", markup=False, highlight=False)  # fmt: skip
+    bad = plan.misfit()
+    if bad is not None:
+        console.print(f"host {bad.rank} needs {_gib(bad.need_bytes)} and has {_gib(bad.memory_bytes)}: "
+                      "this split does not fit; more hosts or more memory", markup=False, highlight=False)  # fmt: skip
+        return 1
     return 0

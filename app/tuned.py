@@ -8,8 +8,6 @@ for every model), below MOECHAT_* variables and flags. config.toml is never writ
 
 from __future__ import annotations
 
-import functools
-import hashlib
 import os
 from pathlib import Path
 from typing import Any
@@ -17,26 +15,11 @@ from typing import Any
 import tomllib
 from moechat.app.atomic import write_atomic
 from moechat.app.paths import app_paths
+from moechat.engine.gguf.identity import file_identity
+
+__all__ = ["file_identity", "identity_of", "read_tuned", "save_tuned", "tuned_path"]
 
 TUNED = ("moe_cache_mib", "moe_cache_cpu_share")
-
-
-def file_identity(path: Path) -> str:
-    """A model file's identity: the hash of its first 16 MiB and its size (cheap, and enough to tell files apart).
-
-    Hashed once per file version in a process: the settings' lookup of tuned values and the warm start
-    of one start ask for the same file."""
-    st = path.stat()
-    return _identity(str(path.resolve()), st.st_size, st.st_mtime_ns)
-
-
-@functools.cache
-def _identity(path: str, size: int, mtime_ns: int) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        h.update(f.read(16 << 20))
-    h.update(str(size).encode())
-    return h.hexdigest()
 
 
 def identity_of(path: Path) -> str | None:

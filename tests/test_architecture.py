@@ -23,6 +23,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "moe": 4,
     "cache": 5,
     "models": 6,
+    "distributed": 8,  # a model split over hosts: above the runtime it splits
 }
 RUNTIME = 7  # the engine's top modules (loader, generate, ...) use everything below
 UI_LIBRARIES = ("textual", "rich", "plotext", "textual_plotext")

@@ -377,7 +377,7 @@ async def test_a_model_that_does_not_load_stays_on_screen_and_the_app_exits_non_
     app = MoechatApp(real_engine_factory(str(model), settings, None), settings, paths=paths)
     async with app.run_test(size=(80, 24)) as pilot:
         await until(pilot, lambda: app.failure is not None, timeout=120)
-        assert isinstance(app.screen, LoadFailed)
+        await until(pilot, lambda: isinstance(app.screen, LoadFailed) and bool(app.screen.query("#what")))
         shown = str(app.screen.query_one("#what", Label).render())
         assert shown.startswith("moechat: error:") and "model.gguf" in shown, shown
         assert "\n" not in shown
@@ -453,7 +453,7 @@ async def test_a_load_that_fails_keeps_the_message_sent_meanwhile(tmp_path: Path
         await pilot.press("enter")
         await until(pilot, lambda: len(screen.conv.messages) == 1)
         go.set()
-        await until(pilot, lambda: isinstance(app.screen, LoadFailed))
+        await until(pilot, lambda: isinstance(app.screen, LoadFailed) and bool(app.screen.query("#what")))
         assert "unsupported architecture" in str(app.screen.query_one("#what").render())
         saved = json.loads(app.store.path(screen.conv.id).read_text())
         assert saved["messages"] == [{"role": "user", "content": "keep me"}]

@@ -195,6 +195,24 @@ class DecoderBase(nn.Module):
         """Final hidden states [T, E] -> logits [T, V]."""
         return linear(rms_norm(x, self.norm, self.cfg.norm_eps), self.output)
 
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens [T] -> hidden states [T, E]."""
+        return self.embed[tokens.to(self.embed.device)]
+
+    def run_blocks(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
+        """Blocks first..end-1 on x [T, E] at positions pos0..; they append to their layers of `cache`.
+        A pipeline's stage runs its own range (engine.distributed)."""
+        for i in range(first, end):
+            x = self.blocks[i](x, pos0, cache.layers[i], self.rope, self.experts)
+            self.prefetch_next(i, x)
+        return x
+
+    def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache, last_only: bool = False) -> torch.Tensor:
+        """tokens [T] at positions pos0.. -> logits [T, V]; appends to `cache`."""
+        x = self.run_blocks(self.embed_tokens(tokens), pos0, cache, 0, len(self.blocks))  # [T, E]
+        cache.pos = pos0 + tokens.shape[0]
+        return self.head(x[-1:] if last_only else x)  # [T or 1, V]
+
     @property
     def device(self) -> torch.device:
         return self.embed.device
@@ -320,12 +338,3 @@ class MoeDecoder(DecoderBase):
         move_tensors(self, device)
         self.rope.to(device)
         return self
-
-    def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        """tokens [T] at positions pos0.. -> logits [T, V]; appends to `cache`."""
-        x = self.embed[tokens.to(self.embed.device)]  # [T, E]
-        for i, block in enumerate(self.blocks):
-            x = block(x, pos0, cache.layers[i], self.rope, self.experts)
-            self.prefetch_next(i, x)
-        cache.pos = pos0 + tokens.shape[0]
-        return self.head(x[-1:] if last_only else x)  # [T or 1, V]

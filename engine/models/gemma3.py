@@ -23,7 +23,7 @@ from ..gguf.sources import Layout
 from ..kernels.codes import ACT_GELU_TANH, GATING_SELECT
 from ..moe.host_experts import ExpertExecutor
 from ..nn.activations import register_activation
-from ..nn.layers import KVCache, LayerCache, Rope, move_tensors, rms_norm
+from ..nn.layers import LayerCache, Rope, move_tensors, rms_norm
 from ..nn.weights import want
 from .decoder import Attention, DecoderBase, DenseFFN, Family, ffn_for
 
@@ -88,13 +88,8 @@ class Gemma3(DecoderBase):
             r.to(device)
         return self
 
-    def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache, last_only: bool = False) -> torch.Tensor:
-        x = self.embed[tokens.to(self.embed.device)] * self.embed_scale  # [T, E]
-        for i, block in enumerate(self.blocks):
-            x = block(x, pos0, cache.layers[i], self.rope, self.experts)
-            self.prefetch_next(i, x)
-        cache.pos = pos0 + tokens.shape[0]
-        return self.head(x[-1:] if last_only else x)  # [T or 1, V]
+    def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.embed[tokens.to(self.embed.device)] * self.embed_scale  # [T, E]
 
 
 FAMILY = Family(

@@ -147,11 +147,19 @@ class LayerCache:
     state: torch.Tensor | None = None  # [v_heads, ssm_state, head_v]
 
 
-def kv_cache_bytes(cfg: ModelConfig, n_ctx: int, itemsize: int = 4) -> int:
-    """Bytes of a KVCache's keys and values for n_ctx positions (fp32 by default), full-attention layers only."""
+def layer_state_bytes(cfg: ModelConfig, i: int, n_ctx: int, itemsize: int = 4) -> int:
+    """Bytes layer `i` keeps per sequence: its keys and values for n_ctx positions (full attention),
+    or its linear-attention state (conv inputs and recurrent state, whatever the context)."""
+    if cfg.is_recurrent(i):
+        return ((cfg.ssm_conv_kernel - 1) * _conv_channels(cfg) + cfg.ssm_state * cfg.ssm_inner) * itemsize
     # A latent cache (MLA) stores the value as the front of the key: no bytes of its own.
     per_head = cfg.head_dim + (0 if cfg.kv_lora_rank else cfg.head_dim_v)
-    return sum(n_ctx * cfg.n_head_kv[i] * per_head * itemsize for i in range(cfg.n_layers) if not cfg.is_recurrent(i))
+    return n_ctx * cfg.n_head_kv[i] * per_head * itemsize
+
+
+def kv_cache_bytes(cfg: ModelConfig, n_ctx: int, itemsize: int = 4) -> int:
+    """Bytes of a KVCache's keys and values for n_ctx positions (fp32 by default), full-attention layers only."""
+    return sum(layer_state_bytes(cfg, i, n_ctx, itemsize) for i in range(cfg.n_layers) if not cfg.is_recurrent(i))
 
 
 def _conv_channels(cfg: ModelConfig) -> int:
@@ -160,8 +168,7 @@ def _conv_channels(cfg: ModelConfig) -> int:
 
 def recurrent_state_bytes(cfg: ModelConfig, itemsize: int = 4) -> int:
     """Bytes of the linear-attention layers' state (conv inputs and recurrent state), whatever the context."""
-    per_layer = (cfg.ssm_conv_kernel - 1) * _conv_channels(cfg) + cfg.ssm_state * cfg.ssm_inner
-    return sum(per_layer * itemsize for i in range(cfg.n_layers) if cfg.is_recurrent(i))
+    return sum(layer_state_bytes(cfg, i, 0, itemsize) for i in range(cfg.n_layers) if cfg.is_recurrent(i))
 
 
 def _layer_cache(cfg: ModelConfig, i: int, n_ctx: int, dtype: torch.dtype, device: str | torch.device) -> LayerCache:
