@@ -72,6 +72,19 @@ def _fail(message: str) -> int:
 COMMANDS = ("inspect", "chat", "run", "tune", "sim", "export")
 
 
+def check_plan_arguments(hosts: int, host_memory: list[float] | None, n_ctx: int) -> None:
+    """`--hosts`, `--host-memory` and `--ctx-size`, checked before the file is read."""
+    if hosts < 1:
+        raise ValueError(f"--hosts must be at least 1, got {hosts}")
+    if host_memory is not None:
+        if len(host_memory) not in (1, hosts):
+            raise ValueError(f"--host-memory takes one size or one per host ({hosts}), got {len(host_memory)}")
+        if any(not m > 0 for m in host_memory):
+            raise ValueError("--host-memory sizes must be above 0 GiB")
+    if n_ctx < 1:
+        raise ValueError(f"--ctx-size must be at least 1, got {n_ctx}")
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -89,7 +102,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(levelname)s %(name)s: %(message)s",
     )
     if args.command == "inspect":
-        from moechat.app.inspect_cmd import check_plan_arguments
         from moechat.app.settings import check_model_file
 
         try:

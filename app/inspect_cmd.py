@@ -99,19 +99,6 @@ def summary_rows(gguf: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str]]:
     return rows
 
 
-def check_plan_arguments(hosts: int, host_memory: list[float] | None, n_ctx: int) -> None:
-    """`--hosts`, `--host-memory` and `--ctx-size`, checked before the file is read."""
-    if hosts < 1:
-        raise ValueError(f"--hosts must be at least 1, got {hosts}")
-    if host_memory is not None:
-        if len(host_memory) not in (1, hosts):
-            raise ValueError(f"--host-memory takes one size or one per host ({hosts}), got {len(host_memory)}")
-        if any(not m > 0 for m in host_memory):
-            raise ValueError("--host-memory sizes must be above 0 GiB")
-    if n_ctx < 1:
-        raise ValueError(f"--ctx-size must be at least 1, got {n_ctx}")
-
-
 def this_machines_memory() -> int:
     """Bytes of memory of this machine (what every host is taken to have unless told)."""
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
