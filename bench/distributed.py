@@ -33,6 +33,8 @@ from moechat.engine.distributed.plan import HEADROOM_BYTES, HIDDEN_ITEMSIZE, spl
 def local(tokens: int, rounds: int) -> None:
     import multiprocessing as mp
 
+    from moechat.engine.distributed.plan import plan_split
+    from moechat.engine.models.opening import open_model
     from testkit.distributed import _free_port
     from testkit.ggufgen import tiny_moe
 
@@ -40,6 +42,7 @@ def local(tokens: int, rounds: int) -> None:
         path = tiny_moe(Path(tmp) / "m.gguf", n_layers=8, n_embd=512, n_expert=32, n_expert_used=4, n_ff_exp=1024)
         print(f"model: {path.stat().st_size / 1e6:.0f} MB, {tokens} tokens per run, load {os.getloadavg()[0]:.2f}")
         tps: dict[int, list[float]] = {1: [], 2: [], 3: []}
+        resident: dict[int, list[int]] = {}
         for _ in range(rounds):
             for world in (1, 2, 3):
                 ctx = mp.get_context("spawn")
@@ -52,14 +55,20 @@ def local(tokens: int, rounds: int) -> None:
                 results = dict(out.get(timeout=600) for _ in range(world))
                 for p in procs:
                     p.join(60)
-                tps[world].append(results[0])
+                tps[world].append(results[0][0])
+                resident[world] = [results[r][1] for r in range(world)]
         base = statistics.median(tps[1])
-        print(f"\n{'ranks':>5} {'decode t/s (median)':>20} {'vs 1 rank':>10} {'wire bytes/token':>17}")
-        for world, values in tps.items():
-            wire = (world if world > 1 else 0) * 512 * HIDDEN_ITEMSIZE
-            print(
-                f"{world:>5} {statistics.median(values):>20.1f} {statistics.median(values) / base:>9.2f}x {wire:>17,}"
-            )
+        print(f"\n{'ranks':>5} {'decode t/s (median)':>20} {'vs 1 rank':>10} {'wire bytes/token':>17}  "
+              "the file's MB resident in each rank / its share")  # fmt: skip
+        gguf, cfg = open_model(path)
+        with gguf:
+            for world, values in tps.items():
+                wire = (world if world > 1 else 0) * 512 * HIDDEN_ITEMSIZE
+                plan = plan_split(gguf, cfg, [64 * 2**30] * world, 512)
+                held = ", ".join(f"{r / 1e6:.1f} / {h.weight_bytes / 1e6:.1f}"
+                                 for r, h in zip(resident[world], plan.hosts, strict=True))  # fmt: skip
+                print(f"{world:>5} {statistics.median(values):>20.1f} {statistics.median(values) / base:>9.2f}x "
+                      f"{wire:>17,}  {held}")  # fmt: skip
         print(f"load average after: {os.getloadavg()[0]:.2f}")
 
 
@@ -70,18 +79,23 @@ def _timed_rank(rank: int, world: int, address: str, path: str, tokens: int, out
     from moechat.engine.events import GREEDY, TokenEvent
     from moechat.engine.generate import generate
     from moechat.engine.loader import LoadedModel, set_threads
+    from testkit.distributed import resident_bytes
 
     set_threads(1)
     join(rank, world, address)
 
-    def job(pm: PipelineModel, lm: LoadedModel) -> float:
+    def job(pm: PipelineModel, lm: LoadedModel) -> tuple[float, int]:
         ids = lm.tokenizer.encode("The lighthouse stood at the end of a long spit of rock")
         events = generate(pm, lm.tokenizer, ids, lm.new_cache(), max_tokens=tokens, params=GREEDY, ignore_eos=True)
         stamps = [time.perf_counter() for e in events if isinstance(e, TokenEvent) and e.token >= 0]
-        return (len(stamps) - 1) / (stamps[-1] - stamps[0])
+        return (len(stamps) - 1) / (stamps[-1] - stamps[0]), resident_bytes(path)
+
+    def served(lm: LoadedModel) -> tuple[float, int]:
+        return 0.0, resident_bytes(path)
 
     try:
-        out.put((rank, run_split(Path(path), job, n_ctx=512, memory=64 * 2**30)))  # type: ignore[attr-defined]
+        result = run_split(Path(path), job, n_ctx=512, memory=64 * 2**30, served=served)
+        out.put((rank, result))  # type: ignore[attr-defined]
     finally:
         dist.destroy_process_group()
 

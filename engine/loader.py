@@ -129,12 +129,14 @@ def check_context(cfg: ModelConfig, n_ctx: int, device: torch.device) -> None:
         )
 
 
-def check_fit(gguf: GGUFFile, cfg: ModelConfig, model: MoeDecoder | Gemma3, tok: Tokenizer) -> None:
+def check_fit(gguf: GGUFFile, cfg: ModelConfig, model: MoeDecoder | Gemma3, tok: Tokenizer,
+              layers: range | None = None) -> None:  # fmt: skip
     """Refuse a file whose tensors do not fit its metadata, before a user's prompt finds out.
 
     Each tensor may be well formed on its own and still not fit the others (a hostile or broken
     file): the vocabulary must fit the embedding and the output, and one token must go through
-    every layer. Errors become one ValueError naming the file.
+    every layer (`layers`: every layer of this stage of a split model). Errors become one ValueError
+    naming the file.
     """
     rows = min(model.embed.shape[0], model.output.shape[0])
     if tok.n_vocab > rows:
@@ -151,7 +153,13 @@ def check_fit(gguf: GGUFFile, cfg: ModelConfig, model: MoeDecoder | Gemma3, tok:
                 )
     try:
         with torch.inference_mode():
-            logits = model(torch.tensor([tok.n_vocab - 1]), 0, KVCache(cfg, 1, device=model.device))
+            if layers is None:
+                logits = model(torch.tensor([tok.n_vocab - 1]), 0, KVCache(cfg, 1, device=model.device))
+            else:  # a stage: its own layers, from the embedding if it is the first
+                first = layers.start == 0
+                x = model.embed_tokens(torch.tensor([tok.n_vocab - 1])) if first else torch.zeros(1, cfg.n_embd)
+                x = model.run_blocks(x, 0, KVCache(cfg, 1, device=model.device), layers.start, layers.stop)
+                logits = model.head(x) if first else torch.zeros(1, tok.n_vocab)
     except (RuntimeError, IndexError, TypeError, ZeroDivisionError) as e:
         raise ValueError(
             f"{gguf.path}: the model's tensors do not fit its metadata ({str(e).splitlines()[0]})"
@@ -169,9 +177,12 @@ def load_model(
     cpu_dequant_mib: float = 0.0,
     cpu_kernels: str = "fast",
     progress: Callable[[str], None] | None = None,
+    own_layers: range | None = None,
 ) -> LoadedModel:
     """The model at `path`, checked and ready. `progress` hears what a first start does at length: each CPU
-    kernel compiled for this machine (later starts load them from the disk cache and say nothing)."""
+    kernel compiled for this machine (later starts load them from the disk cache and say nothing).
+    `own_layers`: the layers this process runs (a split model's stage; from layer 0 it also runs the
+    embedding and head): only their pages are mapped ahead and only they are tried at load."""
     if n_ctx < 16:
         raise ValueError(f"context size must be at least 16, got {n_ctx}")
     gguf, cfg = open_model(path)
@@ -186,7 +197,9 @@ def load_model(
         # model is built and its kernels load, when they fit in memory: a larger file is read as used.
         from .cache.device_memory import device_free_bytes
 
-        if gguf.size < device_free_bytes(torch.device("cpu")):
+        if own_layers is not None:
+            gguf.prefault(gguf.layer_tensors(own_layers))
+        elif gguf.size < device_free_bytes(torch.device("cpu")):
             gguf.prefault()
         device = cache.device if cache is not None else "cpu"
         check_context(cfg, n_ctx, torch.device(device))
@@ -209,7 +222,7 @@ def load_model(
         if not on_cpu:
             model.to_device(torch.device(device))
         with compile_notes(progress):  # one token through every layer: the kernels compile here
-            check_fit(gguf, cfg, model, tok)
+            check_fit(gguf, cfg, model, tok, own_layers)
             if cache is not None and cache.mib > 0:
                 compile_ahead.warm_policy()  # the cache's lookup, before a first reply waits for it
         compile_ahead.stop(helper)

@@ -6,9 +6,11 @@ from pathlib import Path
 
 import pytest
 from moechat.engine.cache.settings import CacheSettings
+from moechat.engine.distributed.plan import plan_split
 from moechat.engine.events import GREEDY, TokenEvent
 from moechat.engine.generate import generate
 from moechat.engine.loader import load_model
+from moechat.engine.models.opening import open_model
 from testkit.distributed import N_TOKENS, PROMPT, run_ranks
 from testkit.ggufgen import tiny_moe
 
@@ -27,8 +29,17 @@ def test_a_split_model_writes_what_one_process_writes(tmp_path: Path, arch: str)
     cache = CacheSettings(mib=0.2, cpu_share=0.5)  # each rank's own expert cache, with a CPU share
     for world, settings in ((2, None), (3, cache)):
         results = run_ranks(path, world, settings)
-        assert results[0] == reference, (world, results)
-        assert all(results[r] is None for r in range(1, world)), results  # the other ranks served
+        assert results[0][0] == reference, (world, results)
+        assert all(results[r][0] is None for r in range(1, world)), results  # the other ranks served
+        # Each rank has only its own part of the file in memory: its layers (rank 0: and the ends).
+        gguf, cfg = open_model(path)
+        with gguf:
+            plan = plan_split(gguf, cfg, [64 * 2**30] * world, 256)
+        page = 4096
+        for h in plan.hosts:
+            resident = results[h.rank][1]
+            assert h.weight_bytes <= resident + page * 4 and resident <= h.weight_bytes * 1.02 + 64 * page, (
+                world, h, resident)  # fmt: skip
 
 
 @pytest.mark.slow

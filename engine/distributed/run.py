@@ -24,6 +24,7 @@ from ..events import GREEDY, TokenEvent
 from ..generate import generate
 from ..gguf.identity import file_identity
 from ..loader import LoadedModel, load_model
+from ..models.opening import open_model
 from .pipeline import PipelineModel, serve
 from .plan import Plan, plan_split
 
@@ -58,21 +59,25 @@ def agree(path: Path, memory: int) -> list[int]:
 
 
 def run_split(path: Path, on_rank0: Callable[[PipelineModel, LoadedModel], T], *, n_ctx: int = 4096,
-              cache: CacheSettings | None = None, memory: int | None = None) -> T | None:  # fmt: skip
+              cache: CacheSettings | None = None, memory: int | None = None,
+              served: Callable[[LoadedModel], T] | None = None) -> T | None:  # fmt: skip
     """This rank's part of a split run (after `join`): rank 0 calls `on_rank0` with the whole model
-    behind a PipelineModel and returns what it returns; the other ranks serve and return None."""
+    behind a PipelineModel and returns what it returns; the other ranks serve until rank 0 is done,
+    then return `served(their model)` (None without it)."""
     rank = dist.get_rank()
     sizes = agree(path, memory or this_hosts_memory())
-    lm = load_model(path, n_ctx=n_ctx, cache=cache)
-    try:
-        plan: Plan = plan_split(lm.gguf, lm.config, sizes, n_ctx)
+    gguf, cfg = open_model(path)  # the header only: the plan comes before any page is read
+    with gguf:
+        plan: Plan = plan_split(gguf, cfg, sizes, n_ctx)
         bad = plan.misfit()
         if bad is not None:
             raise ValueError(f"host {bad.rank} needs {bad.need_bytes / 2**30:.1f} GiB for layers "
                              f"{bad.first}-{bad.end - 1} and has {bad.memory_bytes / 2**30:.1f} GiB")  # fmt: skip
+    lm = load_model(path, n_ctx=n_ctx, cache=cache, own_layers=plan.hosts[rank].layers)
+    try:
         if rank != 0:
             serve(lm, plan, rank)
-            return None
+            return served(lm) if served is not None else None
         pm = PipelineModel(lm, plan)
         try:
             return on_rank0(pm, lm)

@@ -49,18 +49,24 @@ def _address(m: mmap.mmap) -> int:
 class Prefault:
     """Maps the pages of `maps` on a thread; `close()` stops it (within one chunk) and waits for it."""
 
-    def __init__(self, maps: list[mmap.mmap], name: str) -> None:
+    def __init__(self, maps: list[mmap.mmap], name: str, spans: list[list[tuple[int, int]]] | None = None) -> None:
+        """`spans`: per map, the (offset, length) stretches to map (None: every page of every map)."""
         self.name = name
         self.done = threading.Event()
         self.seconds = 0.0
         self.bytes = 0
         self._stop = threading.Event()
         regions = []
-        for m in maps:
+        page = mmap.PAGESIZE
+        for i, m in enumerate(maps):
             try:
-                regions.append((_address(m), len(m)))
+                base = _address(m)
             except (TypeError, ValueError, BufferError) as e:  # a read-only or closed map: read as used
                 logger.debug("%s: pages not mapped ahead (%s)", name, e)
+                continue
+            for off, n in spans[i] if spans is not None else [(0, len(m))]:
+                start = off // page * page  # madvise takes whole pages
+                regions.append((base + start, min(len(m), off + n) - start))
         self._thread = threading.Thread(target=self._run, args=(regions,), name="moechat-prefault", daemon=True)
         self._thread.start()
 

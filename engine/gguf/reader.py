@@ -16,7 +16,7 @@ import os
 import re
 import stat
 import struct
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -26,6 +26,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 
 from .prefault import Prefault
 
+_BLOCK_NAME = re.compile(r"^blk\.(\d+)\.")
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
@@ -375,10 +376,31 @@ class GGUFFile(Mapping[str, TensorInfo]):
         flat = np.frombuffer(buf, dtype=np.uint8, count=t.n_bytes, offset=t.offset)
         return flat.reshape(*t.shape[:-1], t.row_bytes)
 
-    def prefault(self) -> Prefault:
-        """Map every page of the file(s) into this process on a background thread (see prefault); stopped at close."""
+    def layer_tensors(self, layers: range) -> set[str]:
+        """The names of the tensors of blocks `layers` (`blk.N.*`), and, where the range starts at layer 0,
+        of the tensors outside any block (embedding, output norm and head): what one stage of a model
+        split by layers runs."""
+        out = set()
+        for name in self.tensors:
+            m = _BLOCK_NAME.match(name)
+            if (m is None and layers.start == 0) or (m is not None and int(m.group(1)) in layers):
+                out.add(name)
+        return out
+
+    def prefault(self, tensors: Iterable[str] | None = None) -> Prefault:
+        """Map every page of the file(s) into this process on a background thread (see prefault); stopped at
+        close. `tensors`: only the pages of these tensors (a split model's rank maps its own layers)."""
         if self._prefault is None:
-            self._prefault = Prefault([s.map for s in self._shards], self.path.name)
+            spans: list[list[tuple[int, int]]] | None = None
+            if tensors is not None:
+                spans = [[] for _ in self._shards]
+                for t in sorted((self.tensors[n] for n in tensors), key=lambda t: (t.shard, t.offset)):
+                    own = spans[t.shard]
+                    if own and own[-1][0] + own[-1][1] >= t.offset:  # touching or overlapping: one stretch
+                        own[-1] = (own[-1][0], max(own[-1][1], t.offset + t.n_bytes - own[-1][0]))
+                    else:
+                        own.append((t.offset, t.n_bytes))
+            self._prefault = Prefault([s.map for s in self._shards], self.path.name, spans)
         return self._prefault
 
     @property

@@ -20,16 +20,32 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def resident_bytes(path: str | Path) -> int:
+    """Bytes of `path`'s pages resident in this process's maps (/proc/self/smaps)."""
+    total, inside = 0, False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if len(parts) >= 5 and "-" in parts[0] and ":" in parts[3]:  # a mapping's header line
+                inside = parts[-1] == str(path)
+            elif inside and parts[0] == "Rss:":
+                total += int(parts[1]) * 1024
+    return total
+
+
 def _rank(rank: int, world: int, address: str, path: str, cache: CacheSettings | None, out: Any) -> None:
+    """Rank 0 puts (its greedy tokens, the file's bytes resident in it); the others (None, the same)."""
     import torch.distributed as dist
     from moechat.engine.distributed.run import greedy_tokens, join, run_split
     from moechat.engine.loader import set_threads
 
     set_threads(1)  # the ranks share this machine's cores
     join(rank, world, address, timeout_s=120)
+    tokens_of = greedy_tokens(PROMPT, N_TOKENS)
     try:
-        tokens = run_split(Path(path), greedy_tokens(PROMPT, N_TOKENS), n_ctx=256, cache=cache, memory=64 * 2**30)
-        out.put((rank, tokens))
+        result = run_split(Path(path), lambda pm, lm: (tokens_of(pm, lm), resident_bytes(path)), n_ctx=256,
+                           cache=cache, memory=64 * 2**30, served=lambda lm: (None, resident_bytes(path)))  # fmt: skip
+        out.put((rank, result))
     except Exception as e:  # the parent shows it
         out.put((rank, f"{type(e).__name__}: {e}"))
     finally:
@@ -37,7 +53,8 @@ def _rank(rank: int, world: int, address: str, path: str, cache: CacheSettings |
 
 
 def run_ranks(path: Path | list[Path], world: int, cache: CacheSettings | None) -> dict[int, Any]:
-    """Each rank's result: rank 0's greedy tokens, None from the others, or the error a rank met.
+    """Each rank's result: (rank 0's greedy tokens or None, the file's bytes resident in the rank), or the
+    error a rank met.
     `path`: one file for every rank, or one per rank."""
     paths = path if isinstance(path, list) else [path] * world
     ctx = mp.get_context("spawn")
