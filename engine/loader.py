@@ -54,7 +54,7 @@ class LoadedModel:
 
         The old cache's slots are freed first, so a device only ever holds one bank of slots.
         """
-        if not self.config.is_moe:
+        if not self.config.is_moe or not self.model.host_experts.layers:  # (a stage without MoE layers)
             return None
         old, self.cache = self.cache, None
         self.model.experts = self.model.host_experts
@@ -216,6 +216,8 @@ def load_model(
         on_gpu_kernels = not on_cpu and cache is not None and cache.device_kernels != "torch"
         model = build_model(gguf, cfg, n_ctx, quantized=(on_cpu or on_gpu_kernels) and cpu_kernels != "exact",
                             kernels=cpu_kernels, dequant_mib=cpu_dequant_mib)  # fmt: skip
+        if own_layers is not None:  # a stage's experts (and so its expert cache) are its own layers' only
+            model.moe_layers = [i for i in model.moe_layers if i in own_layers]
         load_weights(model, gguf)
         if cpu_kernels == "int8":
             set_activation_bits(model, 8)

@@ -20,17 +20,26 @@ from testkit.ggufgen import tiny_moe
 def test_a_split_model_writes_what_one_process_writes(tmp_path: Path, arch: str) -> None:
     path = tiny_moe(tmp_path / "m.gguf", arch=arch, n_layers=4, n_expert=8, n_expert_used=2)
     lm = load_model(path, n_ctx=256)
+    moe_layers = sorted(lm.model.host_experts.layers)
     ids = lm.tokenizer.encode(PROMPT)
     reference = [e.token for e in generate(lm.model, lm.tokenizer, ids, lm.new_cache(), max_tokens=N_TOKENS,
                                            params=GREEDY, ignore_eos=True)
                  if isinstance(e, TokenEvent) and e.token >= 0]  # fmt: skip
     lm.close()
     assert len(reference) == N_TOKENS
-    cache = CacheSettings(mib=0.2, cpu_share=0.5)  # each rank's own expert cache, with a CPU share
+    cache = CacheSettings(mib=1.5, cpu_share=0.5)  # each rank's own expert cache, with a CPU share
     for world, settings in ((2, None), (3, cache)):
         results = run_ranks(path, world, settings)
         assert results[0][0] == reference, (world, results)
         assert all(results[r][0] is None for r in range(1, world)), results  # the other ranks served
+        merged, n_groups = results[0][2], results[0][3]
+        if settings is None:
+            assert merged is None  # no stage has a cache
+        else:  # each stage's cache counted its own layers; rank 0 sees them all, by their own indices
+            assert sorted(merged) == moe_layers, merged
+            lookups = {n for n, _ in merged.values()}
+            assert len(lookups) == 1 and lookups.pop() > 0  # every layer looked up every token
+            assert {g for _, g in merged.values()} == set(range(n_groups)) and n_groups >= 2  # from several stages
         # Each rank has only its own part of the file in memory: its layers (rank 0: and the ends).
         gguf, cfg = open_model(path)
         with gguf:

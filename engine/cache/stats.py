@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 SMALL_BATCH = 8  # statistics split batches at 8 tokens, like the seed
 
@@ -222,3 +222,23 @@ class MinBound:
     hit_rate: float
     tokens: int
     from_start: bool
+
+
+def merge_stages(stages: list[StatsSnapshot]) -> StatsSnapshot:
+    """The snapshots of a split model's stages (rank order) as one: every MoE layer by its own index,
+    the groups numbered across the stages. The first stage's time and token count stand for all (each
+    stage sees every token); the CPU share and policy are the run's."""
+    first = stages[0]
+    groups: list[GroupInfo] = []
+    layers: list[LayerSnapshot] = []
+    for snap in stages:
+        shift = len(groups)
+        groups += [replace(g, index=g.index + shift) for g in snap.groups]
+        layers += [replace(layer, group=layer.group + shift) for layer in snap.layers]
+    return replace(
+        first,
+        groups=tuple(groups),
+        layers=tuple(sorted(layers, key=lambda x: x.layer)),
+        warm_uploads=sum(s.warm_uploads for s in stages),
+        warm_bytes=sum(s.warm_bytes for s in stages),
+    )

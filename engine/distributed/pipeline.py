@@ -7,8 +7,10 @@ attention's state) of its own layers and its own expert cache for its MoE layers
 generation loop rank 0's `PipelineModel` is a model like any other (`generate.Model`).
 
 What crosses per forward: a header [command, T, pos0] to every rank but the return, then the
-hidden state as float32. A forward at position 0 starts a new sequence on every rank (fresh
-caches: the recurrent state of linear attention starts from zero, as in one process).
+hidden state as float32. Between forwards rank 0 may ask for every stage's cache counters
+(`PipelineModel.snapshot`): each rank sends its snapshot to rank 0, which merges them. A forward
+at position 0 starts a new sequence on every rank (fresh caches: the recurrent state of linear
+attention starts from zero, as in one process).
 """
 
 from __future__ import annotations
@@ -18,13 +20,14 @@ import logging
 import torch
 import torch.distributed as dist
 
+from ..cache.stats import StatsSnapshot, merge_stages
 from ..loader import LoadedModel
 from ..nn.layers import KVCache
 from .plan import Plan
 
 logger = logging.getLogger(__name__)
 
-STOP, FORWARD = 0, 1
+STOP, FORWARD, SNAPSHOT = 0, 1, 2
 HEADER = 3  # [command, T, pos0]
 
 
@@ -51,6 +54,22 @@ class PipelineModel:
                 raise RankLost(f"a rank of the split stopped answering ({_first_line(e)})") from None
         cache.pos = pos0 + n
         return self.model.head(x[-1:] if last_only else x)  # [T or 1, V]
+
+    def snapshot(self) -> StatsSnapshot | None:
+        """Every stage's expert-cache counters as one snapshot, each MoE layer by its own index (None: no
+        stage has a cache). Between forwards: the other ranks answer in rank order."""
+        stages = [self.lm.cache.snapshot() if self.lm.cache is not None else None]
+        if self.world > 1:
+            try:
+                dist.send(torch.tensor([SNAPSHOT, 0, 0], dtype=torch.int64), dst=1)
+                for rank in range(1, self.world):
+                    got: list[StatsSnapshot | None] = [None]
+                    dist.recv_object_list(got, src=rank)
+                    stages.append(got[0])
+            except RuntimeError as e:
+                raise RankLost(f"a rank of the split stopped answering ({_first_line(e)})") from None
+        present = [s for s in stages if s is not None]
+        return merge_stages(present) if present else None
 
     def close(self) -> None:
         """The other ranks stop serving (each passes the word on); a rank already gone is no error here."""
@@ -83,6 +102,9 @@ def serve(lm: LoadedModel, plan: Plan, rank: int) -> None:
         command, n, pos0 = (int(v) for v in header.tolist())
         if command == STOP:
             return
+        if command == SNAPSHOT:
+            dist.send_object_list([lm.cache.snapshot() if lm.cache is not None else None], dst=0)
+            continue
         if pos0 == 0:
             cache = lm.new_cache()
         x = torch.empty(n, plan.n_embd, dtype=torch.float32)

@@ -34,7 +34,8 @@ def resident_bytes(path: str | Path) -> int:
 
 
 def _rank(rank: int, world: int, address: str, path: str, cache: CacheSettings | None, out: Any) -> None:
-    """Rank 0 puts (its greedy tokens, the file's bytes resident in it); the others (None, the same)."""
+    """Rank 0 puts (its greedy tokens, the file's bytes resident in it, {MoE layer: (lookups, group)} of
+    the merged cache snapshot or None, the number of groups); the others (None, the file's bytes resident)."""
     import torch.distributed as dist
     from moechat.engine.distributed.run import greedy_tokens, join, run_split
     from moechat.engine.loader import set_threads
@@ -42,9 +43,16 @@ def _rank(rank: int, world: int, address: str, path: str, cache: CacheSettings |
     set_threads(1)  # the ranks share this machine's cores
     join(rank, world, address, timeout_s=120)
     tokens_of = greedy_tokens(PROMPT, N_TOKENS)
+
+    def job(pm: Any, lm: Any) -> tuple[Any, ...]:
+        tokens = tokens_of(pm, lm)
+        snap = pm.snapshot()  # every stage's cache counters, on rank 0
+        layers = {x.layer: (x.total.lookups, x.group) for x in snap.layers} if snap is not None else None
+        return tokens, resident_bytes(path), layers, len(snap.groups) if snap is not None else 0
+
     try:
-        result = run_split(Path(path), lambda pm, lm: (tokens_of(pm, lm), resident_bytes(path)), n_ctx=256,
-                           cache=cache, memory=64 * 2**30, served=lambda lm: (None, resident_bytes(path)))  # fmt: skip
+        result = run_split(Path(path), job, n_ctx=256, cache=cache, memory=64 * 2**30,
+                           served=lambda lm: (None, resident_bytes(path)))  # fmt: skip
         out.put((rank, result))
     except Exception as e:  # the parent shows it
         out.put((rank, f"{type(e).__name__}: {e}"))
