@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import os
 import re
 from collections import defaultdict
 
 from moechat.engine.config import ModelConfig
-from moechat.engine.distributed.plan import Plan, plan_split
+from moechat.engine.distributed.plan import Plan, plan_split, this_hosts_memory
 from moechat.engine.gguf.reader import GGUFFile
 from moechat.engine.models.decoder import is_moe_layer
 from moechat.engine.models.opening import open_model, quant_histogram
@@ -99,11 +98,6 @@ def summary_rows(gguf: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str]]:
     return rows
 
 
-def this_machines_memory() -> int:
-    """Bytes of memory of this machine (what every host is taken to have unless told)."""
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def plan_table(plan: Plan) -> Table:
     table = Table(title=Text(f"a split over {len(plan.hosts)} hosts, context {plan.n_ctx}"))
     for col in ("rank", "layers", "maps", "KV / state", "needs", "memory", "fits"):
@@ -137,7 +131,7 @@ def run_inspect(path: str, console: Console, hosts: int = 1, host_memory: list[f
         console.print(table)
         if hosts == 1 and host_memory is None:
             return 0
-        sizes = [int(g * 2**30) for g in host_memory] if host_memory else [this_machines_memory()]
+        sizes = [int(g * 2**30) for g in host_memory] if host_memory else [this_hosts_memory()]
         plan = plan_split(gguf, cfg, sizes * hosts if len(sizes) == 1 else sizes, min(n_ctx, cfg.n_ctx_train))
     console.print(plan_table(plan))
     console.print(f"on the wire per decode token: {plan.wire_bytes_per_token:,} bytes "

@@ -126,7 +126,7 @@ def _sweep_with_bars(settings: SweepSettings, cache_dir: Path, stop: threading.E
                      err: Console) -> SweepDone | NoiseCheck:  # fmt: skip
     """One sweep with a progress bar per run: its SweepDone, or the NoiseCheck that stopped it."""
     from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, NoiseCheck, SweepDone
-    from moechat.tuner.report import duration
+    from moechat.tuner.report import duration, work_left
     from moechat.tuner.sweep import calibrate
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
 
@@ -153,10 +153,7 @@ def _sweep_with_bars(settings: SweepSettings, cache_dir: Path, stop: threading.E
                     # The whole sweep's length, once the runs measured so far give a rate to go by.
                     estimated = True
                     rate = sum(done_tokens.values()) / max(time.monotonic() - started, 1e-6)
-                    # the runs started and not through, and those still to start
-                    to_start = ev.n_arms - 1 - max(tasks)
-                    left = sum(ev.tokens_total - d for d in done_tokens.values()) + ev.tokens_total * to_start
-                    n_runs = sum(d < ev.tokens_total for d in done_tokens.values()) + to_start
+                    left, n_runs = work_left(done_tokens, ev.n_arms, ev.tokens_total)
                     bar.console.print(f"estimate: about {duration(left / rate)} for the {n_runs} runs left, "
                                       f"at {rate:.1f} tokens/s so far")  # fmt: skip
             elif isinstance(ev, ArmDone):

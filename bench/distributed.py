@@ -35,7 +35,7 @@ def local(tokens: int, rounds: int) -> None:
 
     from moechat.engine.distributed.plan import plan_split
     from moechat.engine.models.opening import open_model
-    from testkit.distributed import _free_port
+    from testkit.distributed import free_port
     from testkit.ggufgen import tiny_moe
 
     with tempfile.TemporaryDirectory() as tmp:
@@ -47,7 +47,7 @@ def local(tokens: int, rounds: int) -> None:
             for world in (1, 2, 3):
                 ctx = mp.get_context("spawn")
                 out = ctx.Queue()
-                address = f"127.0.0.1:{_free_port()}"
+                address = f"127.0.0.1:{free_port()}"
                 procs = [ctx.Process(target=_timed_rank, args=(r, world, address, str(path), tokens, out))
                          for r in range(world)]  # fmt: skip
                 for p in procs:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict
 from typing import Any
 
@@ -40,6 +40,15 @@ def duration(seconds: float) -> str:
     """A wait as a person reads it: "42 s", "3 min 5 s"."""
     secs = round(seconds)
     return f"{secs // 60} min {secs % 60} s" if secs >= 60 else f"{secs} s"
+
+
+def work_left(arm_tokens: Mapping[int, int], n_arms: int, tokens_total: int) -> tuple[int, int]:
+    """(tokens, runs) a sweep has still to measure: the runs started and not through (`arm_tokens`: the
+    tokens each has done, by index; on the CPU device they run together), and those after the last
+    one started."""
+    to_start = n_arms - 1 - max(arm_tokens)
+    tokens = sum(tokens_total - d for d in arm_tokens.values()) + tokens_total * to_start
+    return tokens, sum(d < tokens_total for d in arm_tokens.values()) + to_start
 
 
 def cpu_speed(m: TimeModel) -> str:

@@ -246,6 +246,17 @@ def _arm_name(mib: float, share: float) -> str:
     return f"run-{mib:g}-{share:g}"
 
 
+def _arm_cache(settings: SweepSettings, mib: float, share: float, trace: Path) -> CacheSettings:
+    """An arm's expert cache: its size and share, the sweep's device and link, its routing traced."""
+    return CacheSettings(mib=mib, cpu_share=share, device=settings.device, emulate_link_gbps=settings.emulate_link_gbps,
+                         trace=trace, load_mode=settings.load_mode)  # fmt: skip
+
+
+def _arm_sampling(settings: SweepSettings, index: int) -> SamplingParams:
+    """An arm's sampling: varied text (a chat's routing, not a greedy loop's), seeded per arm."""
+    return SamplingParams(temperature=0.8, seed=settings.seed + index)
+
+
 def _run_checked(lm: LoadedModel, settings: SweepSettings, run_dir: Path, mib: float, share: float,
                  prompt: list[int], i: int, n_arms: int, stop: threading.Event | None,
                  ) -> Generator[SweepEvent, None, Arm]:  # fmt: skip
@@ -284,12 +295,11 @@ def run_arms_interleaved(
     try:
         for i, mib, share in todo:
             partial = run_dir / f"{_arm_name(mib, share)}.trace.part"
-            cache = ExpertCache(lm.model.host_experts, lm.config.n_expert_used, CacheSettings(
-                mib=mib, cpu_share=share, device=settings.device, emulate_link_gbps=settings.emulate_link_gbps,
-                trace=partial, load_mode=settings.load_mode))  # fmt: skip
-            params = SamplingParams(temperature=0.8, seed=settings.seed + i)
-            gen = generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=settings.tokens, params=params,
-                           ignore_eos=True, stop=stop)  # fmt: skip
+            cache = ExpertCache(
+                lm.model.host_experts, lm.config.n_expert_used, _arm_cache(settings, mib, share, partial)
+            )
+            gen = generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=settings.tokens,
+                           params=_arm_sampling(settings, i), ignore_eos=True, stop=stop)  # fmt: skip
             runs.append((i, mib, share, partial, cache, gen, []))
             yield ArmStarted(i, n_arms, mib, share)
         last_report = 0.0
@@ -346,15 +356,11 @@ def run_arm(
     attempt: int,
 ) -> Generator[SweepEvent, None, Arm]:
     partial = run_dir / f"{name}.trace.part"
-    cache_settings = CacheSettings(
-        mib=mib, cpu_share=share, device=settings.device, emulate_link_gbps=settings.emulate_link_gbps,
-        trace=partial, load_mode=settings.load_mode,
-    )  # fmt: skip
     seconds: list[float] = []
     cancelled = False
     try:
-        lm.set_cache(cache_settings)
-        params = SamplingParams(temperature=0.8, seed=settings.seed + index)
+        lm.set_cache(_arm_cache(settings, mib, share, partial))
+        params = _arm_sampling(settings, index)
         kv = lm.new_cache()
         last_report = 0.0
         for ev in generate(lm.model, lm.tokenizer, prompt, kv, max_tokens=settings.tokens, params=params,

@@ -145,8 +145,9 @@ def _fit(runs: Sequence[Observation], cpu_is_device: bool) -> TimeModel:
         # slots are the host copy): time is the rest of the token plus the link's, nothing to split
         # or overlap. Two terms are what six noisy runs can pin down; the general model only where
         # two do not fit.
-        two = _model(solve(["base", "up"]), runs, y)
-        if physical(solve(["base", "up"]), cpu_free=True) and two.max_error <= MAX_FIT_ERROR:
+        m2 = solve(["base", "up"])
+        two = _model(m2, runs, y)
+        if physical(m2, cpu_free=True) and two.max_error <= MAX_FIT_ERROR:
             return two
     m = solve(list(TERMS))
     ok = physical(m)

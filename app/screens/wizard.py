@@ -18,7 +18,7 @@ from moechat.app.screens.host import ScreenHost
 from moechat.app.tuned import save_tuned
 from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, ConfirmDone, NoiseCheck, SweepDone
 from moechat.tuner.recommend import TuneReport
-from moechat.tuner.report import cpu_speed, duration, error_bar, upload_speed
+from moechat.tuner.report import cpu_speed, duration, error_bar, upload_speed, work_left
 from rich.text import Text
 from textual import work
 from textual.app import ComposeResult
@@ -167,10 +167,7 @@ class TuneWizard(Screen[bool]):
         if measured - first < 8:
             return
         rate = (measured - first) / (now - start)
-        # the runs started and not through (on the CPU device they run together), and those to start
-        left = sum(ev.tokens_total - d for d in self._arm_tokens.values()) + ev.tokens_total * (
-            ev.n_arms - 1 - max(self._arm_tokens)
-        )
+        left, _ = work_left(self._arm_tokens, ev.n_arms, ev.tokens_total)
         self.query_one("#eta", Static).update(f"time left: about {duration(left / rate)} at {rate:.1f} tokens/s")
 
     def on_tune_ready(self, msg: TuneReady) -> None:

@@ -12,20 +12,18 @@ it maps, its layers' state at the context size, and a fixed headroom for the pro
 
 from __future__ import annotations
 
-import re
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from ..config import ModelConfig
-from ..gguf.reader import GGUFFile
+from ..gguf.reader import GGUFFile, block_index
 from ..nn.layers import layer_state_bytes
 
 # What a rank's process needs besides its tensors and state: the interpreter, torch, numba's
 # kernels, activations and the OS's own share of the host.
 HEADROOM_BYTES = 2 * 2**30
 HIDDEN_ITEMSIZE = 4  # the hidden state crosses as float32, as the layers compute it
-
-_BLOCK = re.compile(r"^blk\.(\d+)\.")
 
 
 @dataclass(frozen=True)
@@ -67,17 +65,22 @@ class Plan:
         return next((h for h in self.hosts if not h.fits), None)
 
 
+def this_hosts_memory() -> int:
+    """Bytes of memory of this machine (what a host is taken to have unless told)."""
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
 def layer_weight_bytes(gguf: GGUFFile, cfg: ModelConfig) -> tuple[list[int], int]:
     """Bytes of each decoder layer's tensors, and of the rest (embedding, output norm, head) that rank 0
     maps. A file's trailing NextN blocks, which decoding skips, are nobody's."""
     per_layer = [0] * cfg.n_layers
     ends = 0
     for t in gguf.tensors.values():
-        m = _BLOCK.match(t.name)
-        if m is None:
+        block = block_index(t.name)
+        if block is None:
             ends += t.n_bytes
-        elif int(m.group(1)) < cfg.n_layers:
-            per_layer[int(m.group(1))] += t.n_bytes
+        elif block < cfg.n_layers:
+            per_layer[block] += t.n_bytes
     return per_layer, ends
 
 

@@ -26,7 +26,7 @@ from ..gguf.identity import file_identity
 from ..loader import LoadedModel, load_model
 from ..models.opening import open_model
 from .pipeline import PipelineModel, serve
-from .plan import Plan, plan_split
+from .plan import Plan, plan_split, this_hosts_memory
 
 T = TypeVar("T")
 TIMEOUT_S = 60.0  # a rank that does not answer within this ends the run with an error
@@ -39,23 +39,19 @@ def join(rank: int, world: int, address: str = "", timeout_s: float = TIMEOUT_S)
                             timeout=timedelta(seconds=timeout_s))  # fmt: skip
 
 
-def this_hosts_memory() -> int:
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-
-
 def agree(path: Path, memory: int) -> list[int]:
     """Every rank runs the same file (compared by identity before any work) and knows every host's
     memory, so that all compute the same plan. ValueError naming the first rank whose file differs."""
     mine = (file_identity(path), memory)
     everyone: list[tuple[str, int] | None] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, mine)
-    first = everyone[0]
-    assert first is not None
+    sizes = []
     for rank, other in enumerate(everyone):
-        if other is None or other[0] != first[0]:
+        if other is None or everyone[0] is None or other[0] != everyone[0][0]:
             raise ValueError(f"rank {rank} runs another model file than rank 0: every host needs the very same "
                              "file")  # fmt: skip
-    return [m for _, m in everyone]  # type: ignore[misc]
+        sizes.append(other[1])
+    return sizes
 
 
 def run_split(path: Path, on_rank0: Callable[[PipelineModel, LoadedModel], T], *, n_ctx: int = 4096,

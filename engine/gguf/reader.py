@@ -27,6 +27,15 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWrit
 from .prefault import Prefault
 
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.")
+
+
+def block_index(name: str) -> int | None:
+    """The block (layer) a tensor belongs to, from its name (`blk.N.*`); None for the embedding, the output
+    norm and head, and other tensors outside the blocks."""
+    m = _BLOCK_NAME.match(name)
+    return int(m.group(1)) if m is not None else None
+
+
 logger = logging.getLogger(__name__)
 
 GGUF_MAGIC = b"GGUF"
@@ -382,8 +391,8 @@ class GGUFFile(Mapping[str, TensorInfo]):
         split by layers runs."""
         out = set()
         for name in self.tensors:
-            m = _BLOCK_NAME.match(name)
-            if (m is None and layers.start == 0) or (m is not None and int(m.group(1)) in layers):
+            block = block_index(name)
+            if (block is None and layers.start == 0) or (block is not None and block in layers):
                 out.add(name)
         return out
 

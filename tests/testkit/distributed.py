@@ -14,7 +14,7 @@ PROMPT = "The river rose in spring and the"
 N_TOKENS = 12
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -67,7 +67,7 @@ def run_ranks(path: Path | list[Path], world: int, cache: CacheSettings | None) 
     paths = path if isinstance(path, list) else [path] * world
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_rank, args=(r, world, address, str(paths[r]), cache, out)) for r in range(world)]
     for p in procs:
         p.start()
@@ -108,7 +108,7 @@ LOST_TIMEOUT_S = 20.0
 def start_until_lost(path: Path, world: int) -> tuple[list[Any], Any]:
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    address = f"127.0.0.1:{_free_port()}"
+    address = f"127.0.0.1:{free_port()}"
     procs = [ctx.Process(target=_rank_until_lost, args=(r, world, address, str(path), out)) for r in range(world)]
     for p in procs:
         p.start()
