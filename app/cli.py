@@ -97,10 +97,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ):
         argv = [*argv[:i], "chat", *argv[i:]]
     args = parser.parse_args(argv)
-    logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.WARNING,
-        format="%(levelname)s %(name)s: %(message)s",
-    )
+    # -v is moechat's own debug messages: numba's would be tens of thousands of lines on a first start.
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    if args.verbose:
+        logger.setLevel(logging.DEBUG)
     if args.command == "inspect":
         from moechat.app.settings import check_model_file
 

@@ -8,6 +8,7 @@ from collections import defaultdict
 from moechat.engine.config import ModelConfig
 from moechat.engine.distributed.plan import Plan, plan_split, this_hosts_memory
 from moechat.engine.gguf.reader import GGUFFile
+from moechat.engine.kernels import isa
 from moechat.engine.models.decoder import is_moe_layer
 from moechat.engine.models.opening import open_model, quant_histogram
 from moechat.engine.nn.layers import kv_cache_bytes, recurrent_state_bytes
@@ -93,6 +94,7 @@ def summary_rows(gguf: GGUFFile, cfg: ModelConfig) -> list[tuple[str, str]]:
     rows += [
         ("quant types", ", ".join(f"{k} x{v}" for k, v in hist.most_common())),
         ("tokenizer", str(gguf.metadata.get("tokenizer.ggml.model", "none"))),
+        ("CPU kernels", isa.describe()),
         ("chat template", "yes" if gguf.metadata.get("tokenizer.chat_template") else "no"),
     ]
     return rows

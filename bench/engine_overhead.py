@@ -152,7 +152,10 @@ def cpu_name() -> str:
 
     feats = llvm.get_host_cpu_features()
     isa = [f for f in ("avx2", "avx512f", "avx512vnni", "avxvnni") if feats.get(f)]
-    return f"{llvm.get_host_cpu_name()} ({', '.join(isa) or 'no AVX2'}), {os.cpu_count()} cores"
+    from moechat.engine.kernels import isa as kernel_isa
+
+    return (f"{llvm.get_host_cpu_name()} ({', '.join(isa) or 'no AVX2'}), {os.cpu_count()} cores; "
+            f"kernels: {kernel_isa.describe()}")  # fmt: skip
 
 
 def p95(v: list[float]) -> float:

@@ -29,7 +29,9 @@ from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from engine_overhead import cpu_name
 from moechat.engine.gguf.dequant import dequantize
 from moechat.engine.kernels import cpu as cpu_kernels
 from moechat.engine.kernels.jit import set_kernel_threads
@@ -125,6 +127,7 @@ def main() -> None:
     rng = np.random.default_rng(0)
     bw = ram_bandwidth(args.threads)
     load = os.getloadavg()
+    print(f"CPU: {cpu_name()}")
     print(f"RAM read bandwidth (numpy sum over 1 GiB, {args.threads} thread(s)): {bw:.1f} GB/s; "
           f"load average {load[0]:.2f} {load[1]:.2f} {load[2]:.2f}; {args.tokens} token(s) per call\n")  # fmt: skip
     print("| type | shape | path | GB/s | of RAM |")

@@ -6,6 +6,7 @@ holding the code before the change as `moechat/`), one process each, and the tab
 median t/s of each and their ratio, and whether the generated text was the same.
 
     python bench/versions.py --other /tmp/old --rounds 3
+    python bench/versions.py --other /tmp/old --model MODEL.gguf   # that file, cache off, instead of the demo
 """
 
 from __future__ import annotations
@@ -49,15 +50,18 @@ def main() -> int:
     ap.add_argument("--other", required=True, metavar="PYTHONPATH", help="where the other version's moechat is")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--tokens", type=int, default=64)
+    ap.add_argument("--model", help="a GGUF file to run with the cache off, instead of the demo's settings")
     args = ap.parse_args()
+    settings = {f"{os.path.basename(args.model)}, cache off": [args.model, "--moe-cache-mib", "0"]} if args.model \
+        else SETTINGS  # fmt: skip
     versions = {"this": None, "other": args.other}
     tps: dict[tuple[str, str], list[float]] = {}
     texts: dict[tuple[str, str], set[str]] = {}
     loads = []
     for path in versions.values():  # compiles each version's kernels before anything is timed
-        one_run(path, [], 4)
+        one_run(path, next(iter(settings.values())), 4)
     for _ in range(args.rounds):
-        for name, flags in SETTINGS.items():
+        for name, flags in settings.items():
             for version, path in versions.items():
                 t, text = one_run(path, flags, args.tokens)
                 tps.setdefault((name, version), []).append(t)
@@ -66,7 +70,7 @@ def main() -> int:
     print(f"load average {min(loads):.2f} to {max(loads):.2f}; {args.rounds} rounds, alternating; t/s median (min-max)")
     print("| setting | this | other | this / other | same greedy text |")
     print("|---|---|---|---|---|")
-    for name in SETTINGS:
+    for name in settings:
         a, b = tps[(name, "this")], tps[(name, "other")]
         same = texts[(name, "this")] == texts[(name, "other")] and len(texts[(name, "this")]) == 1
         print(f"| {name} | {statistics.median(a):.1f} ({min(a):.1f}-{max(a):.1f}) | "

@@ -38,6 +38,25 @@ class Model(Protocol):
     def __call__(self, tokens: torch.Tensor, pos0: int, cache: KVCache, last_only: bool = False) -> torch.Tensor: ...
 
 
+@contextlib.contextmanager
+def ctrl_c_as_itself() -> Iterator[None]:
+    """Ctrl-C during a compiled kernel as the KeyboardInterrupt it is.
+
+    A compiled kernel calls back into Python now and then (numba unpickles a constant on a first
+    call): a signal handled there surfaces when the kernel returns as "SystemError: ... returned a
+    result with an exception set", with the KeyboardInterrupt down its chain of causes. The callers'
+    interrupt handling (exit 130, the text kept) would take it for a crash."""
+    try:
+        yield
+    except SystemError as e:
+        cause: BaseException | None = e
+        while cause is not None:
+            if isinstance(cause, KeyboardInterrupt):
+                raise KeyboardInterrupt from None
+            cause = cause.__cause__
+        raise
+
+
 @torch.inference_mode()
 def prefill(
     model: Model, tokens: Sequence[int], cache: KVCache, ubatch: int = UBATCH, stop: threading.Event | None = None
@@ -56,7 +75,8 @@ def prefill(
         threads.pace()
         # Only the prompt's last position is sampled from: the vocabulary projection of the
         # others (262k x 640 per token on Gemma) would be most of a small model's prefill.
-        logits = model(ids[start : start + ubatch], cache.pos, cache, last_only=True)
+        with ctrl_c_as_itself():
+            logits = model(ids[start : start + ubatch], cache.pos, cache, last_only=True)
     if logits is None:
         raise ValueError("empty prompt")
     return logits[-1]
@@ -65,7 +85,7 @@ def prefill(
 @torch.inference_mode()
 def decode_one(model: Model, token: int, cache: KVCache) -> torch.Tensor:
     threads.pace()  # the default thread count gives way to other processes' work
-    with one_torch_thread(cache.device.type == "cpu"):
+    with one_torch_thread(cache.device.type == "cpu"), ctrl_c_as_itself():
         return model(torch.tensor([token]), cache.pos, cache)[-1]
 
 

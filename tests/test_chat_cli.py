@@ -115,6 +115,7 @@ def test_line_mode_saves_what_the_app_saves_and_prints_stats_with_v(tmp_path: Pa
     cmd = [sys.executable, "-m", "moechat", "chat", str(model), "-v", "-n", "6", "--temp", "0", "--moe-cache-mib", "1"]
     r = subprocess.run(cmd, input="Hello there\nWhat next?\n", capture_output=True, text=True, timeout=120)
     assert r.returncode == 0 and "Traceback" not in r.stderr, r.stderr
+    assert "DEBUG moechat." in r.stderr and "numba" not in r.stderr  # -v is moechat's messages, not its libraries'
     stats = re.findall(r"prompt: (\d+) tokens read \((\d+) kept\), [\d.]+ t/s \| generation: (\d+) tokens", r.stderr)
     assert len(stats) == 2, r.stderr
     (read1, kept1, _), (_, kept2, _) = [tuple(map(int, s)) for s in stats]

@@ -62,3 +62,24 @@ def test_a_load_starts_the_helper_once_per_kind_of_model(tmp_path: Path, monkeyp
     assert first is not None and first.returncode is not None  # started, then stopped by the load
     assert second is None
     assert len(list((tmp_path / "kernels" / "models").iterdir())) == 1
+
+
+KERNEL_FOLDER = """
+import sys
+import numba  # first, as pytest's warning filter does: numba then reads no cache folder of ours
+import numpy as np
+from moechat.engine.kernels import cpu
+from testkit.ggufgen import Q, quantized
+raw = quantized((16, 256), Q.Q4_K, np.random.default_rng(0))
+cpu.dense(raw, Q.Q4_K, np.ones((1, 256), np.float32))
+"""
+
+
+def test_kernels_cache_in_the_folder_named_after_their_sources_even_when_numba_came_first(tmp_path: Path) -> None:
+    """Beside cpu.py numba would check a cached kernel against cpu.py alone, and load a stale one after
+    a block layout changed in qblocks.py."""
+    env = {k: v for k, v in os.environ.items() if k != "NUMBA_CACHE_DIR"}
+    env.update(XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=str(Path(__file__).parent))
+    subprocess.run([sys.executable, "-c", KERNEL_FOLDER], env=env, check=True, timeout=600)
+    folder = tmp_path / "moechat" / "kernels"  # platformdirs' cache folder under XDG_CACHE_HOME
+    assert any(p.name.startswith("cpu._matmul_kernel") for p in folder.rglob("*.nbi")), list(tmp_path.rglob("*"))

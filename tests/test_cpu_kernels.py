@@ -1,10 +1,13 @@
 """The CPU kernels that read GGUF blocks in place, against gguf-py's dequantizer and the exact path.
 
 Stated bounds, relative error (max |error| / max |reference|) for every type, shape and token
-count: <= 1e-4 with the activations rounded to int16 with one scale per 32 (measured 2e-5 to 4e-5
-on Gaussian activations, up to 1e-4 with large outliers), <= 1e-2 rounded to int8 (measured 3e-3
-to 9e-3; up to 1.5e-2 with large outliers); products accumulate in float32. A MoE layer chains
-two products: <= 1e-4 (int16), <= 2e-2 (int8).
+count: <= 1e-4 with the activations rounded to int16 with one scale per 256 (per 32 in rows whose
+length is not a multiple of 256; measured 1e-5 to 4e-5 on Gaussian activations,
+up to 1.3e-4 with large outliers), <= 1e-2 rounded to int8 (one scale per 32 for 32-weight blocks,
+per 256 for super-blocks as llama.cpp's Q8_K; measured 2e-3 to 9e-3; up to 2.9e-2 with large
+outliers, whose 256 then share one coarse scale); products accumulate in float32. A MoE layer
+chains two products, the second on heavy-tailed activations: <= 2e-4 (int16; measured up to
+1.2e-4), <= 4e-2 (int8; measured up to 2.9e-2).
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ from moechat.engine.nn.qlinear import QLinear
 from testkit.ggufgen import Q, quantized
 
 BOUND = {16: 1e-4, 8: 1e-2}  # by the activations' bits
-OUTLIER_BOUND = {16: 2e-4, 8: 2e-2}  # every 97th activation 50 times the rest: the rounding of its 32 grows
-MOE_BOUND = {16: 1e-4, 8: 2e-2}
+OUTLIER_BOUND = {16: 2e-4, 8: 4e-2}  # every 97th activation 50 times the rest: the rounding of its group grows
+MOE_BOUND = {16: 2e-4, 8: 4e-2}
 TYPES = sorted(LAYOUTS, key=lambda t: t.name)
 
 

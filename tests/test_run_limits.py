@@ -96,7 +96,7 @@ def test_ctrl_c_keeps_the_text_and_exits_130(tmp_path: Path) -> None:
     assert len(seen) >= 20, "no streamed text before the deadline"
     proc.send_signal(signal.SIGINT)
     rest, err = proc.communicate(timeout=60)
-    assert proc.returncode == 130
+    assert proc.returncode == 130, err.decode()[-2000:]
     assert b"interrupted" in err and b"Traceback" not in err
     # The streamed text stays where it was and its line is ended: the terminal's next prompt
     # starts on a line of its own.
@@ -186,3 +186,23 @@ def test_a_first_start_says_it_is_compiling_and_a_second_does_not(tmp_path: Path
     assert re.search(r"moechat: \.\.\. and \d+ more, done", first.stderr)
     second = run()
     assert second.returncode == 0 and "compiling" not in second.stderr, second.stderr
+
+
+def test_ctrl_c_inside_a_kernel_is_an_interrupt_not_a_crash() -> None:
+    """What a kernel hands back when Ctrl-C lands in its call back into Python (seen on first calls):
+    a SystemError whose chain of causes holds the KeyboardInterrupt."""
+    from moechat.engine.generate import ctrl_c_as_itself
+
+    def kernel_returns_with_a_pending_interrupt() -> None:
+        try:
+            try:
+                raise KeyboardInterrupt
+            except KeyboardInterrupt as e:
+                raise SystemError("<function _numba_unpickle> returned a result with an exception set") from e
+        except SystemError as e:
+            raise SystemError("CPUDispatcher(moe) returned a result with an exception set") from e
+
+    with pytest.raises(KeyboardInterrupt), ctrl_c_as_itself():
+        kernel_returns_with_a_pending_interrupt()
+    with pytest.raises(SystemError, match="a real one"), ctrl_c_as_itself():
+        raise SystemError("a real one")

@@ -1,11 +1,11 @@
 """CPU matmul kernels that read GGUF blocks where they lie (numba), one call per MoE layer per matrix kind.
 
 A kernel first quantizes the activation rows it reads (`qblocks.quantize_rows`, one scale per
-32) to int16, or to int8 where the caller asks for `bits=8` (about twice the speed per weight),
-then reads each row of a quantized matrix once for all the tokens that need it, four at a time
-(`qblocks.dot_row`: integer products per 32 weights, float32 accumulation). A token's result
-never depends on how many tokens share the call. Results are within 1e-4 (int16) or 1e-2 (int8)
-of the exact product (dequantize, then matmul), relative to the largest output; the tests hold that.
+256 or per 32) to int16, or to int8 where the caller asks for `bits=8`, then reads each row of a
+quantized matrix once for all the tokens that need it, four at a time (`qblocks.dot_row`: integer
+products per super-block or per 32 weights, float32 accumulation). A token's result never depends
+on how many tokens share the call. Results are within 1e-4 (int16) or 1e-2 (int8) of the exact
+product (dequantize, then matmul), relative to the largest output; the tests hold that.
 
 The MoE kernels take a layer's stacked expert matrices `[S, rows, row_bytes]` (the file's
 experts, or a cache's slots holding the same bytes) and a selection in CSR form: for each

@@ -7,7 +7,8 @@ runs load them in well under a second. The cache lives in moechat's cache folder
 numba checks a cached kernel against its own source file only, while a kernel also inlines the
 block decoders of another file: the cache folder is therefore named after a hash of every file
 that kernels are compiled from (the codes they share with models included: kernels read no model
-code, so editing a model recompiles nothing), and folders of other hashes are removed.
+code, so editing a model recompiles nothing) and of the instruction level they are built for
+(kernels/isa.py), and folders of other hashes are removed.
 """
 
 from __future__ import annotations
@@ -23,7 +24,9 @@ from typing import Any
 
 import platformdirs
 
-KERNEL_SOURCES = ("jit.py", "qblocks.py", "cpu.py", "layer_halves.py", "codes.py", "../gguf/codebooks.py")
+KERNEL_SOURCES = (
+    "jit.py", "isa.py", "qblocks.py", "cpu.py", "layer_halves.py", "moe_token.py", "codes.py", "../gguf/codebooks.py",
+)  # fmt: skip
 
 
 def _default_cache_dir() -> Path:
@@ -31,6 +34,7 @@ def _default_cache_dir() -> Path:
     here = Path(__file__).parent
     for name in KERNEL_SOURCES:
         digest.update((here / name).read_bytes())
+    digest.update(os.environ.get("MOECHAT_CPU_ISA", "").encode())  # each instruction level its own kernels
     root = Path(platformdirs.user_cache_dir("moechat")) / "kernels"
     path = root / digest.hexdigest()[:16]
     if root.is_dir():
@@ -44,7 +48,13 @@ if "NUMBA_CACHE_DIR" not in os.environ:
     os.environ["NUMBA_CACHE_DIR"] = str(_default_cache_dir())
 
 import numba  # noqa: E402  (after the cache folder is set: numba reads it at import)
+import numba.core.config  # noqa: E402
 import numba.core.event  # noqa: E402
+
+# numba imported earlier (pytest's warning filters import it) read no folder and would cache beside
+# cpu.py, checked against cpu.py alone: a changed block layout would load stale kernels. Each kernel
+# takes the folder when it is decorated, so setting it here still counts.
+numba.core.config.CACHE_DIR = os.environ["NUMBA_CACHE_DIR"]  # type: ignore[attr-defined]
 from numba import prange, types  # noqa: E402
 from numba.core.errors import NumbaIRAssumptionWarning  # noqa: E402
 from numba.extending import intrinsic, overload  # noqa: E402

@@ -45,11 +45,12 @@ def _rotate(x: np.ndarray, cis: np.ndarray, pos: int, neox: bool) -> None:
 
 
 @njit(inline="always")
-def _project(code: int, w: np.ndarray, q: Any, one: np.ndarray, r0: int, y: np.ndarray) -> None:
-    """y[r] = row r of w times the one quantized activation row q, for the ROWS rows from r0 (a work item)."""
+def _project(code: int, w: np.ndarray, q: Any, k: int, one: np.ndarray, r0: int, y: np.ndarray) -> None:
+    """y[r] = row r of w times the one quantized activation row q of k values, for the ROWS rows from r0 (a
+    work item)."""
     xq, dx, bs = q
     for r in range(r0, min(w.shape[0], r0 + ROWS)):
-        y[r] = dot_row(code, w, r * w.strides[0], xq.shape[1], xq, dx, bs, one[0])
+        y[r] = dot_row(code, w, r * w.strides[0], k, xq, dx, bs, one[0])
 
 
 @njit(inline="always")
@@ -146,11 +147,11 @@ def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q, bits: int) -> Any:
         yq, yk, yv = np.empty(nq, np.float32), np.empty(nk, np.float32), np.empty(nv, np.float32)
         for job in prange(tiles_q + tiles_k + (nv + ROWS - 1) // ROWS):
             if job < tiles_q:
-                _project(cq, wq, qa, one, job * ROWS, yq)
+                _project(cq, wq, qa, e, one, job * ROWS, yq)
             elif job < tiles_q + tiles_k:
-                _project(ck, wk, qa, one, (job - tiles_q) * ROWS, yk)
+                _project(ck, wk, qa, e, one, (job - tiles_q) * ROWS, yk)
             else:
-                _project(cv, wv, qa, one, (job - tiles_q - tiles_k) * ROWS, yv)
+                _project(cv, wv, qa, e, one, (job - tiles_q - tiles_k) * ROWS, yv)
         if bq.size:
             yq += bq
             yk += bk
@@ -167,7 +168,7 @@ def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q, bits: int) -> Any:
         qo = quantize_rows(a2, one, bits)
         y = np.empty((1, e), np.float32)
         for job in prange((e + ROWS - 1) // ROWS):
-            _project(co, wo, qo, one, job * ROWS, y[0])
+            _project(co, wo, qo, a2.shape[1], one, job * ROWS, y[0])
         if bo.size:
             y[0] += bo
         if post_norm.size:
@@ -222,7 +223,7 @@ def _ffn(cg, cu, cd, bits, h, gate, up, down, code, y):
             g[0, r] = act(code, gv, uv)
     qg = quantize_rows(g, one, bits)
     for job in prange((e + ROWS - 1) // ROWS):
-        _project(cd, down, qg, one, job * ROWS, y[0])
+        _project(cd, down, qg, f, one, job * ROWS, y[0])
 
 
 @functools.cache
@@ -261,7 +262,8 @@ def ffn_block(
 
 
 @njit
-def _route(h, router, router_bias, gating, k, weights_norm, scale):
+def route_compiled(h, router, router_bias, gating, k, weights_norm, scale):
+    """route_rows in compiled code: ids int64 [T, k], weights float32 [T, k]."""
     t_n, n = h.shape[0], router.shape[0]
     ids = np.empty((t_n, k), np.int64)
     weights = np.empty((t_n, k), np.float32)
@@ -304,7 +306,7 @@ def route_rows(h: np.ndarray, router: np.ndarray, router_bias: np.ndarray | None
     """A few tokens' routing in one compiled call, as `moe.route(h @ router.T + bias, cfg)` computes
     it: ids int64 [T, k] by descending score, weights float32 [T, k]."""
     bias = _NONE if router_bias is None else router_bias
-    return _route(h, router, bias, gating, k, weights_norm, np.float32(scale))
+    return route_compiled(h, router, bias, gating, k, weights_norm, np.float32(scale))
 
 
 @njit(parallel=True)

@@ -6,21 +6,25 @@ scale: weight = q * scale, plus a per-32 bias for the types with mins or offsets
 description come the two operations the kernels in `cpu_kernels.py` use (numba intrinsics,
 inlined where they are called, so LLVM sees the whole loop and vectorizes it for the machine's CPU):
 
-- `dot_row`: a row's dot products with one or four rows of activations quantized with one scale
-  per 32 (`quantize_rows`), to int16 or int8, in integers per 32 weights, then float32:
+- `dot_row`: a row's dot products with one or four rows of activations quantized to int16 or
+  int8 (`quantize_rows`). For 32-weight blocks: integers per 32 weights, then float32,
   acc += float(sum q * xq) * scale * dx. int16: the products summed in pairs (pmaddwd on x86).
   int8: unsigned weights times signed activations summed in pairs (pmaddubsw on x86 with AVX2;
   a signed weight's sign moves onto the activation), then in fours (pmaddwd), about half the
-  instructions per weight. The weights' integers are unpacked once for the four tokens; each
-  token's operations are the same whatever the number of tokens, so how many tokens share a row
-  never changes a token's result.
+  instructions per weight. For the super-blocks (the K-quants, IQ4_XS), with the activations' one
+  scale per 256: a block's integer form (`IntBlock`: each weight's integer and its integer
+  sub-scale) keeps the whole block in int32 (int16: the integer times its sub-scale, then
+  pmaddwd, fused into vpdpwssd with VNNI; int8: pmaddubsw, then pmaddwd with the sub-scales, as
+  llama.cpp does), and one float multiply-add per 256 weights instead of per 32. The weights'
+  integers are unpacked once for the four tokens; each token's operations are the same whatever
+  the number of tokens, so how many tokens share a row never changes a token's result.
 - `decode_row`: a row's weights as float32 (the tiles a float GEMM multiplies in prefill).
 
 The weights follow the reference dequantizer (`engine/quants.py`, bit-exact with gguf-py) except
 that a scale and a min (or offset) are applied in one fused multiply-add: a weight can differ by
 one unit in the last place. The dot products' error is the activations' rounding: at most 1.5e-5
-(int16) or 0.4% (int8) of the largest activation of their 32; the tests bound it against the
-exact product.
+(int16) or 0.4% (int8) of the largest activation of their group (256, or 32); the tests bound it
+against the exact product.
 """
 
 from __future__ import annotations
@@ -38,9 +42,11 @@ from numba.core import cgutils
 
 from ..gguf.codebooks import IQ4_NL_VALUES, MXFP4_VALUES
 from ..gguf.quant_types import CPU, types_for
+from . import isa
 from .jit import intrinsic, njit, overload, types
 
 LANES = 32  # weights per vector chunk
+SUPER = 256  # weights per super-block (the K-quants, IQ4_XS)
 
 I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
 
@@ -53,14 +59,16 @@ V_I8, V_I16, V_I32, V_F32, V8_F32 = _vec(I8), _vec(I16), _vec(I32), _vec(F32), _
 
 _IQ4_NL = list(IQ4_NL_VALUES)
 _MXFP4 = list(MXFP4_VALUES)  # doubled; the scale is halved
+# The instructions named below, by the level `isa` chose (the CPU's, or a lower one MOECHAT_CPU_ISA asks for).
 # x86's byte shuffle looks up 16 table entries for 16 lanes at once (32 with AVX2); elsewhere one lane at a time.
-_X86 = llvm.get_process_triple().startswith(("x86_64", "amd64"))
+_X86 = isa.X86
 # AVX2: 32-byte integer vectors, and the byte products of the int8 dot products (pmaddubsw).
-_AVX2 = _X86 and bool(llvm.get_host_cpu_features().get("avx2"))
+_AVX2 = isa.AVX2
+# AVX-512BW: the same byte and word products on 64-byte vectors, two chunks at once.
+_AVX512 = isa.AVX512
 # A float16 converts in one instruction with x86's F16C or on ARM; elsewhere with integer operations.
-_HALF = (_X86 and bool(llvm.get_host_cpu_features().get("f16c"))) or llvm.get_process_triple().startswith(
-    ("aarch64", "arm64")
-)
+_HALF = (llvm.get_process_triple().startswith(("x86_64", "amd64")) and bool(llvm.get_host_cpu_features().get("f16c"))
+         ) or llvm.get_process_triple().startswith(("aarch64", "arm64"))  # fmt: skip
 
 
 class _B:
@@ -156,6 +164,20 @@ class Block(NamedTuple):
     bias: ir.Value | None  # per chunk: a float32 (one chunk) or <8 x float32> (eight), added to each weight
 
 
+class IntChunk(NamedTuple):
+    """32 weights of a super-block as integers and their integer scales: weight = q * scale * the block's d."""
+
+    q: ir.Value  # <32 x i8>, as in Chunk
+    signed: bool
+    scale: ir.Value  # <32 x i16>: each weight's integer scale (|q * scale| <= 4096)
+
+
+class IntBlock(NamedTuple):
+    chunks: list[IntChunk]
+    d: ir.Value  # float32: the scale the integer products share
+    bias: ir.Value | None  # <8 x float32> per chunk, as Block.bias
+
+
 # A block's integers and scales; with a pointer to the activations' scales of the block's chunks
 # (one per 32, float32), every scale already multiplied by its chunk's (dot products), else not
 # (the weights themselves).
@@ -222,6 +244,12 @@ def _mxfp4(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
 
 def _k_scales(v: _B, p: ir.Value) -> tuple[ir.Value, ir.Value]:
     """Q4_K/Q5_K: the eight 6-bit scales and mins packed in the 12 bytes at 4, as <8 x float32>."""
+    sc, mn = _k_scale_ints(v, p)
+    return v.b.uitofp(v.b.zext(sc, _vec(I32, 8)), V8_F32), v.b.uitofp(v.b.zext(mn, _vec(I32, 8)), V8_F32)
+
+
+def _k_scale_ints(v: _B, p: ir.Value) -> tuple[ir.Value, ir.Value]:
+    """Q4_K/Q5_K: the eight 6-bit scales and mins packed in the 12 bytes at 4, as <8 x i8>."""
     b = v.b
     s = v.load(p, 4, I8, 16)  # bytes 4..19: the 12 packed bytes and 4 of the quants, never used
     zero = ir.Constant(_vec(I8, 16), None)
@@ -240,7 +268,7 @@ def _k_scales(v: _B, p: ir.Value) -> tuple[ir.Value, ir.Value]:
     sc = b.or_(b.and_(pick([0, 1, 2, 3, 8, 9, 10, 11]), c8([63] * 4 + [15] * 4)), top2(pick([16] * 4 + [0, 1, 2, 3])))
     mn = b.or_(b.and_(b.lshr(pick([4, 5, 6, 7, 8, 9, 10, 11]), c8([0] * 4 + [4] * 4)), c8([63] * 8)),
                top2(pick([16] * 4 + [4, 5, 6, 7])))  # fmt: skip
-    return b.uitofp(b.zext(sc, _vec(I32, 8)), V8_F32), b.uitofp(b.zext(mn, _vec(I32, 8)), V8_F32)
+    return sc, mn
 
 
 def _k_block(v: _B, p: ir.Value, dxp: ir.Value | None, q: Callable[[int], ir.Value]) -> Block:
@@ -251,42 +279,86 @@ def _k_block(v: _B, p: ir.Value, dxp: ir.Value | None, q: Callable[[int], ir.Val
     return Block(chunks, v.b.fneg(v.b.fmul(mn, v.splat(v.f16(p, 2), 8))))
 
 
-def _q4_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
-    def q(j: int) -> ir.Value:
-        packed = v.load(p, 16 + 32 * (j // 2), I8)  # chunks 2c and 2c + 1: low and high nibbles
-        return v.b.and_(packed, v.const(I8, 15)) if j % 2 == 0 else v.b.lshr(packed, v.const(I8, 4))
+def _k_ints(v: _B, p: ir.Value, q: Callable[[int], ir.Value]) -> IntBlock:
+    """Q4_K/Q5_K in integers: chunk j's q(j) times its 6-bit scale, d; the mins as the bias."""
+    sc, mn = _k_scale_ints(v, p)
+    sc16 = v.b.zext(sc, _vec(I16, 8))
+    chunks = [IntChunk(q(j), False, v.b.shuffle_vector(sc16, sc16, ir.Constant(V_I32, [j] * LANES)))
+              for j in range(8)]  # fmt: skip
+    bias = v.b.fneg(v.b.fmul(v.b.uitofp(v.b.zext(mn, _vec(I32, 8)), V8_F32), v.splat(v.f16(p, 2), 8)))
+    return IntBlock(chunks, v.f16(p, 0), bias)
 
-    return _k_block(v, p, dxp, q)
+
+def _q4_k_q(v: _B, p: ir.Value, j: int) -> ir.Value:
+    packed = v.load(p, 16 + 32 * (j // 2), I8)  # chunks 2c and 2c + 1: low and high nibbles
+    return v.b.and_(packed, v.const(I8, 15)) if j % 2 == 0 else v.b.lshr(packed, v.const(I8, 4))
+
+
+def _q5_k_q(v: _B, p: ir.Value, j: int) -> ir.Value:
+    packed = v.load(p, 48 + 32 * (j // 2), I8)
+    nib = v.b.and_(packed, v.const(I8, 15)) if j % 2 == 0 else v.b.lshr(packed, v.const(I8, 4))
+    high = v.b.shl(v.b.and_(v.b.lshr(v.load(p, 16, I8), v.const(I8, j)), v.const(I8, 1)), v.const(I8, 4))
+    return v.b.or_(nib, high)
+
+
+def _q4_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    return _k_block(v, p, dxp, lambda j: _q4_k_q(v, p, j))
+
+
+def _q4_k_ints(v: _B, p: ir.Value) -> IntBlock:
+    return _k_ints(v, p, lambda j: _q4_k_q(v, p, j))
 
 
 def _q5_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
-    def q(j: int) -> ir.Value:
-        packed = v.load(p, 48 + 32 * (j // 2), I8)
-        nib = v.b.and_(packed, v.const(I8, 15)) if j % 2 == 0 else v.b.lshr(packed, v.const(I8, 4))
-        high = v.b.shl(v.b.and_(v.b.lshr(v.load(p, 16, I8), v.const(I8, j)), v.const(I8, 1)), v.const(I8, 4))
-        return v.b.or_(nib, high)
-
-    return _k_block(v, p, dxp, q)
+    return _k_block(v, p, dxp, lambda j: _q5_k_q(v, p, j))
 
 
-def _q6_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+def _q5_k_ints(v: _B, p: ir.Value) -> IntBlock:
+    return _k_ints(v, p, lambda j: _q5_k_q(v, p, j))
+
+
+def _q6_k_qs(v: _B, p: ir.Value) -> list[tuple[ir.Value, int]]:
+    """Q6_K's eight chunks: (integers -32..31, the index s of its first scale: s for weights 0..15, s + 1 after)."""
     b = v.b
-    # 16 scales, each over 16 weights
-    sc = _scaled(v, b.fmul(b.sitofp(v.load(p, 192, I8, 16), _vec(F32, 16)), v.splat(v.f16(p, 208), 16)), dxp)
-    chunks = []
+    out = []
     for half in range(2):
         lo, hi, qh = v.load(p, 64 * half, I8), v.load(p, 64 * half + 32, I8), v.load(p, 128 + 32 * half, I8)
         # Each (lo, hi, qh) byte triple holds one weight of each 32-weight quarter of this half.
         for quarter, (src, shift) in enumerate(((lo, 0), (hi, 0), (lo, 4), (hi, 4))):
             low = b.and_(b.lshr(src, v.const(I8, shift)), v.const(I8, 15))
             high = b.shl(b.and_(b.lshr(qh, v.const(I8, 2 * quarter)), v.const(I8, 3)), v.const(I8, 4))
-            s = 8 * half + 2 * quarter  # scales s and s + 1: the chunk's two runs of 16
-            scale = b.shuffle_vector(sc, sc, ir.Constant(_vec(I32, 8), [s] * 4 + [s + 1] * 4))
-            chunks.append(Chunk(b.sub(b.or_(low, high), v.const(I8, 32)), True, scale))
+            out.append((b.sub(b.or_(low, high), v.const(I8, 32)), 8 * half + 2 * quarter))
+    return out
+
+
+def _q6_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    b = v.b
+    # 16 scales, each over 16 weights
+    sc = _scaled(v, b.fmul(b.sitofp(v.load(p, 192, I8, 16), _vec(F32, 16)), v.splat(v.f16(p, 208), 16)), dxp)
+    chunks = [Chunk(q, True, b.shuffle_vector(sc, sc, ir.Constant(_vec(I32, 8), [s] * 4 + [s + 1] * 4)))
+              for q, s in _q6_k_qs(v, p)]  # fmt: skip
     return Block(chunks, None)
 
 
+def _q6_k_ints(v: _B, p: ir.Value) -> IntBlock:
+    b = v.b
+    sc16 = b.sext(v.load(p, 192, I8, 16), _vec(I16, 16))
+    chunks = [IntChunk(q, True, b.shuffle_vector(sc16, sc16, ir.Constant(V_I32, [s] * 16 + [s + 1] * 16)))
+              for q, s in _q6_k_qs(v, p)]  # fmt: skip
+    return IntBlock(chunks, v.f16(p, 208), None)
+
+
 def _iq4_xs(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    b = v.b
+    sc = _iq4_xs_scales(v, p)
+    scales = _scaled(v, b.fmul(b.sitofp(sc, V8_F32), v.splat(v.f16(p, 0), 8)), dxp)
+    chunks = [Chunk(v.table(v.nibbles(p, 8 + 16 * j), _IQ4_NL), True, b.extract_element(scales, ir.Constant(I32, j)))
+              for j in range(8)]  # fmt: skip
+    return Block(chunks, None)
+
+
+def _iq4_xs_scales(v: _B, p: ir.Value) -> ir.Value:
+    """IQ4_XS's eight scales, -32..31, as <8 x i32>."""
     b = v.b
     # The eight 6-bit scales: low nibbles of the 4 bytes at 4, high 2 bits of the uint16 at 2.
     lo = v.load(p, 4, I8, 4)
@@ -295,11 +367,14 @@ def _iq4_xs(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
     lo = b.and_(lo, ir.Constant(_vec(I8, 8), [15] * 8))
     hi = b.lshr(v.splat(b.zext(v.scalar(p, 2, I16), I32), 8), ir.Constant(_vec(I32, 8), [2 * i for i in range(8)]))
     hi = b.shl(b.and_(hi, ir.Constant(_vec(I32, 8), [3] * 8)), ir.Constant(_vec(I32, 8), [4] * 8))
-    sc = b.sub(b.or_(b.zext(lo, _vec(I32, 8)), hi), ir.Constant(_vec(I32, 8), [32] * 8))
-    scales = _scaled(v, b.fmul(b.sitofp(sc, V8_F32), v.splat(v.f16(p, 0), 8)), dxp)
-    chunks = [Chunk(v.table(v.nibbles(p, 8 + 16 * j), _IQ4_NL), True, b.extract_element(scales, ir.Constant(I32, j)))
-              for j in range(8)]  # fmt: skip
-    return Block(chunks, None)
+    return b.sub(b.or_(b.zext(lo, _vec(I32, 8)), hi), ir.Constant(_vec(I32, 8), [32] * 8))
+
+
+def _iq4_xs_ints(v: _B, p: ir.Value) -> IntBlock:
+    sc16 = v.b.trunc(_iq4_xs_scales(v, p), _vec(I16, 8))
+    chunks = [IntChunk(v.table(v.nibbles(p, 8 + 16 * j), _IQ4_NL), True,
+                       v.b.shuffle_vector(sc16, sc16, ir.Constant(V_I32, [j] * LANES))) for j in range(8)]  # fmt: skip
+    return IntBlock(chunks, v.f16(p, 0), None)
 
 
 @dataclass(frozen=True)
@@ -307,16 +382,22 @@ class Layout:
     weights: int  # per block
     size: int  # bytes per block
     chunks: Chunks  # a block's weights as integers and scales, 32 at a time
+    # A super-block's integers with integer scales (see IntBlock): with the activations' one scale per
+    # 256, its dot products stay integers over the whole block (int16 activations)
+    ints: Callable[[_B, ir.Value], IntBlock] | None = None
 
 
 def _layout(qtype: Q, chunks: Chunks) -> Layout:
     weights, size = GGML_QUANT_SIZES[qtype]
-    return Layout(weights, size, chunks)
+    return Layout(weights, size, chunks, _INTS.get(qtype))
 
 
 _CHUNKS: dict[Q, Chunks] = {
     Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.IQ4_NL: _iq4_nl, Q.MXFP4: _mxfp4,
     Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.IQ4_XS: _iq4_xs,
+}  # fmt: skip
+_INTS: dict[Q, Callable[[_B, ir.Value], IntBlock]] = {
+    Q.Q4_K: _q4_k_ints, Q.Q5_K: _q5_k_ints, Q.Q6_K: _q6_k_ints, Q.IQ4_XS: _iq4_xs_ints,
 }  # fmt: skip
 # One entry per quant type the registry (gguf.quant_types) gives the CPU kernels: its whole block layout.
 # A type claimed there without its chunks here fails at import.
@@ -330,32 +411,42 @@ def has_kernel(qtype: Q) -> bool:
 # -- activations as the dot products read them ---------------------------------------------------
 
 ACTIVATION_BITS = (8, 16)
-ACT16 = 32767  # int16: the rounding is at most 1.5e-5 of the largest activation of its 32
+ACT16 = 32767  # int16: the rounding is at most 1.5e-5 of the largest activation of its 256 (or 32)
 ACT8 = 127  # int8: at most 0.4%
 
 
 @njit(inline="always")
-def _quantize_row(x: np.ndarray, row: int, xq: np.ndarray, dx: np.ndarray, bs: np.ndarray, top: float) -> None:
-    """Row `row` of x [R, K] (float32, K a multiple of 32) as integers in -top..top (xq) with one scale
-    per 32 in dx, and per 32 activations dx times their sum in bs (what a block's bias multiplies)."""
-    for c in range(x.shape[1] // LANES):
+def _quantize_row(x: np.ndarray, row: int, xq: np.ndarray, dx: np.ndarray, bs: np.ndarray, top: float,
+                  group: int, off: int) -> None:  # fmt: skip
+    """Row `row` of x [R, K] (float32, K a multiple of `group`) as integers in -top..top with one scale
+    per `group` activations (32 or 256), into columns off.. of xq; the scale once per 32 into dx
+    (from column off / 32), and per 32 activations the scale times their sum in bs (what a
+    block's bias multiplies)."""
+    for g in range(x.shape[1] // group):
         m = np.float32(0)
-        for i in range(c * LANES, c * LANES + LANES):
+        for i in range(g * group, g * group + group):
             m = max(m, abs(x[row, i]))
         d = m / np.float32(top)
         inv = np.float32(top) / m if m > 0 else np.float32(0)
-        s = 0
-        for i in range(c * LANES, c * LANES + LANES):
-            q = int(np.rint(x[row, i] * inv))
-            xq[row, i] = q
-            s += q
-        dx[row, c] = d
-        bs[row, c] = d * np.float32(s)
+        for c in range(g * group // LANES, (g + 1) * group // LANES):
+            s = 0
+            for i in range(c * LANES, c * LANES + LANES):
+                q = int(np.rint(x[row, i] * inv))
+                xq[row, off + i] = q
+                s += q
+            dx[row, off // LANES + c] = d
+            bs[row, off // LANES + c] = d * np.float32(s)
 
 
 def quantize_rows(x: np.ndarray, rows: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """The rows of x [R, K] a kernel reads, quantized for the dot products to int8 or int16 (`bits`,
-    a compile-time constant): (xq [R, K], dx, bs [R, K / 32]); other rows left unset. Compiled code only."""
+    a compile-time constant): (xq, dx, bs) with one scale per 32 (dx, bs: [R, columns of xq / 32]);
+    other rows left unset. Compiled code only.
+
+    A super-block's products add up in integers (`Layout.ints`) when its activations share one
+    scale per 256. int16 takes one per 256 wherever K allows: xq [R, K]. int8's rounding is 128
+    times coarser, so the blocks of 32 keep one per 32, and where K allows xq [R, 2K] holds both:
+    columns 0..K-1 one scale per 32, columns K..2K-1 one per 256 (as llama.cpp's Q8_K)."""
     raise NotImplementedError("quantize_rows runs in compiled code")
 
 
@@ -366,14 +457,19 @@ def _quantize_rows(x, rows, bits):
     if bits.literal_value not in ACTIVATION_BITS:
         raise ValueError(f"activations are quantized to {ACTIVATION_BITS} bits, not {bits.literal_value}")
     dtype, top = (np.int8, ACT8) if bits.literal_value == 8 else (np.int16, ACT16)
+    int8 = bits.literal_value == 8
 
     def impl(x, rows, bits):
         n, k = x.shape
-        xq = np.empty((n, k), dtype)
-        dx = np.empty((n, k // LANES), np.float32)
-        bs = np.empty((n, k // LANES), np.float32)
+        supers = k % SUPER == 0
+        width = 2 * k if int8 and supers else k
+        xq = np.empty((n, width), dtype)
+        dx = np.empty((n, width // LANES), np.float32)
+        bs = np.empty((n, width // LANES), np.float32)
         for i in range(rows.shape[0]):
-            _quantize_row(x, rows[i], xq, dx, bs, top)
+            _quantize_row(x, rows[i], xq, dx, bs, top, SUPER if supers and not int8 else LANES, 0)
+            if int8 and supers:
+                _quantize_row(x, rows[i], xq, dx, bs, top, SUPER, k)
         return xq, dx, bs
 
     return impl
@@ -484,6 +580,7 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
     lane-wise, and the block biases times bs. Each token's operations are the same whatever nt is:
     the same result."""
     act = I8 if bits == 8 else I16
+    ints = layout.ints
 
     @intrinsic
     def dot(typingctx, w, w_off, n_blocks, xq, dx, bs, rows):
@@ -510,44 +607,52 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
             ]
             accb = [cgutils.alloca_once_value(b, ir.Constant(V8_F32, None)) for _ in range(nt)]
             accs = [cgutils.alloca_once_value(b, ir.Constant(F32, None)) for _ in range(nt)]
-            used = set()
+            used: set[str] = set()
             with cgutils.for_range(b, args[2]) as loop:
                 first = b.mul(loop.index, ir.Constant(I64, layout.weights))  # the block's first weight
                 block_p = v.at(wp, b.mul(loop.index, ir.Constant(I64, layout.size)))
                 sums = b.udiv(first, ir.Constant(I64, LANES))  # the block's first chunk
-                magnitudes: list[ir.Value] = []
-                for t in range(nt):
-                    block = layout.chunks(v, block_p, v.at(dps[t], sums))
-                    if not magnitudes and bits == 8:  # the weights' integers, unpacked once for all the tokens
-                        magnitudes = [_magnitude(v, chunk) for chunk in block.chunks]
-                    for c, (q, signed, scale) in enumerate(block.chunks):
-                        x = v.load(xps[t], b.add(first, ir.Constant(I64, c * LANES)), act, align=bits // 8)
-                        if bits == 8:
-                            m = b.sitofp(_dot32(v, q, magnitudes[c], signed, x), V8_F32)
-                            acc = acc8[t][c % 2]
-                            scale = scale if isinstance(scale.type, ir.VectorType) else v.splat(scale, 8)
-                            b.store(v.fma(m, scale, b.load(acc)), acc)
-                            continue
-                        m = _dot32_wide(v, q, signed, x)  # <16 x i32>
-                        if isinstance(scale.type, ir.VectorType):
-                            acc = acc16[t][c % 2]
-                            scale = b.shuffle_vector(scale, scale, ir.Constant(_vec(I32, 16), [0] * 8 + [4] * 8))
-                            b.store(v.fma(b.sitofp(m, _vec(F32, 16)), scale, b.load(acc)), acc)
-                            used.add("16")
-                        else:  # one scale: the two halves' integer sums first
-                            halves = [b.shuffle_vector(m, m, ir.Constant(_vec(I32, 8), list(range(h, h + 8))))
-                                      for h in (0, 8)]  # fmt: skip
-                            acc = acc8[t][c % 2]
-                            b.store(v.fma(b.sitofp(b.add(*halves), V8_F32), v.splat(scale, 8), b.load(acc)), acc)
-                    if block.bias is not None:
-                        if isinstance(block.bias.type, ir.VectorType):
-                            bsum = v.load(bps[t], sums, F32, 8, align=4)
-                            b.store(v.fma(block.bias, bsum, b.load(accb[t])), accb[t])
-                            used.add("b")
-                        else:
-                            bsum = b.load(v.at(bps[t], sums), align=4)
-                            b.store(_fma1(b, block.bias, bsum, b.load(accs[t])), accs[t])
-                            used.add("s")
+                if ints is not None:
+                    # int8: the activations of one scale per 256 are the second half of each row
+                    ahead = b.mul(args[2], ir.Constant(I64, layout.weights)) if bits == 8 else ir.Constant(I64, 0)
+                    _int_block(v, ints(v, block_p), bits, b.add(first, ahead),
+                               b.add(sums, b.udiv(ahead, ir.Constant(I64, LANES))), xps, dps, bps,
+                               [a[0] for a in acc16], accb)  # fmt: skip
+                    used.update(("16", "b"))
+                else:
+                    magnitudes: list[ir.Value] = []
+                    for t in range(nt):
+                        block = layout.chunks(v, block_p, v.at(dps[t], sums))
+                        if not magnitudes and bits == 8:  # the weights' integers, unpacked once for all the tokens
+                            magnitudes = [_magnitude(v, chunk) for chunk in block.chunks]
+                        for c, (q, signed, scale) in enumerate(block.chunks):
+                            x = v.load(xps[t], b.add(first, ir.Constant(I64, c * LANES)), act, align=bits // 8)
+                            if bits == 8:
+                                m = b.sitofp(_dot32(v, q, magnitudes[c], signed, x), V8_F32)
+                                acc = acc8[t][c % 2]
+                                scale = scale if isinstance(scale.type, ir.VectorType) else v.splat(scale, 8)
+                                b.store(v.fma(m, scale, b.load(acc)), acc)
+                                continue
+                            m = _dot32_wide(v, q, signed, x)  # <16 x i32>
+                            if isinstance(scale.type, ir.VectorType):
+                                acc = acc16[t][c % 2]
+                                scale = b.shuffle_vector(scale, scale, ir.Constant(_vec(I32, 16), [0] * 8 + [4] * 8))
+                                b.store(v.fma(b.sitofp(m, _vec(F32, 16)), scale, b.load(acc)), acc)
+                                used.add("16")
+                            else:  # one scale: the two halves' integer sums first
+                                halves = [b.shuffle_vector(m, m, ir.Constant(_vec(I32, 8), list(range(h, h + 8))))
+                                          for h in (0, 8)]  # fmt: skip
+                                acc = acc8[t][c % 2]
+                                b.store(v.fma(b.sitofp(b.add(*halves), V8_F32), v.splat(scale, 8), b.load(acc)), acc)
+                        if block.bias is not None:
+                            if isinstance(block.bias.type, ir.VectorType):
+                                bsum = v.load(bps[t], sums, F32, 8, align=4)
+                                b.store(v.fma(block.bias, bsum, b.load(accb[t])), accb[t])
+                                used.add("b")
+                            else:
+                                bsum = b.load(v.at(bps[t], sums), align=4)
+                                b.store(_fma1(b, block.bias, bsum, b.load(accs[t])), accs[t])
+                                used.add("s")
             outs = []
             for t in range(nt):
                 parts = [_hsum(b, b.fadd(b.load(acc8[t][0]), b.load(acc8[t][1])))]
@@ -568,6 +673,82 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
         return sig, codegen
 
     return dot
+
+
+def _int_block(v: _B, block: IntBlock, bits: int, first: ir.Value, chunk0: ir.Value, xps: list[ir.Value],
+               dps: list[ir.Value], bps: list[ir.Value], acc: list[ir.Value],
+               accb: list[ir.Value]) -> None:  # fmt: skip
+    """One super-block's dot products with each token's activations of one scale per 256 (weights and
+    xps from weight `first`, dps and bps from chunk `chunk0`): the products of each weight's integer
+    with its activation and its integer scale summed over the block in int32, then one float
+    multiply-add per block into acc[t] (<16 x float32>).
+
+    int16: the weights' integers times their scales first (int16, once for all tokens; |q * s| <=
+    4096), then pmaddwd: at most 16 * 4096 * 32767 < 2^31 per lane. int8: unsigned weights times
+    signed activations summed in pairs (pmaddubsw; a signed weight's sign moves onto the activation;
+    |pair| <= 2 * 127 * 127, no saturation), then times the scales and summed in pairs (pmaddwd)."""
+    b = v.b
+    chunks = block.chunks
+    if bits == 16:
+        ws = [b.mul(b.sext(c.q, V_I16) if c.signed else b.zext(c.q, V_I16), c.scale) for c in chunks]
+    else:
+        # the scale of each pair of weights, and each chunk's magnitudes, once for all tokens
+        pair_scales = [b.shuffle_vector(c.scale, c.scale, ir.Constant(_vec(I32, 16), list(range(0, 32, 2))))
+                       for c in chunks]  # fmt: skip
+        mags = [_call(b, "llvm.abs.v32i8", V_I8, [c.q, ir.Constant(ir.IntType(1), 0)]) if c.signed else c.q
+                for c in chunks]  # fmt: skip
+    for t in range(len(xps)):
+        terms = []
+        if bits == 16:
+            for c, w in enumerate(ws):
+                x = v.load(xps[t], b.add(first, ir.Constant(I64, c * LANES)), I16, align=2)
+                terms.append(_pairs(b, b.mul(b.sext(w, V_I32), b.sext(x, V_I32))))  # <16 x i32>
+        else:
+            xs = []
+            for c, chunk in enumerate(chunks):
+                x = v.load(xps[t], b.add(first, ir.Constant(I64, c * LANES)), I8)
+                if chunk.signed:  # x with the sign of q (0 where q is 0)
+                    neg = b.icmp_signed("<", chunk.q, ir.Constant(V_I8, None))
+                    x = b.select(neg, b.sub(ir.Constant(V_I8, None), x), x)
+                xs.append(x)
+            terms = _byte_products(v, mags, xs, pair_scales)
+        n = len(terms)  # partial sums: short chains of dependent adds, not one long one
+        parts = terms[:4]
+        for i in range(4, n):
+            parts[i % 4] = b.add(parts[i % 4], terms[i])
+        while len(parts) > 1:
+            parts = [b.add(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
+        total = parts[0]
+        if total.type.count == 8:
+            total = b.shuffle_vector(total, ir.Constant(total.type, None), ir.Constant(_vec(I32, 16), list(range(16))))
+        scale = v.splat(b.fmul(block.d, b.load(v.at(dps[t], chunk0), align=4)), 16)
+        b.store(v.fma(b.sitofp(total, _vec(F32, 16)), scale, b.load(acc[t])), acc[t])
+        if block.bias is not None:
+            bsum = v.load(bps[t], chunk0, F32, 8, align=4)
+            b.store(v.fma(block.bias, bsum, b.load(accb[t])), accb[t])
+
+
+def _byte_products(v: _B, mags: list[ir.Value], xs: list[ir.Value], scales: list[ir.Value]) -> list[ir.Value]:
+    """Per chunk (or pair of chunks), sum over pairs of scale * (mag * x + mag' * x'): int32 vectors."""
+    b = v.b
+    if _AVX512:  # two chunks per instruction
+        out = []
+        for c in range(0, len(mags), 2):
+            cat = ir.Constant(_vec(I32, 64), list(range(64)))
+            pair = [b.shuffle_vector(mags[c], mags[c + 1], cat), b.shuffle_vector(xs[c], xs[c + 1], cat)]
+            p16 = _call(b, "llvm.x86.avx512.pmaddubs.w.512", _vec(I16, 32), pair)
+            s16 = b.shuffle_vector(scales[c], scales[c + 1], ir.Constant(V_I32, list(range(32))))
+            out.append(_call(b, "llvm.x86.avx512.pmaddw.d.512", _vec(I32, 16), [p16, s16]))
+        return out
+    if _AVX2:
+        return [_call(b, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8),
+                      [_call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [m, x]), s])
+                for m, x, s in zip(mags, xs, scales, strict=True)]  # fmt: skip
+    out = []
+    for m, x, s in zip(mags, xs, scales, strict=True):
+        p16 = _pairs(b, b.mul(b.zext(m, V_I16), b.sext(x, V_I16)))  # <16 x i16>, exact
+        out.append(_pairs(b, b.mul(b.sext(p16, _vec(I32, 16)), b.sext(s, _vec(I32, 16)))))
+    return out
 
 
 def _fma1(b: ir.IRBuilder, x: ir.Value, y: ir.Value, z: ir.Value) -> ir.Value:

@@ -17,6 +17,7 @@ from torch.nn import functional as F
 from ..config import ModelConfig
 from ..gguf.sources import Layout, Source
 from ..kernels.layer_halves import FEW_ROWS, attention_block, decode_attention, route_rows
+from ..kernels.moe_token import moe_token
 from ..moe.expert_tensors import load_layer_experts
 from ..moe.host_experts import ExpertExecutor, HostExperts
 from ..moe.routing import route
@@ -250,10 +251,28 @@ class MoeFFN(Routed):
             return torch.from_numpy(i), torch.from_numpy(w)
         return route(F.linear(h, self.router, self.router_bias), cfg, self.choice_bias)  # [T, k] each
 
+    def routed_token(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor | None:
+        """One token's routed experts from the host copy in one compiled call (cache off), bit-identical
+        to select() then experts(); None where that call cannot run it."""
+        cfg = self.cfg
+        if not (isinstance(experts, HostExperts) and h.shape[0] == 1 and h.device.type == "cpu"
+                and h.dtype == torch.float32 and self.choice_bias is None and cfg.expert_groups == 1):  # fmt: skip
+            return None
+        call = experts.token_call(self.i)
+        if call is None:
+            return None
+        ids, _, y = moe_token(host_rows(h), self.router.numpy(), None if self.router_bias is None else
+                              self.router_bias.numpy(), cfg.expert_gating, cfg.n_expert_used, cfg.expert_weights_norm,
+                              cfg.expert_weights_scale, *call)  # fmt: skip
+        self.last_ids = torch.from_numpy(ids)
+        return torch.from_numpy(y)
+
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
-        ids, weights = self.select(h)
-        self.last_ids = ids  # read by routing(): the experts of the latest step
-        y = experts(self.i, h, ids, weights)
+        y = self.routed_token(h, experts)
+        if y is None:
+            ids, weights = self.select(h)
+            self.last_ids = ids  # read by routing(): the experts of the latest step
+            y = experts(self.i, h, ids, weights)
         if self.sh_gate is not None and self.sh_up is not None and self.sh_down is not None:
             shared = ffn_one_token(h, self.sh_gate, self.sh_up, self.sh_down, self.act)
             if shared is None:

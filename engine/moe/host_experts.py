@@ -23,7 +23,7 @@ from ..errors import ParameterError
 from ..kernels.modes import KERNEL_MODES
 from ..nn.activations import Activation, activation_code
 from .expert_tensors import LayerExperts
-from .kernel_calls import fusable, host_arrays, layer_output, run_fused
+from .kernel_calls import TokenCall, bias_rows, fusable, host_arrays, layer_output, run_fused
 
 
 def _nbytes(w: torch.Tensor) -> int:
@@ -112,6 +112,19 @@ class HostExperts:
         self.act_code = -1 if code is None else code
         self.fused = {i: kernels != "exact" and fusable(lx, act) for i, lx in layers.items()}
         self.bits = 8 if kernels == "int8" else 16  # the fused kernels' activations
+        self._token_calls: dict[int, TokenCall] = {}
+
+    def token_call(self, layer: int) -> TokenCall | None:
+        """What `kernels.moe_token` takes of this layer's experts (None: no fused kernels for it)."""
+        if not self.fused[layer]:
+            return None
+        call = self._token_calls.get(layer)
+        if call is None:
+            lx = self.layers[layer]
+            types = (lx.gate.qtype, lx.up.qtype, lx.down.qtype)
+            biases = (bias_rows(lx.gate.bias), bias_rows(lx.up.bias), bias_rows(lx.down.bias))
+            call = self._token_calls[layer] = (self.mats(layer), types, biases, self.act_code, self.bits)
+        return call
 
     def with_layers(self, layers: dict[int, LayerExperts]) -> HostExperts:
         """The same execution options over other copies of the experts (pinned memory)."""

@@ -17,6 +17,7 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 import torch
+from gguf import GGMLQuantizationType as Q
 
 from ..kernels import cpu as cpu_kernels
 from ..kernels.qblocks import has_kernel
@@ -28,8 +29,14 @@ def fusable(lx: LayerExperts, act: Callable[..., object]) -> bool:
     return activation_code(act) is not None and all(has_kernel(t.qtype) for t in (lx.gate, lx.up, lx.down))
 
 
-def _bias(t: torch.Tensor | None) -> np.ndarray | None:
+def bias_rows(t: torch.Tensor | None) -> np.ndarray | None:
+    """Per-expert biases [n_expert, rows] as the kernels take them."""
     return None if t is None else t.float().contiguous().numpy()
+
+
+# A layer's experts for `kernels.moe_token`: (gate, up, down) stacked, their types, biases, activation code, bits.
+TokenCall = tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[Q, Q, Q],
+                  tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None], int, int]  # fmt: skip
 
 
 def run_fused(
@@ -59,9 +66,9 @@ def run_fused(
     gate, up, down = mats
     h = np.empty((ids.size, gate.shape[1]), np.float32)  # [T*k, F]; only the rows in `a` are set
     cpu_kernels.gate_up(gate, lx.gate.qtype, up, lx.up.qtype, x, x_rows, sel, eids, ptr, tokens, a, h, act,
-                        _bias(lx.gate.bias), _bias(lx.up.bias), bits)  # fmt: skip
+                        bias_rows(lx.gate.bias), bias_rows(lx.up.bias), bits)  # fmt: skip
     cpu_kernels.matmul(down, lx.down.qtype, h, a, sel, eids, ptr, a, a, contrib, weights.reshape(-1),
-                       _bias(lx.down.bias), bits)  # fmt: skip
+                       bias_rows(lx.down.bias), bits)  # fmt: skip
 
 
 _ALL = np.zeros(0, np.int64)

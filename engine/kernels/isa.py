@@ -1,0 +1,58 @@
+"""Which vector instructions the CPU kernels build on: the CPU's own, capped by MOECHAT_CPU_ISA.
+
+The block layouts (`qblocks`) name a few x86 instructions outright where LLVM would not find them
+by itself (byte shuffles for the code books, byte and word products); everything else is plain
+vector code that LLVM compiles for the machine's CPU. Three levels:
+
+- `avx512`: AVX-512BW's 64-byte products, two 32-weight chunks per instruction (and with
+  AVX512-VNNI, LLVM fuses the int16 products and their sums into vpdpwssd);
+- `avx2`: the 32-byte forms of the same instructions;
+- `generic`: no instruction named, for any CPU (ARM, older x86).
+
+MOECHAT_CPU_ISA=avx2 or =generic runs a lower level on a CPU that has a higher one: the tests run
+every level on whatever host they run, and a user can rule out a path. The level is part of the
+kernel cache's folder name (engine/kernels/jit.py), so kernels of one level never load for another.
+"""
+
+from __future__ import annotations
+
+import os
+
+import llvmlite.binding as llvm
+
+LEVELS = ("generic", "avx2", "avx512")
+ENV = "MOECHAT_CPU_ISA"
+
+
+def _cpu_level() -> str:
+    if not llvm.get_process_triple().startswith(("x86_64", "amd64")):
+        return "generic"
+    features = llvm.get_host_cpu_features()
+    if features.get("avx512bw"):
+        return "avx512"
+    return "avx2" if features.get("avx2") else "generic"
+
+
+def _level() -> str:
+    cap = os.environ.get(ENV, "")
+    if cap and cap not in LEVELS:
+        raise ValueError(f"{ENV} must be one of {', '.join(LEVELS)}, got '{cap}'")
+    cpu = _cpu_level()
+    return min(cpu, cap, key=LEVELS.index) if cap else cpu
+
+
+LEVEL = _level()
+X86 = llvm.get_process_triple().startswith(("x86_64", "amd64")) and LEVEL != "generic"
+AVX2 = LEVEL in ("avx2", "avx512")
+AVX512 = LEVEL == "avx512"
+VNNI = AVX512 and bool(llvm.get_host_cpu_features().get("avx512vnni"))
+
+
+def describe() -> str:
+    """The level in words, for `moechat inspect` and the benches."""
+    capped = f", capped by {ENV}" if _cpu_level() != LEVEL else ""
+    if AVX512:
+        return f"AVX-512 ({'VNNI vpdpwssd' if VNNI else 'pmaddwd'} for int16, pmaddubsw for int8){capped}"
+    if AVX2:
+        return f"AVX2 (pmaddwd for int16, pmaddubsw for int8){capped}"
+    return f"generic vector code{capped}"

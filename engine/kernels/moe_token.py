@@ -1,0 +1,86 @@
+"""A MoE layer's routing and routed experts for one token in one compiled call (decode, cache off).
+
+The general path is five compiled calls and their Python between them (routing, the selection,
+gate and up, down, the sum by token), about a tenth of a millisecond per layer at decode. Here
+one call routes the normed token (`route_rows`' own compiled function), runs gate and up with the
+activation for its k experts (one parallel region over (expert, tile of rows)), quantizes the k
+intermediate rows, runs down times the routing weights (a second region), and sums the k rows in
+ascending expert order. Every step is the one the general path takes, value for value, so the
+result is bit-identical to it: with the expert cache on (the general path) or off (here), the
+model computes the same.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+
+from .cpu import ROWS, act
+from .jit import njit, prange
+from .layer_halves import route_compiled
+from .qblocks import dot_row, quantize_rows
+
+_NO_BIAS = np.zeros((0, 0), np.float32)
+_NO_ROUTER_BIAS = np.zeros(0, np.float32)
+
+
+@functools.cache
+def _moe_kernel(tg: Q, tu: Q, td: Q, bits: int) -> Any:
+    cg, cu, cd = int(tg), int(tu), int(td)
+
+    @njit(parallel=True, fastmath=False)
+    def moe(h, router, router_bias, gating, k, weights_norm, scale, gate, up, down, bias_g, bias_u, bias_d, act_code,
+            y):  # fmt: skip
+        ids, w = route_compiled(h, router, router_bias, gating, k, weights_norm, scale)  # [1, k] each
+        n_embd, n_ff = h.shape[1], gate.shape[1]
+        xq, dx, bs = quantize_rows(h, np.zeros(1, np.int64), bits)
+        g = np.empty((k, n_ff), np.float32)  # [k, F]: act(gate, up) of each selected expert
+        tiles = (n_ff + ROWS - 1) // ROWS
+        for job in prange(k * tiles):
+            j, r0 = job // tiles, job % tiles * ROWS
+            e = ids[0, j]
+            for r in range(r0, min(n_ff, r0 + ROWS)):
+                gv = dot_row(cg, gate, e * gate.strides[0] + r * gate.strides[1], n_embd, xq, dx, bs, 0)
+                uv = dot_row(cu, up, e * up.strides[0] + r * up.strides[1], n_embd, xq, dx, bs, 0)
+                if bias_g.shape[0]:
+                    gv += bias_g[e, r]
+                    uv += bias_u[e, r]
+                g[j, r] = act(act_code, gv, uv)
+        gq, gd, gs = quantize_rows(g, np.arange(k), bits)
+        contrib = np.empty((k, n_embd), np.float32)  # [k, E]: each expert's weighted output
+        tiles = (n_embd + ROWS - 1) // ROWS
+        for job in prange(k * tiles):
+            j, r0 = job // tiles, job % tiles * ROWS
+            e = ids[0, j]
+            for r in range(r0, min(n_embd, r0 + ROWS)):
+                v = dot_row(cd, down, e * down.strides[0] + r * down.strides[1], n_ff, gq, gd, gs, j)
+                if bias_d.shape[0]:
+                    v += bias_d[e, r]
+                contrib[j, r] = v * w[0, j]
+        y[0, :] = 0
+        for j in np.argsort(ids[0], kind="mergesort"):
+            y[0, :] += contrib[j]
+        return ids, w
+
+    return moe
+
+
+def moe_token(
+    h: np.ndarray, router: np.ndarray, router_bias: np.ndarray | None, gating: int, k: int, weights_norm: bool,
+    scale: float, mats: tuple[np.ndarray, np.ndarray, np.ndarray], types: tuple[Q, Q, Q],
+    biases: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None], act_code: int, bits: int = 16,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
+    """The routed experts' weighted sum for one normed token h [1, E] (float32): (ids int64 [1, k],
+    weights float32 [1, k], y [1, E]), as `route_rows` and `moe.kernel_calls.run_fused` then
+    `layer_output` give them. mats: the layer's stacked (gate, up, down) [n_expert, rows, row_bytes];
+    biases: per expert [n_expert, rows] or None; act_code: `codes.ACT_*`; bits: the activations'."""
+    gate, up, down = mats
+    bg, bu, bd = (_NO_BIAS if b is None else b for b in biases)
+    y = np.empty_like(h)
+    bias = _NO_ROUTER_BIAS if router_bias is None else router_bias
+    ids, w = _moe_kernel(*types, bits)(h, router, bias, gating, k, weights_norm, np.float32(scale), gate, up, down,
+                                       bg, bu, bd, act_code, y)  # fmt: skip
+    return ids, w, y

@@ -1,0 +1,72 @@
+"""Every instruction level of the CPU kernels on whatever host the tests run (engine/kernels/isa.py).
+
+The default level (the CPU's own) runs in the rest of the suite; here each lower one runs in a
+process of its own, capped by MOECHAT_CPU_ISA, against gguf-py's dequantizer within the stated
+bounds of test_cpu_kernels: plain and super-block types, signed and unsigned integers, int16 and
+int8 activations, one token and four.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from moechat.engine.kernels import isa
+from testkit.ggufgen import tiny_moe
+
+CHECK = """
+import numpy as np
+from gguf.quants import dequantize
+from moechat.engine.kernels import cpu, isa
+from testkit.ggufgen import Q, quantized
+
+print(isa.LEVEL, isa.describe())
+rng = np.random.default_rng(0)
+for qtype in (Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.Q4_0, Q.MXFP4):
+    raw = quantized((37, 512), qtype, rng)
+    w = dequantize(raw, qtype).reshape(37, 512).astype(np.float64)
+    x = rng.standard_normal((5, 512)).astype(np.float32)
+    ref = x.astype(np.float64) @ w.T
+    for bits, bound in ((16, 1e-4), (8, 1e-2)):
+        err = np.abs(cpu.dense(raw, qtype, x, bits) - ref).max() / np.abs(ref).max()
+        assert err <= bound, (qtype.name, bits, err)
+print("ok")
+"""
+
+
+def _run(level: str, cache: Path) -> list[str]:
+    env = {**os.environ, "MOECHAT_CPU_ISA": level, "NUMBA_CACHE_DIR": str(cache),
+           "PYTHONPATH": str(Path(__file__).parent)}  # fmt: skip
+    r = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=900)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return r.stdout.splitlines()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("level", ["generic", "avx2"])
+def test_a_lower_level_computes_within_the_bounds(level: str, tmp_path: Path) -> None:
+    out = _run(level, tmp_path / "kernels")
+    ran = out[0].split()[0]
+    # A cap never raises the level: a CPU without AVX2 runs generic code however it is capped.
+    assert ran == min(level, isa.LEVEL, key=isa.LEVELS.index), out
+    assert out[-1] == "ok"
+
+
+def test_a_bad_level_is_refused_in_one_line(tmp_path: Path) -> None:
+    model = tiny_moe(tmp_path / "m.gguf")
+    env = {**os.environ, "MOECHAT_CPU_ISA": "sse9", "NUMBA_CACHE_DIR": str(tmp_path / "kernels")}
+    cmd = [sys.executable, "-m", "moechat", "inspect", str(model)]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2
+    assert r.stderr.strip() == "moechat: error: MOECHAT_CPU_ISA must be one of generic, avx2, avx512, got 'sse9'"
+
+
+def test_inspect_says_which_instructions_the_kernels_use(tmp_path: Path) -> None:
+    model = tiny_moe(tmp_path / "m.gguf")
+    r = subprocess.run([sys.executable, "-m", "moechat", "inspect", str(model)], capture_output=True, text=True,
+                       timeout=120)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert "CPU kernels" in r.stdout and isa.describe().split(" (")[0] in r.stdout
