@@ -6,11 +6,14 @@ import argparse
 import os
 import sys
 import threading
+from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from moechat.app.settings import (
     ENGINE,
     MODEL_HELP,
     SAMPLING,
+    Settings,
     add_flags,
     cache_settings,
     check_model_file,
@@ -18,6 +21,11 @@ from moechat.app.settings import (
     print_warnings,
     sampling_params,
 )
+
+if TYPE_CHECKING:
+    from moechat.engine.cache.stats import StatsSnapshot
+    from moechat.engine.generate import Model
+    from moechat.engine.loader import LoadedModel
 
 
 def add_config_flag(p: argparse.ArgumentParser) -> None:
@@ -61,23 +69,40 @@ class StatusLine:
 def run(args: argparse.Namespace) -> int:
     settings, warnings, _ = from_args(args, (*SAMPLING, *ENGINE))
     print_warnings(warnings)
-    params = sampling_params(settings)
-    check_model_file(args.model)  # bad values and files fail before the engine loads
+    sampling_params(settings)  # bad values and files fail before the engine loads
+    check_model_file(args.model)
     from moechat.app.demo_model import resolve_model
     from moechat.app.real_engine import load_for
+    from moechat.engine.distributed.run import launched
+
+    if launched() is not None:
+        from moechat.app.split_run import run_as_rank
+
+        return run_as_rank(args, settings)
+    status = StatusLine()
+    lm = load_for(resolve_model(args.model), settings, cache_settings(settings), status)
+    status.done()
+    try:
+        return reply(args, settings, lm, lm.model, lambda: lm.cache.snapshot() if lm.cache is not None else None)
+    finally:
+        lm.close()
+
+
+def reply(args: argparse.Namespace, settings: Settings, lm: LoadedModel, model: Model,
+          snapshot: Callable[[], StatsSnapshot | None]) -> int:  # fmt: skip
+    """The prompt's reply from `model` (the loaded model, or a split's pipeline on its rank 0), streamed to
+    stdout, the speeds and the cache's summary (`snapshot`) on stderr. The exit status."""
     from moechat.engine.cache.stats import summary_lines
     from moechat.engine.events import DoneEvent, TokenEvent
     from moechat.engine.generate import generate
 
-    status = StatusLine()
-    lm = load_for(resolve_model(args.model), settings, cache_settings(settings), status)
-    status.done()
+    params = sampling_params(settings)
     chat = args.chat if args.chat is not None else lm.template.origin != "plain fallback"
     prompt = lm.chat_prompt(args.prompt) if chat else lm.tokenizer.encode(args.prompt)
     stop = threading.Event()
     out = sys.stdout
     try:
-        for ev in generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=settings.n_predict,
+        for ev in generate(model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=settings.n_predict,
                            params=params, ignore_eos=args.ignore_eos, stop=stop):  # fmt: skip
             if isinstance(ev, TokenEvent):
                 out.write(ev.text)
@@ -89,8 +114,9 @@ def run(args: argparse.Namespace) -> int:
                     f"generation: {ev.n_generated} tokens, {ev.gen_tps:.1f} t/s | stop: {ev.stop_reason}",
                     file=sys.stderr,
                 )
-                if lm.cache is not None:
-                    for line in summary_lines(lm.cache.snapshot()):
+                snap = snapshot()
+                if snap is not None:
+                    for line in summary_lines(snap):
                         print(line, file=sys.stderr)
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, as other command-line tools do.
@@ -101,6 +127,4 @@ def run(args: argparse.Namespace) -> int:
         out.flush()
         print("moechat: interrupted", file=sys.stderr)
         return 130
-    finally:
-        lm.close()
     return 0

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,3 +89,26 @@ def test_a_rank_with_another_file_is_refused_before_any_work(tmp_path: Path) -> 
     for rank in range(3):  # every rank stops, each saying which rank differs
         assert results[rank] == ("ValueError: rank 2 runs another model file than rank 0: every host needs the "
                                  "very same file"), results  # fmt: skip
+
+
+@pytest.mark.slow
+def test_moechat_run_under_torchrun_is_one_process_to_the_user(tmp_path: Path) -> None:
+    """`torchrun ... -m moechat run`: rank 0 prints what one process prints (rank 1 nothing), and the
+    cache summary counts every layer's lookups over both stages."""
+    path = tiny_moe(tmp_path / "m.gguf", n_layers=4)
+    flags = ["run", str(path), "-p", PROMPT, "-n", "10", "--temp", "0", "--raw", "-t", "1",
+             "--moe-cache-mib", "0.5", "--moe-cache-cpu-share", "0.5"]  # fmt: skip
+    one = subprocess.run([sys.executable, "-m", "moechat", *flags], capture_output=True, text=True, timeout=300)
+    assert one.returncode == 0, one.stderr
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
+    two = subprocess.run([*torchrun, "-m", "moechat", *flags], capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)  # fmt: skip
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout == one.stdout and one.stdout.strip()
+
+    def lookups(err: str) -> int:
+        m = re.search(r"hits = (\d+), misses = (\d+)", err)
+        assert m is not None, err[-2000:]
+        return int(m.group(1)) + int(m.group(2))
+
+    assert lookups(two.stderr) == lookups(one.stderr) > 0

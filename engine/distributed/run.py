@@ -15,7 +15,7 @@ import sys
 from collections.abc import Callable
 from datetime import timedelta
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -30,6 +30,12 @@ from .plan import Plan, plan_split, this_hosts_memory
 
 T = TypeVar("T")
 TIMEOUT_S = 60.0  # a rank that does not answer within this ends the run with an error
+
+
+def launched() -> tuple[int, int] | None:
+    """(rank, world size) when torchrun started this process as a rank of a group of several, else None."""
+    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
+    return (int(os.environ.get("RANK", "0") or 0), world) if world > 1 else None
 
 
 def join(rank: int, world: int, address: str = "", timeout_s: float = TIMEOUT_S) -> None:
@@ -56,10 +62,10 @@ def agree(path: Path, memory: int) -> list[int]:
 
 def run_split(path: Path, on_rank0: Callable[[PipelineModel, LoadedModel], T], *, n_ctx: int = 4096,
               cache: CacheSettings | None = None, memory: int | None = None,
-              served: Callable[[LoadedModel], T] | None = None) -> T | None:  # fmt: skip
+              served: Callable[[LoadedModel], T] | None = None, **load: Any) -> T | None:  # fmt: skip
     """This rank's part of a split run (after `join`): rank 0 calls `on_rank0` with the whole model
     behind a PipelineModel and returns what it returns; the other ranks serve until rank 0 is done,
-    then return `served(their model)` (None without it)."""
+    then return `served(their model)` (None without it). `load`: more of load_model's options."""
     rank = dist.get_rank()
     sizes = agree(path, memory or this_hosts_memory())
     gguf, cfg = open_model(path)  # the header only: the plan comes before any page is read
@@ -69,7 +75,7 @@ def run_split(path: Path, on_rank0: Callable[[PipelineModel, LoadedModel], T], *
         if bad is not None:
             raise ValueError(f"host {bad.rank} needs {bad.need_bytes / 2**30:.1f} GiB for layers "
                              f"{bad.first}-{bad.end - 1} and has {bad.memory_bytes / 2**30:.1f} GiB")  # fmt: skip
-    lm = load_model(path, n_ctx=n_ctx, cache=cache, own_layers=plan.hosts[rank].layers)
+    lm = load_model(path, n_ctx=n_ctx, cache=cache, own_layers=plan.hosts[rank].layers, **load)
     try:
         if rank != 0:
             serve(lm, plan, rank)
