@@ -78,7 +78,7 @@ def run(args: argparse.Namespace) -> int:
     if launched() is not None:
         from moechat.app.split_run import run_as_rank
 
-        return run_as_rank(args, settings)
+        return run_as_rank(args, settings, reply)
     status = StatusLine()
     lm = load_for(resolve_model(args.model), settings, cache_settings(settings), status)
     status.done()

@@ -12,14 +12,18 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Callable
 
 from moechat.app.settings import Settings, cache_settings
 
+Reply = Callable[..., int]  # run_cmd.reply: (args, settings, loaded model, model, snapshot) -> exit status
 
-def run_as_rank(args: argparse.Namespace, settings: Settings) -> int:
+
+def run_as_rank(args: argparse.Namespace, settings: Settings, reply: Reply) -> int:
+    """This process's rank; on rank 0 `reply(args, settings, lm, pipeline, snapshot)` (run_cmd's) answers
+    the prompt. The exit status."""
     import torch.distributed as dist
     from moechat.app.demo_model import resolve_model
-    from moechat.app.run_cmd import reply
     from moechat.engine.distributed.run import join, launched, run_split
     from moechat.engine.loader import set_threads
 
