@@ -83,3 +83,30 @@ def test_kernels_cache_in_the_folder_named_after_their_sources_even_when_numba_c
     subprocess.run([sys.executable, "-c", KERNEL_FOLDER], env=env, check=True, timeout=600)
     folder = tmp_path / "moechat" / "kernels"  # platformdirs' cache folder under XDG_CACHE_HOME
     assert any(p.name.startswith("cpu._matmul_kernel") for p in folder.rglob("*.nbi")), list(tmp_path.rglob("*"))
+
+
+FIRST_PROMPT = """
+import sys, torch
+from moechat.engine.generate import decode_one
+from moechat.engine.kernels.jit import compile_notes
+from moechat.engine.loader import load_model
+lm = load_model(sys.argv[1], n_ctx=64)
+kv = lm.new_cache()
+notes = []
+with compile_notes(notes.append), torch.inference_mode():
+    decode_one(lm.model, int(lm.model(torch.tensor([1, 2, 3]), 0, kv)[-1].argmax()), kv)
+print(notes)
+"""
+
+
+@pytest.mark.slow
+def test_a_load_compiles_the_experts_kernels_a_first_prompt_needs(tmp_path: Path) -> None:
+    """The load's one token takes the one-call MoE path; the prompt's experts run the general kernels,
+    which the load compiles too: a first reply does not wait for them."""
+    path = tiny_moe(tmp_path / "m.gguf")
+    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "kernels"), "MOECHAT_COMPILE_AHEAD": "0"}
+    r = subprocess.run([sys.executable, "-c", FIRST_PROMPT, str(path)], env=env, capture_output=True, text=True,
+                       timeout=600)  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    late = r.stdout.strip()
+    assert not any(name in late for name in ("gate_up", "matmul", "_selection", "_sum_by_token")), late

@@ -117,9 +117,28 @@ def compile_passes(path: Path, n_ctx: int, cpu_kernels: str) -> None:
                 model.experts = _no_experts if skip_experts else experts
                 model(torch.tensor([0]), 0, KVCache(cfg, 1, device=model.device))
                 if not skip_experts and skip_attention and cfg.is_moe:
+                    warm_expert_kernels(model)
                     warm_policy()  # the loading process needs it last: before the attention it has begun with
     finally:
         gguf.close()
+
+
+def warm_expert_kernels(model: Any) -> None:
+    """The experts' general kernels (selection, gate/up, down, the sum by token), which a prompt and the
+    expert cache run: a load's one decode token takes the one-call path (kernels.moe_token) instead.
+    One call per distinct set of expert types, on one token with zero activations."""
+    host = getattr(model, "host_experts", None)
+    if host is None or not host.layers:
+        return
+    seen = set()
+    k = model.cfg.n_expert_used
+    for layer, lx in host.layers.items():
+        kind = (lx.gate.qtype, lx.up.qtype, lx.down.qtype)
+        if kind in seen or not host.fused[layer]:
+            continue
+        seen.add(kind)
+        ids = torch.arange(k, dtype=torch.int64)[None]  # [1, k]
+        host(layer, torch.zeros(1, model.cfg.n_embd), ids, torch.full((1, k), 1 / k))
 
 
 def warm_policy() -> None:
