@@ -33,8 +33,10 @@ def _moe_kernel(tg: Q, tu: Q, td: Q, bits: int) -> Any:
 
     @njit(parallel=True, fastmath=False)
     def moe(h, router, router_bias, gating, k, weights_norm, scale, gate, up, down, bias_g, bias_u, bias_d, act_code,
-            y):  # fmt: skip
+            ids_out, w_out, y):  # fmt: skip
         ids, w = route_compiled(h, router, router_bias, gating, k, weights_norm, scale)  # [1, k] each
+        ids_out[:] = ids
+        w_out[:] = w
         n_embd, n_ff = h.shape[1], gate.shape[1]
         xq, dx, bs = quantize_rows(h, np.zeros(1, np.int64), bits)
         g = np.empty((k, n_ff), np.float32)  # [k, F]: act(gate, up) of each selected expert
@@ -63,7 +65,6 @@ def _moe_kernel(tg: Q, tu: Q, td: Q, bits: int) -> Any:
         y[0, :] = 0
         for j in np.argsort(ids[0], kind="mergesort"):
             y[0, :] += contrib[j]
-        return ids, w
 
     return moe
 
@@ -79,8 +80,10 @@ def moe_token(
     biases: per expert [n_expert, rows] or None; act_code: `codes.ACT_*`; bits: the activations'."""
     gate, up, down = mats
     bg, bu, bd = (_NO_BIAS if b is None else b for b in biases)
-    y = np.empty_like(h)
+    # Every output is the caller's array: the kernel returns nothing. Arrays returned from it were once
+    # boxed with a NULL dtype after other variants of it had run in the process (NRT_adapt_ndarray_to_python).
+    ids, w, y = np.empty((1, k), np.int64), np.empty((1, k), np.float32), np.empty_like(h)
     bias = _NO_ROUTER_BIAS if router_bias is None else router_bias
-    ids, w = _moe_kernel(*types, bits)(h, router, bias, gating, k, weights_norm, np.float32(scale), gate, up, down,
-                                       bg, bu, bd, act_code, y)  # fmt: skip
+    _moe_kernel(*types, bits)(h, router, bias, gating, k, weights_norm, np.float32(scale), gate, up, down, bg, bu, bd,
+                              act_code, ids, w, y)  # fmt: skip
     return ids, w, y

@@ -243,20 +243,24 @@ class MoeFFN(Routed):
     def select(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised hidden states [T, E] -> the experts it routes them to (ids [T, k], weights [T, k])."""
         cfg = self.cfg
-        compiled = self.choice_bias is None and cfg.expert_groups == 1
-        if compiled and h.shape[0] <= FEW_ROWS and h.device.type == "cpu" and h.dtype == torch.float32:  # one call
+        if self._compiled_routing(h, FEW_ROWS):  # one call
             i, w = route_rows(host_rows(h), self.router.numpy(), None if self.router_bias is None else
                               self.router_bias.numpy(), cfg.expert_gating, cfg.n_expert_used, cfg.expert_weights_norm,
                               cfg.expert_weights_scale)  # fmt: skip
             return torch.from_numpy(i), torch.from_numpy(w)
         return route(F.linear(h, self.router, self.router_bias), cfg, self.choice_bias)  # [T, k] each
 
+    def _compiled_routing(self, h: torch.Tensor, rows: int) -> bool:
+        """Whether up to `rows` rows of h route in compiled code (`route_rows`): float32 on the CPU, and
+        no choice bias or expert groups (DeepSeek's grouped choice has no compiled form)."""
+        return (self.choice_bias is None and self.cfg.expert_groups == 1 and h.shape[0] <= rows
+                and h.device.type == "cpu" and h.dtype == torch.float32)  # fmt: skip
+
     def routed_token(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor | None:
         """One token's routed experts from the host copy in one compiled call (cache off), bit-identical
         to select() then experts(); None where that call cannot run it."""
         cfg = self.cfg
-        if not (isinstance(experts, HostExperts) and h.shape[0] == 1 and h.device.type == "cpu"
-                and h.dtype == torch.float32 and self.choice_bias is None and cfg.expert_groups == 1):  # fmt: skip
+        if not (isinstance(experts, HostExperts) and h.shape[0] == 1 and self._compiled_routing(h, 1)):
             return None
         call = experts.token_call(self.i)
         if call is None:
