@@ -89,7 +89,9 @@ def speed(engine: str, path: Path, n_pos: int, n_decode: int, threads: int) -> t
     if engine == "peer":
         import llama_cpp
 
-        peer = llama_cpp.Llama(str(path), n_ctx=n_pos + n_decode + 8, n_batch=512, n_threads=threads,
+        # n_batch sizes llama-cpp-python's logits rows (it indexes them by position); n_ubatch stays 512
+        n_ctx = n_pos + n_decode + 8
+        peer = llama_cpp.Llama(str(path), n_ctx=n_ctx, n_batch=max(512, n_ctx), n_ubatch=512, n_threads=threads,
                                n_threads_batch=threads, verbose=False)  # fmt: skip
         out = []
         for _ in range(2):  # the first pass warms up

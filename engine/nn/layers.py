@@ -196,6 +196,16 @@ class KVCache:
         self.pos = 0  # tokens stored
 
 
+def _visible(pos0: int, t: int, start: int, window: int, device: torch.device) -> torch.Tensor:
+    """Which cached positions start..pos0+t-1 each of the t new tokens sees: [T, S] booleans."""
+    q_pos = torch.arange(pos0, pos0 + t, device=device).unsqueeze(1)  # [T, 1]
+    k_pos = torch.arange(start, pos0 + t, device=device).unsqueeze(0)  # [1, S]
+    allowed = k_pos <= q_pos
+    if window:
+        allowed &= q_pos - k_pos < window
+    return allowed
+
+
 def attention(
     q: torch.Tensor,
     layer: LayerCache,
@@ -215,29 +225,25 @@ def attention(
     layer.v[pos0:end] = v_new
     start = max(0, pos0 - window + 1) if window else 0
     k, v = layer.k[start:end], layer.v[start:end]  # [S, Hkv, D]
-    if t == 1 and sinks is None and not softcap:
-        # Decode: every cached position from `start` on is visible, so no mask; one fused op instead
-        # of a dozen eager ones (per layer, per token).
+    if sinks is None and not softcap:
+        # One fused op: no [H, T, S] scores held, no dozen eager ones per layer. One token sees every
+        # cached position from `start` on: no mask.
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
+            attn_mask=None if t == 1 else _visible(pos0, t, start, window, q.device),
             scale=scale,
             enable_gqa=True,
-        )  # [1, H, 1, Dv]
-        return out[0].transpose(0, 1)  # [1, H, Dv]
+        )  # [1, H, T, Dv]
+        return out[0].transpose(0, 1)  # [T, H, Dv]
     group = q.shape[1] // k.shape[1]
     if group > 1:
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
     scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
-    q_pos = torch.arange(pos0, end, device=q.device).unsqueeze(1)  # [T, 1]
-    k_pos = torch.arange(start, end, device=q.device).unsqueeze(0)  # [1, S]
-    allowed = k_pos <= q_pos
-    if window:
-        allowed &= q_pos - k_pos < window
-    scores = scores.masked_fill(~allowed, float("-inf"))
+    scores = scores.masked_fill(~_visible(pos0, t, start, window, q.device), float("-inf"))
     if sinks is not None:
         # A learned per-head logit that takes part in the softmax but has no value.
         sink = sinks.reshape(-1, 1, 1).expand(-1, t, 1)
