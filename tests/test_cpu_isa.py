@@ -3,7 +3,7 @@
 The default level (the CPU's own) runs in the rest of the suite; here each lower one runs in a
 process of its own, capped by MOECHAT_CPU_ISA, against gguf-py's dequantizer within the stated
 bounds of test_cpu_kernels: plain and super-block types, signed and unsigned integers, int16 and
-int8 activations, one token and four.
+int8 activations, one token and five (the prompt tiles: the same bits as one at a time).
 """
 
 from __future__ import annotations
@@ -31,8 +31,11 @@ for qtype in (Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.Q4_0, Q.MXFP4):
     x = rng.standard_normal((5, 512)).astype(np.float32)
     ref = x.astype(np.float64) @ w.T
     for bits, bound in ((16, 1e-4), (8, 1e-2)):
-        err = np.abs(cpu.dense(raw, qtype, x, bits) - ref).max() / np.abs(ref).max()
+        got = cpu.dense(raw, qtype, x, bits)
+        err = np.abs(got - ref).max() / np.abs(ref).max()
         assert err <= bound, (qtype.name, bits, err)
+        # five tokens take the prompt tiles where the type has them: the same bits as one at a time
+        assert all(np.array_equal(got[i], cpu.dense(raw, qtype, x[i : i + 1], bits)[0]) for i in range(5))
 print("ok")
 """
 

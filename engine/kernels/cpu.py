@@ -29,9 +29,11 @@ from gguf import GGMLQuantizationType as Q
 
 from .codes import ACT_GELU_TANH, ACT_SILU, SWIGLU_ALPHA, SWIGLU_LIMIT
 from .jit import njit, prange
-from .qblocks import TOKENS, decode_row, dot_row, quantize_rows
+from .qblocks import SUPER, TOKENS, decode_row, dot_row, quantize_rows
+from .qtiles import TILE_ROWS, TILE_TOKENS, scratch, tile_dots, tiled, unpack_row
 
 ROWS = 16  # rows per work item: enough items to balance the threads, few enough to amortize them
+TOKEN_BLOCK = 64  # a prompt's tokens per pass over a work item's unpacked rows (int16: 128 bytes per weight)
 
 
 @njit(inline="always")
@@ -72,11 +74,46 @@ def _row(w: np.ndarray, m: int, r: int) -> int:
     return m * w.strides[0] + r * w.strides[1]
 
 
+@njit(inline="always")
+def _token_block(j0: int, nc: int) -> tuple[int, int]:
+    """The tokens (first, count) of a prompt's block from j0: TOKEN_BLOCK, or the rest; a short last
+    block (under TILE_TOKENS) starts earlier, overlapping the one before (the same values again)."""
+    count = min(TOKEN_BLOCK, nc - j0)
+    return (j0, count) if count >= TILE_TOKENS else (nc - TILE_TOKENS, TILE_TOKENS)
+
+
+@njit(inline="always")
+def tile_products(code: int, w: np.ndarray, m: int, r: int, k: int, q: Any, a_in: np.ndarray, c0: int, nc: int,
+                  sc: Any, acc: np.ndarray) -> None:  # fmt: skip
+    """acc[i, j] = row r + i of matrix m times activation row a_in[c0 + j], i < TILE_ROWS, j < nc
+    (>= TILE_TOKENS): the rows unpacked once into the scratch sc, then tiles. The same results as
+    `dots` (see qtiles)."""
+    xq, dx, bs = q
+    ws, wd, wb = sc
+    for i in range(TILE_ROWS):
+        unpack_row(code, w, _row(w, m, r + i), k, ws, wd, wb, i)
+    tile_dots(code, ws, wd, wb, 0, k, xq, dx, bs, a_in, c0, nc, acc, 0)
+
+
+@njit(inline="always")
+def _gate_up_out(ag: np.ndarray, au: np.ndarray, r: int, u: int, eid: np.ndarray, a_out: np.ndarray, c0: int,
+                 bias_g: np.ndarray, bias_u: np.ndarray, act_code: int, out: np.ndarray) -> None:  # fmt: skip
+    """Row r's gate and up products of the assignments c0.. (ag, au) -> out, through the activation."""
+    for i in range(ag.shape[0]):
+        gv, uv = ag[i], au[i]
+        if bias_g.shape[0]:
+            gv += bias_g[eid[u], r]
+            uv += bias_u[eid[u], r]
+        out[a_out[c0 + i], r] = act(act_code, gv, uv)
+
+
 @functools.cache
 def _gate_up_kernel(gate_type: Q, up_type: Q, bits: int) -> Any:
     # The kernels close over type codes (ints): numba compiles them as constants, and caches each
     # type's kernel on disk apart (a closure over a compiled function would defeat that cache).
     code_g, code_u = int(gate_type), int(up_type)
+    # A prompt's experts meet many tokens each: their rows unpacked once, then multiplied in tiles.
+    tiles = bits == 16 and tiled(gate_type) and tiled(up_type)
 
     @njit(parallel=True, fastmath=False)
     def gate_up(gate, up, x, x_rows, sel, eid, ptr, a_in, a_out, bias_g, bias_u, act_code, out):
@@ -85,24 +122,49 @@ def _gate_up_kernel(gate_type: Q, up_type: Q, bits: int) -> Any:
         q = quantize_rows(x, x_rows, bits)
         for job in prange(sel.shape[0] * n_tiles):
             u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
+            done = r0  # rows done in tiles
+            if tiles:  # noqa: SIM102 - a constant: numba drops the branch (and its typing) for other types
+                if nc >= TILE_TOKENS and k % SUPER == 0:
+                    sg, su = scratch(TILE_ROWS, k), scratch(TILE_ROWS, k)
+                    tg = np.empty((TILE_ROWS, min(nc, TOKEN_BLOCK)), np.float32)
+                    tu = np.empty_like(tg)
+                    # A block of tokens at a time: their activations stay in the core's cache while
+                    # every pair of rows of the work item meets them.
+                    for j0 in range(0, nc, TOKEN_BLOCK):
+                        j, n = _token_block(j0, nc)
+                        for r in range(r0, r1 - TILE_ROWS + 1, TILE_ROWS):
+                            tile_products(code_g, gate, m, r, k, q, a_in, c0 + j, n, sg, tg[:, :n])
+                            tile_products(code_u, up, m, r, k, q, a_in, c0 + j, n, su, tu[:, :n])
+                            for i in range(TILE_ROWS):
+                                _gate_up_out(tg[i, :n], tu[i, :n], r + i, u, eid, a_out, c0 + j, bias_g, bias_u,
+                                             act_code, out)  # fmt: skip
+                    done += (r1 - r0) // TILE_ROWS * TILE_ROWS
             ag = np.empty(nc, np.float32)
             au = np.empty(nc, np.float32)
-            for r in range(r0, r1):
+            for r in range(done, r1):
                 dots(code_g, gate, _row(gate, m, r), k, q, a_in, c0, nc, ag)
                 dots(code_u, up, _row(up, m, r), k, q, a_in, c0, nc, au)
-                for i in range(nc):
-                    gv, uv = ag[i], au[i]
-                    if bias_g.shape[0]:
-                        gv += bias_g[eid[u], r]
-                        uv += bias_u[eid[u], r]
-                    out[a_out[c0 + i], r] = act(act_code, gv, uv)
+                _gate_up_out(ag, au, r, u, eid, a_out, c0, bias_g, bias_u, act_code, out)
 
     return gate_up
+
+
+@njit(inline="always")
+def _matmul_out(acc: np.ndarray, r: int, u: int, eid: np.ndarray, a_out: np.ndarray, c0: int, bias: np.ndarray,
+                scale: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
+    """Row r's products of the assignments c0.. (acc) -> out, with the bias and the scale."""
+    for i in range(acc.shape[0]):
+        v = acc[i]
+        if bias.shape[0]:
+            v += bias[eid[u], r]
+        a = a_out[c0 + i]
+        out[a, r] = v * scale[a] if scale.shape[0] else v
 
 
 @functools.cache
 def _matmul_kernel(qtype: Q, bits: int) -> Any:
     code = int(qtype)
+    tiles = bits == 16 and tiled(qtype)
 
     @njit(parallel=True, fastmath=False)
     def matmul(w, x, x_rows, sel, eid, ptr, a_in, a_out, bias, scale, out):
@@ -111,15 +173,22 @@ def _matmul_kernel(qtype: Q, bits: int) -> Any:
         q = quantize_rows(x, x_rows, bits)
         for job in prange(sel.shape[0] * n_tiles):
             u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
+            done = r0  # rows done in tiles
+            if tiles:  # noqa: SIM102 - a constant: numba drops the branch (and its typing) for other types
+                if nc >= TILE_TOKENS and k % SUPER == 0:
+                    sc = scratch(TILE_ROWS, k)
+                    tile = np.empty((TILE_ROWS, min(nc, TOKEN_BLOCK)), np.float32)
+                    for j0 in range(0, nc, TOKEN_BLOCK):  # as in gate_up
+                        j, n = _token_block(j0, nc)
+                        for r in range(r0, r1 - TILE_ROWS + 1, TILE_ROWS):
+                            tile_products(code, w, m, r, k, q, a_in, c0 + j, n, sc, tile[:, :n])
+                            for i in range(TILE_ROWS):
+                                _matmul_out(tile[i, :n], r + i, u, eid, a_out, c0 + j, bias, scale, out)
+                    done += (r1 - r0) // TILE_ROWS * TILE_ROWS
             acc = np.empty(nc, np.float32)
-            for r in range(r0, r1):
+            for r in range(done, r1):
                 dots(code, w, _row(w, m, r), k, q, a_in, c0, nc, acc)
-                for i in range(nc):
-                    v = acc[i]
-                    if bias.shape[0]:
-                        v += bias[eid[u], r]
-                    a = a_out[c0 + i]
-                    out[a, r] = v * scale[a] if scale.shape[0] else v
+                _matmul_out(acc, r, u, eid, a_out, c0, bias, scale, out)
 
     return matmul
 

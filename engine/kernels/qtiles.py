@@ -1,0 +1,261 @@
+"""A super-block type's rows unpacked once, then multiplied with many tokens: the tiles of a prompt.
+
+`dot_row` unpacks a row's integers for every four tokens it multiplies. When a matrix meets many
+tokens at once (a prompt's experts: tens of tokens each), that unpacking is most of the work. Here
+a few rows are unpacked once into a small scratch (`unpack_row`: each weight's integer times its
+integer sub-scale, as int16, with the block's d and bias), and `tile_dots` multiplies TILE_ROWS of
+them with TILE_TOKENS tokens at a time, each activation chunk loaded once for all the rows and each
+weight chunk once for all the tokens (int16 activations, one scale per 256; pmaddwd, fused into
+vpdpwssd with VNNI).
+
+Every (row, token) result comes from the same operations, in the same order, as `dot_row`'s
+(`qblocks._int_block`, then the same sums): bit-identical, so whether a token's products ran here
+or there never changes it.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import numpy as np
+from gguf import GGMLQuantizationType as Q
+from llvmlite import ir
+from numba.core import cgutils
+
+from .jit import intrinsic, overload, types
+from .qblocks import (
+    _B,
+    F32,
+    I8,
+    I16,
+    I32,
+    I64,
+    LANES,
+    LAYOUTS,
+    SUPER,
+    V8_F32,
+    V_I16,
+    V_I32,
+    Layout,
+    _data,
+    _hsum,
+    _literal,
+    _pairs,
+    _vec,
+)
+
+TILE_ROWS = 2  # rows per tile: each activation chunk loaded once for them
+TILE_TOKENS = 4  # tokens per tile: each weight chunk loaded once for them
+CHUNKS = SUPER // LANES
+V16_F32 = _vec(F32, 16)
+
+
+def tiled(qtype: Q) -> bool:
+    """Whether rows of this type unpack to integers with integer scales (the super-blocks)."""
+    return qtype in LAYOUTS and LAYOUTS[qtype].ints is not None
+
+
+@functools.cache
+def _has_bias(qtype: Q) -> bool:
+    """Whether the type's integer form has a per-chunk bias (the mins): asked of the layout itself."""
+    ints = LAYOUTS[qtype].ints
+    assert ints is not None  # callers check tiled()
+    fn = ir.Function(ir.Module(), ir.FunctionType(ir.VoidType(), [I8.as_pointer()]), "probe")
+    return ints(_B(ir.IRBuilder(fn.append_basic_block())), fn.args[0]).bias is not None
+
+
+def _row_ptr(context: Any, b: ir.IRBuilder, aty: Any, arr: ir.Value, row: ir.Value, t: ir.Type) -> ir.Value:
+    """A pointer of type t* to the first element of row `row` of a 2-D array."""
+    a = context.make_array(aty)(context, b, arr)
+    stride = cgutils.unpack_tuple(b, a.strides, 2)[0]
+    return b.bitcast(b.gep(b.bitcast(a.data, I8.as_pointer()), [b.mul(row, stride)]), t.as_pointer())
+
+
+def hsums(b: ir.IRBuilder, vs: list[ir.Value]) -> list[ir.Value]:
+    """Each vector's `qblocks._hsum`, bit for bit (the same lanes added in the same tree), with the
+    vectors reduced side by side: two half-reduced vectors share one add, so n sums of 16 lanes take
+    about 3n instructions instead of 8n."""
+    width = vs[0].type.count
+    phys = [(v, 1) for v in vs]  # (vector, how many equal parts it holds, each of `width` lanes)
+    while width > 1:
+        half, merged = width // 2, []
+        i = 0
+        while i < len(phys):
+            x, m = phys[i]
+            pair = i + 1 < len(phys) and phys[i + 1][1] == m
+            y = phys[i + 1][0] if pair else x
+            n = 2 if pair else 1
+            lo = [s * m * width + j * width + lane for s in range(n) for j in range(m) for lane in range(half)]
+            hi = [i_ + half for i_ in lo]
+            mask = ir.Constant(_vec(I32, len(lo)), lo), ir.Constant(_vec(I32, len(hi)), hi)
+            merged.append((b.fadd(b.shuffle_vector(x, y, mask[0]), b.shuffle_vector(x, y, mask[1])), n * m))
+            i += n
+        phys, width = merged, half
+    return [b.extract_element(v, ir.Constant(I32, j)) for v, m in phys for j in range(m)]
+
+
+def _unpack_intrinsic(layout: Layout) -> Any:
+    ints = layout.ints
+    assert ints is not None
+
+    @intrinsic
+    def unpack(typingctx, w, w_off, n_blocks, ws, wd, wb, r):
+        """n_blocks super-blocks at byte w_off of w -> row r of ws (int16 weight times sub-scale), wd
+        (each block's d) and wb (each chunk's bias; left alone for types without one)."""
+        sig = types.void(w, types.int64, types.int64, ws, wd, wb, types.int64)
+
+        def codegen(context, builder, sig, args):
+            v, b = _B(builder), builder
+            wp = _data(context, b, sig.args[0], args[0], args[1])
+            wsp, wdp, wbp = (_row_ptr(context, b, sig.args[i], args[i], args[6], t) for i, t in ((3, I16), (4, F32),
+                                                                                              (5, F32)))  # fmt: skip
+            with cgutils.for_range(b, args[2]) as loop:
+                i = loop.index
+                block = ints(v, v.at(wp, b.mul(i, ir.Constant(I64, layout.size))))
+                first = b.mul(i, ir.Constant(I64, SUPER))
+                for c, chunk in enumerate(block.chunks):
+                    q = b.sext(chunk.q, V_I16) if chunk.signed else b.zext(chunk.q, V_I16)
+                    dst = b.bitcast(v.at(wsp, b.add(first, ir.Constant(I64, c * LANES))), V_I16.as_pointer())
+                    b.store(b.mul(q, chunk.scale), dst, align=2)
+                b.store(block.d, v.at(wdp, i), align=4)
+                if block.bias is not None:
+                    dst = b.bitcast(v.at(wbp, b.mul(i, ir.Constant(I64, CHUNKS))), V8_F32.as_pointer())
+                    b.store(block.bias, dst, align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return unpack
+
+
+def _tile_intrinsic(qtype: Q) -> Any:
+    n_r, n_t, bias = TILE_ROWS, TILE_TOKENS, _has_bias(qtype)
+
+    @intrinsic
+    def tiles(typingctx, ws, wd, wb, r0, n_blocks, xq, dx, bs, a_in, c0, nc, out, o0):
+        """Rows r0..r0+TILE_ROWS-1 of the scratch times activation rows a_in[c0 + j], j < nc (>=
+        TILE_TOKENS), of quantize_rows' int16 (xq, dx, bs) -> out[row, o0 + j]: TILE_TOKENS tokens
+        at a time, the last group overlapping the one before (the same values again)."""
+        i64t = types.int64
+        sig = types.void(ws, wd, wb, i64t, i64t, xq, dx, bs, a_in, i64t, i64t, out, i64t)
+
+        def codegen(context, builder, sig, args):
+            v, b = _B(builder), builder
+            i64 = functools.partial(ir.Constant, I64)
+            r0, n_blocks, c0, nc, o0 = args[3], args[4], args[9], args[10], args[12]
+            rows = [b.add(r0, i64(r)) for r in range(n_r)]
+            wsp, wdp, wbp = ([_row_ptr(context, b, sig.args[i], args[i], row, t) for row in rows]
+                             for i, t in ((0, I16), (1, F32), (2, F32)))  # fmt: skip
+            outp = [_row_ptr(context, b, sig.args[11], args[11], i64(r), F32) for r in range(n_r)]
+            a_p = b.bitcast(_data(context, b, sig.args[8], args[8], i64(0)), I64.as_pointer())
+            pairs = [(r, t) for r in range(n_r) for t in range(n_t)]
+            # dot_row's super-block accumulators per (row, token): products (16 lanes), biases (8)
+            acc = {p: cgutils.alloca_once(b, V16_F32) for p in pairs}
+            accb = {p: cgutils.alloca_once(b, V8_F32) for p in pairs}
+            last = b.sub(nc, i64(n_t))
+            with cgutils.for_range(b, b.udiv(b.add(nc, i64(n_t - 1)), i64(n_t))) as group:
+                j = b.mul(group.index, i64(n_t))
+                j = b.select(b.icmp_signed(">", j, last), last, j)
+                tokens = [b.load(v.at(a_p, b.add(c0, b.add(j, i64(t))))) for t in range(n_t)]
+                xps, dps, bps = ([_row_ptr(context, b, sig.args[i], args[i], tok, t) for tok in tokens]
+                                 for i, t in ((5, I16), (6, F32), (7, F32)))  # fmt: skip
+                for p in pairs:
+                    b.store(ir.Constant(V16_F32, None), acc[p])
+                    b.store(ir.Constant(V8_F32, None), accb[p])
+                with cgutils.for_range(b, n_blocks) as loop:
+                    first = b.mul(loop.index, i64(SUPER))
+                    chunk0 = b.mul(loop.index, i64(CHUNKS))
+                    sums: dict[tuple[int, int], ir.Value] = {}
+                    for c in range(CHUNKS):
+                        off = b.add(first, i64(c * LANES))
+                        wv = [b.sext(v.load(p, off, I16, align=2), V_I32) for p in wsp]
+                        xv = [b.sext(v.load(p, off, I16, align=2), V_I32) for p in xps]
+                        for r, t in pairs:  # integers: any order of adds gives dot_row's sum
+                            term = _pairs(b, b.mul(wv[r], xv[t]))  # <16 x i32>
+                            sums[r, t] = b.add(sums[r, t], term) if c else term
+                    for r, t in pairs:
+                        d = b.load(v.at(wdp[r], loop.index), align=4)
+                        scale = v.splat(b.fmul(d, b.load(v.at(dps[t], chunk0), align=4)), 16)
+                        b.store(v.fma(b.sitofp(sums[r, t], V16_F32), scale, b.load(acc[r, t])), acc[r, t])
+                if bias:  # a loop of its own: fewer accumulators live in the products' loop
+                    with cgutils.for_range(b, n_blocks) as loop:
+                        chunk0 = b.mul(loop.index, i64(CHUNKS))
+                        for r, t in pairs:
+                            wbias = v.load(wbp[r], chunk0, F32, 8, align=4)
+                            bsum = v.load(bps[t], chunk0, F32, 8, align=4)
+                            b.store(v.fma(wbias, bsum, b.load(accb[r, t])), accb[r, t])
+                # dot_row's final sums, lane for lane: its unused 8-lane accumulators, the products, the biases
+                zero8, zero16 = ir.Constant(V8_F32, None), ir.Constant(V16_F32, None)
+                unused = _hsum(b, b.fadd(zero8, zero8))
+                products = hsums(b, [b.fadd(b.load(acc[p]), zero16) for p in pairs])
+                biases = hsums(b, [b.load(accb[p]) for p in pairs])
+                for (r, t), s, sb in zip(pairs, products, biases, strict=True):
+                    b.store(b.fadd(b.fadd(unused, s), sb), v.at(outp[r], b.add(o0, b.add(j, i64(t)))), align=4)
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return tiles
+
+
+_UNPACK = {t: _unpack_intrinsic(lay) for t, lay in LAYOUTS.items() if lay.ints is not None}
+_TILE = {t: _tile_intrinsic(t) for t in _UNPACK}
+
+
+def scratch(rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Room for `rows` unpacked rows of k weights: (ws [rows, k] int16, their blocks' d, their
+    chunks' biases)."""
+    raise NotImplementedError("scratch runs in compiled code")
+
+
+def unpack_row(code: int, w: np.ndarray, w_off: int, k: int, ws: np.ndarray, wd: np.ndarray, wb: np.ndarray,
+               r: int) -> None:  # fmt: skip
+    """The row of k weights at byte w_off of w into row r of a scratch (ws, wd, wb). Compiled code
+    only; `code` a compile-time constant of a type `tiled` accepts."""
+    raise NotImplementedError("unpack_row runs in compiled code")
+
+
+def tile_dots(code: int, ws: np.ndarray, wd: np.ndarray, wb: np.ndarray, r0: int, k: int, xq: np.ndarray,
+              dx: np.ndarray, bs: np.ndarray, a_in: np.ndarray, c0: int, nc: int, out: np.ndarray,
+              o0: int) -> None:  # fmt: skip
+    """Scratch rows r0..r0+TILE_ROWS-1 times activation rows a_in[c0 + j], j < nc (at least
+    TILE_TOKENS), of quantize_rows' int16 output -> out[row, o0 + j] (float32, TILE_ROWS rows).
+    Compiled code only."""
+    raise NotImplementedError("tile_dots runs in compiled code")
+
+
+@overload(scratch, inline="always")
+def _scratch(rows, k):
+    def impl(rows, k):
+        n_blocks = k // SUPER
+        zeros = np.zeros((rows, n_blocks * CHUNKS), np.float32)  # types without biases add these zeros
+        return np.empty((rows, k), np.int16), np.empty((rows, n_blocks), np.float32), zeros
+
+    return impl
+
+
+@overload(unpack_row, inline="always")
+def _unpack_row(code, w, w_off, k, ws, wd, wb, r):
+    qtype = _literal(code)
+    if qtype not in _UNPACK:
+        return None
+    unpack = _UNPACK[qtype]
+
+    def impl(code, w, w_off, k, ws, wd, wb, r):
+        unpack(w, w_off, k // SUPER, ws, wd, wb, r)
+
+    return impl
+
+
+@overload(tile_dots, inline="always")
+def _tile_dots(code, ws, wd, wb, r0, k, xq, dx, bs, a_in, c0, nc, out, o0):
+    qtype = _literal(code)
+    if qtype not in _TILE:
+        return None
+    tiles = _TILE[qtype]
+
+    def impl(code, ws, wd, wb, r0, k, xq, dx, bs, a_in, c0, nc, out, o0):
+        tiles(ws, wd, wb, r0, k // SUPER, xq, dx, bs, a_in, c0, nc, out, o0)
+
+    return impl
