@@ -237,17 +237,19 @@ def attention(
             enable_gqa=True,
         )  # [1, H, T, Dv]
         return out[0].transpose(0, 1)  # [T, H, Dv]
-    group = q.shape[1] // k.shape[1]
-    if group > 1:
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-    scores = torch.einsum("thd,shd->hts", q, k) * scale  # [H, T, S]
+    # Query head h reads KV head h // group: the queries grouped by their KV head, so the cached
+    # keys and values are read as they lie (copied per query head they were a group's times the cache).
+    n_kv = k.shape[1]
+    group = q.shape[1] // n_kv
+    qg = q.reshape(t, n_kv, group, q.shape[-1])  # [T, Hkv, G, D]
+    scores = torch.einsum("tkgd,skd->kgts", qg, k) * scale  # [Hkv, G, T, S]
     if softcap:
         scores = torch.tanh(scores / softcap) * softcap
     scores = scores.masked_fill(~_visible(pos0, t, start, window, q.device), float("-inf"))
     if sinks is not None:
         # A learned per-head logit that takes part in the softmax but has no value.
-        sink = sinks.reshape(-1, 1, 1).expand(-1, t, 1)
+        sink = sinks.reshape(n_kv, group, 1, 1).expand(-1, -1, t, 1)
         probs = F.softmax(torch.cat([scores, sink], dim=-1), dim=-1)[..., :-1]
     else:
         probs = F.softmax(scores, dim=-1)
-    return torch.einsum("hts,shd->thd", probs, v)  # [T, H, Dv]
+    return torch.einsum("kgts,skd->tkgd", probs, v).reshape(t, n_kv * group, v.shape[-1])  # [T, H, Dv]
