@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from moechat.engine.kernels.codes import ACT_SILU
 from moechat.engine.kernels import cpu as cpu_kernels
+from moechat.engine.kernels.codes import ACT_SILU
 from moechat.engine.kernels.qtiles import TILE_TOKENS, tiled
 from testkit.ggufgen import Q, quantized
 
