@@ -3,8 +3,10 @@
 A kernel first quantizes the activation rows it reads (`qblocks.quantize_rows`, one scale per
 256 or per 32) to int16, or to int8 where the caller asks for `bits=8`, then reads each row of a
 quantized matrix once for all the tokens that need it, four at a time (`qblocks.dot_row`: integer
-products per super-block or per 32 weights, float32 accumulation). A token's result never depends
-on how many tokens share the call. Results are within 1e-4 (int16) or 1e-2 (int8) of the exact
+products per super-block or per 32 weights, float32 accumulation). Where a matrix of a super-block
+type meets four tokens or more with int16 activations (a prompt), its rows are unpacked once and
+multiplied in tiles of two rows by four tokens (`qtiles`), with the same results. A token's result
+never depends on how many tokens share the call. Results are within 1e-4 (int16) or 1e-2 (int8) of the exact
 product (dequantize, then matmul), relative to the largest output; the tests hold that.
 
 The MoE kernels take a layer's stacked expert matrices `[S, rows, row_bytes]` (the file's
