@@ -93,9 +93,12 @@ def test_real_templates_still_render() -> None:
     # A big but honest conversation renders quickly under the time limit.
     many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 50} for i in range(400)]
     unit = baseline_seconds()
-    start = time.monotonic()
-    assert t.render(many).count("<|im_start|>") == 401
-    assert time.monotonic() - start < 50 * unit  # about 1.5 units here
+    took = []
+    for _ in range(3):  # the best of three: one stall of a shared machine (60 units once) is not the render's
+        start = time.monotonic()
+        assert t.render(many).count("<|im_start|>") == 401
+        took.append(time.monotonic() - start)
+    assert min(took) < 50 * unit  # about 1.5 units here
 
 
 def test_a_template_that_fails_later_switches_the_session_to_plain(tmp_path: object) -> None:
