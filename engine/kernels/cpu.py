@@ -94,7 +94,7 @@ def tile_products(code: int, w: np.ndarray, m: int, r: int, k: int, q: Any, a_in
     ws, wd, wb = sc
     for i in range(TILE_ROWS):
         unpack_row(code, w, _row(w, m, r + i), k, ws, wd, wb, i)
-    tile_dots(code, ws, wd, wb, 0, k, xq, dx, bs, a_in, c0, nc, acc, 0)
+    tile_dots(code, ws, wd, wb, k, xq, dx, bs, a_in, c0, nc, acc)
 
 
 @njit(inline="always")
@@ -127,7 +127,7 @@ def _gate_up_kernel(gate_type: Q, up_type: Q, bits: int) -> Any:
             done = r0  # rows done in tiles
             if tiles:  # noqa: SIM102 - a constant: numba drops the branch (and its typing) for other types
                 if nc >= TILE_TOKENS and k % SUPER == 0:
-                    sg, su = scratch(TILE_ROWS, k), scratch(TILE_ROWS, k)
+                    sg, su = scratch(k), scratch(k)
                     tg = np.empty((TILE_ROWS, min(nc, TOKEN_BLOCK)), np.float32)
                     tu = np.empty_like(tg)
                     # A block of tokens at a time: their activations stay in the core's cache while
@@ -178,7 +178,7 @@ def _matmul_kernel(qtype: Q, bits: int) -> Any:
             done = r0  # rows done in tiles
             if tiles:  # noqa: SIM102 - a constant: numba drops the branch (and its typing) for other types
                 if nc >= TILE_TOKENS and k % SUPER == 0:
-                    sc = scratch(TILE_ROWS, k)
+                    sc = scratch(k)
                     tile = np.empty((TILE_ROWS, min(nc, TOKEN_BLOCK)), np.float32)
                     for j0 in range(0, nc, TOKEN_BLOCK):  # as in gate_up
                         j, n = _token_block(j0, nc)

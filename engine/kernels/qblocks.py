@@ -484,6 +484,13 @@ def _data(context: Any, builder: ir.IRBuilder, aty: Any, arr: ir.Value, byte_off
     return builder.gep(builder.bitcast(data, I8.as_pointer()), [byte_off])
 
 
+def row_ptr(context: Any, b: ir.IRBuilder, aty: Any, arr: ir.Value, row: ir.Value, t: ir.Type) -> ir.Value:
+    """A t* to the first element of row `row` of a 2-D array."""
+    a = context.make_array(aty)(context, b, arr)
+    stride = cgutils.unpack_tuple(b, a.strides, 2)[0]
+    return b.bitcast(b.gep(b.bitcast(a.data, I8.as_pointer()), [b.mul(row, stride)]), t.as_pointer())
+
+
 def _hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
     """The lanes' sum in one fixed tree (halves added pairwise)."""
     n = v.type.count
@@ -592,14 +599,9 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
             wp = _data(context, b, sig.args[0], args[0], args[1])
             rows = cgutils.unpack_tuple(b, args[6], nt) if nt > 1 else [args[6]]
 
-            def row_ptr(i: int, row: ir.Value, t: ir.Type) -> ir.Value:
-                arr = context.make_array(sig.args[i])(context, b, args[i])
-                stride = cgutils.unpack_tuple(b, arr.strides, 2)[0]
-                return b.bitcast(b.gep(b.bitcast(arr.data, I8.as_pointer()), [b.mul(row, stride)]), t.as_pointer())
-
-            xps = [row_ptr(3, r, act) for r in rows]
-            dps = [row_ptr(4, r, F32) for r in rows]
-            bps = [row_ptr(5, r, F32) for r in rows]
+            xps = [row_ptr(context, b, sig.args[3], args[3], r, act) for r in rows]
+            dps = [row_ptr(context, b, sig.args[4], args[4], r, F32) for r in rows]
+            bps = [row_ptr(context, b, sig.args[5], args[5], r, F32) for r in rows]
             # Two accumulators, for even and odd chunks: two chains of dependent FMAs, not one.
             acc8 = [[cgutils.alloca_once_value(b, ir.Constant(V8_F32, None)) for _ in range(2)] for _ in range(nt)]
             acc16 = [

@@ -43,6 +43,7 @@ from .qblocks import (
     _literal,
     _pairs,
     _vec,
+    row_ptr,
 )
 
 TILE_ROWS = 2  # rows per tile: each activation chunk loaded once for them
@@ -63,13 +64,6 @@ def _has_bias(qtype: Q) -> bool:
     assert ints is not None  # callers check tiled()
     fn = ir.Function(ir.Module(), ir.FunctionType(ir.VoidType(), [I8.as_pointer()]), "probe")
     return ints(_B(ir.IRBuilder(fn.append_basic_block())), fn.args[0]).bias is not None
-
-
-def _row_ptr(context: Any, b: ir.IRBuilder, aty: Any, arr: ir.Value, row: ir.Value, t: ir.Type) -> ir.Value:
-    """A pointer of type t* to the first element of row `row` of a 2-D array."""
-    a = context.make_array(aty)(context, b, arr)
-    stride = cgutils.unpack_tuple(b, a.strides, 2)[0]
-    return b.bitcast(b.gep(b.bitcast(a.data, I8.as_pointer()), [b.mul(row, stride)]), t.as_pointer())
 
 
 def hsums(b: ir.IRBuilder, vs: list[ir.Value]) -> list[ir.Value]:
@@ -108,7 +102,7 @@ def _unpack_intrinsic(layout: Layout) -> Any:
         def codegen(context, builder, sig, args):
             v, b = _B(builder), builder
             wp = _data(context, b, sig.args[0], args[0], args[1])
-            wsp, wdp, wbp = (_row_ptr(context, b, sig.args[i], args[i], args[6], t) for i, t in ((3, I16), (4, F32),
+            wsp, wdp, wbp = (row_ptr(context, b, sig.args[i], args[i], args[6], t) for i, t in ((3, I16), (4, F32),
                                                                                               (5, F32)))  # fmt: skip
             with cgutils.for_range(b, args[2]) as loop:
                 i = loop.index
@@ -133,22 +127,19 @@ def _tile_intrinsic(qtype: Q) -> Any:
     n_r, n_t, bias = TILE_ROWS, TILE_TOKENS, _has_bias(qtype)
 
     @intrinsic
-    def tiles(typingctx, ws, wd, wb, r0, n_blocks, xq, dx, bs, a_in, c0, nc, out, o0):
-        """Rows r0..r0+TILE_ROWS-1 of the scratch times activation rows a_in[c0 + j], j < nc (>=
-        TILE_TOKENS), of quantize_rows' int16 (xq, dx, bs) -> out[row, o0 + j]: TILE_TOKENS tokens
-        at a time, the last group overlapping the one before (the same values again)."""
-        i64t = types.int64
-        sig = types.void(ws, wd, wb, i64t, i64t, xq, dx, bs, a_in, i64t, i64t, out, i64t)
+    def tiles(typingctx, ws, wd, wb, n_blocks, xq, dx, bs, a_in, c0, nc, out):
+        """The scratch's TILE_ROWS rows times activation rows a_in[c0 + j], j < nc (>= TILE_TOKENS),
+        of quantize_rows' int16 (xq, dx, bs) -> out[row, j]: TILE_TOKENS tokens at a time, the last
+        group overlapping the one before (the same values again)."""
+        sig = types.void(ws, wd, wb, types.int64, xq, dx, bs, a_in, types.int64, types.int64, out)
 
         def codegen(context, builder, sig, args):
             v, b = _B(builder), builder
             i64 = functools.partial(ir.Constant, I64)
-            r0, n_blocks, c0, nc, o0 = args[3], args[4], args[9], args[10], args[12]
-            rows = [b.add(r0, i64(r)) for r in range(n_r)]
-            wsp, wdp, wbp = ([_row_ptr(context, b, sig.args[i], args[i], row, t) for row in rows]
-                             for i, t in ((0, I16), (1, F32), (2, F32)))  # fmt: skip
-            outp = [_row_ptr(context, b, sig.args[11], args[11], i64(r), F32) for r in range(n_r)]
-            a_p = b.bitcast(_data(context, b, sig.args[8], args[8], i64(0)), I64.as_pointer())
+            n_blocks, c0, nc = args[3], args[8], args[9]
+            wsp, wdp, wbp, outp = ([row_ptr(context, b, sig.args[i], args[i], i64(r), t) for r in range(n_r)]
+                                   for i, t in ((0, I16), (1, F32), (2, F32), (10, F32)))  # fmt: skip
+            a_p = b.bitcast(_data(context, b, sig.args[7], args[7], i64(0)), I64.as_pointer())
             pairs = [(r, t) for r in range(n_r) for t in range(n_t)]
             # dot_row's super-block accumulators per (row, token): products (16 lanes), biases (8)
             acc = {p: cgutils.alloca_once(b, V16_F32) for p in pairs}
@@ -158,8 +149,8 @@ def _tile_intrinsic(qtype: Q) -> Any:
                 j = b.mul(group.index, i64(n_t))
                 j = b.select(b.icmp_signed(">", j, last), last, j)
                 tokens = [b.load(v.at(a_p, b.add(c0, b.add(j, i64(t))))) for t in range(n_t)]
-                xps, dps, bps = ([_row_ptr(context, b, sig.args[i], args[i], tok, t) for tok in tokens]
-                                 for i, t in ((5, I16), (6, F32), (7, F32)))  # fmt: skip
+                xps, dps, bps = ([row_ptr(context, b, sig.args[i], args[i], tok, t) for tok in tokens]
+                                 for i, t in ((4, I16), (5, F32), (6, F32)))  # fmt: skip
                 for p in pairs:
                     b.store(ir.Constant(V16_F32, None), acc[p])
                     b.store(ir.Constant(V8_F32, None), accb[p])
@@ -191,7 +182,7 @@ def _tile_intrinsic(qtype: Q) -> Any:
                 products = hsums(b, [b.fadd(b.load(acc[p]), zero16) for p in pairs])
                 biases = hsums(b, [b.load(accb[p]) for p in pairs])
                 for (r, t), s, sb in zip(pairs, products, biases, strict=True):
-                    b.store(b.fadd(b.fadd(unused, s), sb), v.at(outp[r], b.add(o0, b.add(j, i64(t)))), align=4)
+                    b.store(b.fadd(b.fadd(unused, s), sb), v.at(outp[r], b.add(j, i64(t))), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -203,9 +194,9 @@ _UNPACK = {t: _unpack_intrinsic(lay) for t, lay in LAYOUTS.items() if lay.ints i
 _TILE = {t: _tile_intrinsic(t) for t in _UNPACK}
 
 
-def scratch(rows: int, k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """Room for `rows` unpacked rows of k weights: (ws [rows, k] int16, their blocks' d, their
-    chunks' biases)."""
+def scratch(k: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Room for TILE_ROWS unpacked rows of k weights: (ws [TILE_ROWS, k] int16, their blocks' d,
+    their chunks' biases)."""
     raise NotImplementedError("scratch runs in compiled code")
 
 
@@ -216,21 +207,19 @@ def unpack_row(code: int, w: np.ndarray, w_off: int, k: int, ws: np.ndarray, wd:
     raise NotImplementedError("unpack_row runs in compiled code")
 
 
-def tile_dots(code: int, ws: np.ndarray, wd: np.ndarray, wb: np.ndarray, r0: int, k: int, xq: np.ndarray,
-              dx: np.ndarray, bs: np.ndarray, a_in: np.ndarray, c0: int, nc: int, out: np.ndarray,
-              o0: int) -> None:  # fmt: skip
-    """Scratch rows r0..r0+TILE_ROWS-1 times activation rows a_in[c0 + j], j < nc (at least
-    TILE_TOKENS), of quantize_rows' int16 output -> out[row, o0 + j] (float32, TILE_ROWS rows).
-    Compiled code only."""
+def tile_dots(code: int, ws: np.ndarray, wd: np.ndarray, wb: np.ndarray, k: int, xq: np.ndarray, dx: np.ndarray,
+              bs: np.ndarray, a_in: np.ndarray, c0: int, nc: int, out: np.ndarray) -> None:  # fmt: skip
+    """The scratch's TILE_ROWS rows times activation rows a_in[c0 + j], j < nc (at least
+    TILE_TOKENS), of quantize_rows' int16 output -> out[row, j] (float32). Compiled code only."""
     raise NotImplementedError("tile_dots runs in compiled code")
 
 
 @overload(scratch, inline="always")
-def _scratch(rows, k):
-    def impl(rows, k):
+def _scratch(k):
+    def impl(k):
         n_blocks = k // SUPER
-        zeros = np.zeros((rows, n_blocks * CHUNKS), np.float32)  # types without biases add these zeros
-        return np.empty((rows, k), np.int16), np.empty((rows, n_blocks), np.float32), zeros
+        zeros = np.zeros((TILE_ROWS, n_blocks * CHUNKS), np.float32)  # types without biases add these zeros
+        return np.empty((TILE_ROWS, k), np.int16), np.empty((TILE_ROWS, n_blocks), np.float32), zeros
 
     return impl
 
@@ -249,13 +238,13 @@ def _unpack_row(code, w, w_off, k, ws, wd, wb, r):
 
 
 @overload(tile_dots, inline="always")
-def _tile_dots(code, ws, wd, wb, r0, k, xq, dx, bs, a_in, c0, nc, out, o0):
+def _tile_dots(code, ws, wd, wb, k, xq, dx, bs, a_in, c0, nc, out):
     qtype = _literal(code)
     if qtype not in _TILE:
         return None
     tiles = _TILE[qtype]
 
-    def impl(code, ws, wd, wb, r0, k, xq, dx, bs, a_in, c0, nc, out, o0):
-        tiles(ws, wd, wb, r0, k // SUPER, xq, dx, bs, a_in, c0, nc, out, o0)
+    def impl(code, ws, wd, wb, k, xq, dx, bs, a_in, c0, nc, out):
+        tiles(ws, wd, wb, k // SUPER, xq, dx, bs, a_in, c0, nc, out)
 
     return impl
