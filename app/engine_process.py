@@ -22,7 +22,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from moechat.app.engine_api import Message, ModelInfo
 from moechat.app.settings import Settings, cache_settings, error_line
@@ -30,6 +30,9 @@ from moechat.engine.cache.stats import Cadence, MinBound, StatsSnapshot
 from moechat.engine.events import DoneEvent, Event, SamplingParams
 from moechat.tuner.events import Cancelled, ConfirmEvent, SweepDone, SweepEvent
 from moechat.tuner.recommend import TuneReport
+
+if TYPE_CHECKING:
+    from moechat.app.real_engine import RealEngine
 
 logger = logging.getLogger(__name__)
 
@@ -46,57 +49,78 @@ class EngineProcessError(RuntimeError):
 
 
 def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
-    """The child: load the model, then answer calls until "close" or the pipe closes."""
+    """The child: load the model, then answer calls until "close" or the pipe closes.
+
+    Started by torchrun as rank 0 of a model split over hosts (the app's process has RANK and
+    WORLD_SIZE, and this child inherits them), the child is rank 0: it joins the group, loads its
+    own layers, and the other ranks (`moechat chat` started the same way on each host) serve theirs."""
     from moechat.app.demo_model import resolve_model_quiet
     from moechat.app.real_engine import RealEngine, load_for
     from moechat.app.tuned import identity_of
+    from moechat.engine.distributed import launched
+
+    def progress(text: str) -> None:
+        conn.send(("progress", text))
 
     try:
-        path = resolve_model_quiet(spec.model, lambda text: conn.send(("progress", text)))
-        conn.send(("progress", f"loading {path.name}..."))
+        path = resolve_model_quiet(spec.model, progress)
+        progress(f"loading {path.name}...")
         identity = identity_of(path)
         warm = Path(spec.warm_start_dir) / f"{identity}.json" if spec.warm_start_dir and identity else None
         base = cache_settings(spec.settings, warm)
-        lm = load_for(path, spec.settings, base, lambda text: conn.send(("progress", text)))
-        engine = RealEngine(lm, replace(base, mib=0.0, cpu_share=0.0, trace=None), identity)
+        kept = replace(base, mib=0.0, cpu_share=0.0, trace=None)  # what a cache change keeps
+        if launched() is not None:
+            from moechat.app.split_run import run_split_rank
+
+            run_split_rank(path, spec.settings, base, lambda pm, lm: _answer(conn, RealEngine(lm, kept, identity, pm),
+                                                                              spec, stop), progress)  # fmt: skip
+            return
+        lm = load_for(path, spec.settings, base, progress)
+        engine = RealEngine(lm, kept, identity)
     except Exception as e:
-        conn.send(("error", type(e).__name__, error_line(e)))
+        with contextlib.suppress(OSError):  # (a split's end after the app closed its side)
+            conn.send(("error", type(e).__name__, error_line(e)))
         return
+    try:
+        _answer(conn, engine, spec, stop)
+    finally:
+        engine.close()
+
+
+def _answer(conn: Connection, engine: RealEngine, spec: EngineSpec, stop: Any) -> None:
+    """Say the engine is ready, then answer the parent's calls until "close" or the pipe closes."""
     conn.send(("ready", engine.info))
     calls: dict[str, Callable[..., Any]] = {
         "fit_messages": engine.fit_messages, "snapshot": engine.snapshot, "cache": engine.cache,
         "set_cache": engine.set_cache, "recommend": engine.recommend, "min_bound": engine.min_bound,
     }  # fmt: skip
-    try:
-        while True:
-            try:
-                name, args = conn.recv()
-            except EOFError:
-                break
-            if name == "close":
-                break
-            try:
-                if name == "reply":
-                    prompt, params, max_tokens = args
-                    # Snapshots ride along with the tokens (the parent cannot ask mid-stream) at the
-                    # screen's cadence, and the last one comes before the end of the reply.
-                    cadence = Cadence(spec.settings.refresh_ms / 1000)
-                    for ev in engine.reply(prompt, params, max_tokens, stop):
-                        if cadence.due(last=isinstance(ev, DoneEvent))[0]:
-                            conn.send(("snap", engine.snapshot()))
-                        conn.send(("event", ev))
-                    conn.send(("end", None))
-                elif name in ("sweep", "confirm"):
-                    for sev in (engine.sweep if name == "sweep" else engine.confirm)(stop, *args):
-                        conn.send(("event", sev))
-                    conn.send(("end", None))
-                else:
-                    conn.send(("result", calls[name](*args)))
-            except Exception as e:
-                logger.debug("engine call %s failed:\n%s", name, traceback.format_exc())
-                conn.send(("error", type(e).__name__, error_line(e)))
-    finally:
-        engine.close()
+    while True:
+        try:
+            name, args = conn.recv()
+        except EOFError:
+            break
+        if name == "close":
+            break
+        try:
+            if name == "reply":
+                prompt, params, max_tokens = args
+                # Snapshots ride along with the tokens (the parent cannot ask mid-stream) at the
+                # screen's cadence, and the last one comes before the end of the reply.
+                cadence = Cadence(spec.settings.refresh_ms / 1000)
+                for ev in engine.reply(prompt, params, max_tokens, stop):
+                    if cadence.due(last=isinstance(ev, DoneEvent))[0]:
+                        conn.send(("snap", engine.snapshot()))
+                    conn.send(("event", ev))
+                conn.send(("end", None))
+            elif name in ("sweep", "confirm"):
+                for sev in (engine.sweep if name == "sweep" else engine.confirm)(stop, *args):
+                    conn.send(("event", sev))
+                conn.send(("end", None))
+            else:
+                conn.send(("result", calls[name](*args)))
+        except Exception as e:
+            logger.debug("engine call %s failed:\n%s", name, traceback.format_exc())
+            conn.send(("error", type(e).__name__, error_line(e)))
 
 
 class ProcessEngine:

@@ -11,6 +11,7 @@ import threading
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from moechat.app.engine_api import PLAIN_STOPS, Message, ModelInfo
@@ -20,7 +21,7 @@ from moechat.app.tuned import file_identity
 from moechat.engine.cache.settings import CacheSettings
 from moechat.engine.cache.stats import MinBound, StatsSnapshot
 from moechat.engine.events import Event, SamplingParams, TokenEvent
-from moechat.engine.generate import generate
+from moechat.engine.generate import Model, generate
 from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
 from moechat.engine.prompt_cache import PromptCache
 from moechat.engine.text.chat_template import ChatTemplateError, plain_template
@@ -29,6 +30,9 @@ from moechat.tuner.confirm import confirm
 from moechat.tuner.events import ConfirmEvent, SweepDone, SweepEvent
 from moechat.tuner.recommend import TuneReport, recommend
 from moechat.tuner.sweep import SweepSettings, calibrate, forget_runs
+
+if TYPE_CHECKING:
+    from moechat.engine.distributed.pipeline import PipelineModel
 
 logger = logging.getLogger(__name__)
 
@@ -76,9 +80,14 @@ def load_for(
 
 
 class RealEngine:
-    def __init__(self, lm: LoadedModel, base: CacheSettings, identity: str | None = None) -> None:
-        """`identity`: the file's `file_identity` when the caller has it already (it reads 16 MiB)."""
+    def __init__(self, lm: LoadedModel, base: CacheSettings, identity: str | None = None,
+                 split: PipelineModel | None = None) -> None:  # fmt: skip
+        """`identity`: the file's `file_identity` when the caller has it already (it reads 16 MiB).
+        `split`: on rank 0 of a model split over hosts (engine/distributed), the whole model, `lm` being
+        rank 0's own stage; replies, the cache's counters and its settings then reach every stage."""
         self.lm = lm
+        self.split = split
+        self.model: Model = split if split is not None else lm.model
         self.base = base  # device, link, load mode: what a cache change keeps
         cfg = lm.config
         dev = base.device
@@ -129,7 +138,7 @@ class RealEngine:
         kv, held = self.prompts.resume(prompt)
         replied: list[int] = []
         try:
-            for ev in generate(self.lm.model, self.lm.tokenizer, prompt[held:], kv, max_tokens=max_tokens,
+            for ev in generate(self.model, self.lm.tokenizer, prompt[held:], kv, max_tokens=max_tokens,
                                params=params, stop=stop, before=prompt[:held]):  # fmt: skip
                 if isinstance(ev, TokenEvent):
                     if ev.token >= 0:
@@ -149,6 +158,8 @@ class RealEngine:
             self.prompts.record([*prompt, *replied])
 
     def snapshot(self) -> StatsSnapshot | None:
+        if self.split is not None:
+            return self.split.snapshot()
         return self.lm.cache.snapshot() if self.lm.cache is not None else None
 
     def cache(self) -> tuple[float, float]:
@@ -157,7 +168,7 @@ class RealEngine:
 
     def min_bound(self) -> MinBound | None:
         c = self.lm.cache
-        if c is None:
+        if c is None or self.split is not None:  # (a split: rank 0's log holds its own layers only)
             return None
         # The cache's recent lookups, MIN starting from the slots as they were at the window's start.
         w = c.log.window()
@@ -169,7 +180,15 @@ class RealEngine:
     def set_cache(self, mib: float, share: float) -> None:
         settings = replace(self.base, mib=mib, cpu_share=share, trace=None)
         settings.validate()
-        self.lm.set_cache(settings)
+        if self.split is not None:
+            self.split.set_cache(settings)  # every stage: the size is each host's
+        else:
+            self.lm.set_cache(settings)
+
+    def _one_process(self) -> None:
+        if self.split is not None:
+            raise ValueError("the tuning wizard measures a model in one process, not one split over hosts: "
+                             "record the routing (--moe-cache-trace) and replay it with `moechat sim`")  # fmt: skip
 
     def _sweep_settings(self, max_mib: float | None = None, tokens: int = 256) -> SweepSettings:
         return SweepSettings(
@@ -181,6 +200,7 @@ class RealEngine:
 
     def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
               check: bool = False) -> Iterator[SweepEvent]:  # fmt: skip
+        self._one_process()
         mib, share = self.cache()
         settings = self._sweep_settings(max_mib, tokens)
         if fresh:
@@ -195,6 +215,7 @@ class RealEngine:
 
     def confirm(self, stop: threading.Event, current: tuple[float, float],
                 recommended: tuple[float, float]) -> Iterator[ConfirmEvent]:  # fmt: skip
+        self._one_process()
         mib, share = self.cache()
         try:
             yield from confirm(self.lm, self._sweep_settings(), current, recommended, stop=stop)
@@ -202,4 +223,5 @@ class RealEngine:
             self.set_cache(mib, share)  # the session's own cache again, whatever happened
 
     def close(self) -> None:
-        self.lm.close()
+        if self.split is None:  # a split's stage is closed where it was loaded (run_split), after the join
+            self.lm.close()

@@ -44,12 +44,23 @@ def add_chat_arguments(p: argparse.ArgumentParser) -> None:
 
 
 def run_chat(args: argparse.Namespace) -> int:
+    """The chat. Started by torchrun as a rank of a model split over hosts (engine/distributed), rank 0
+    chats as one process would, its engine reaching every stage; the other ranks serve their layers."""
+    from moechat.engine.distributed import launched
+
     settings, warnings, config = from_args(args, SETTINGS)
     try:
         check_model_file(args.model)  # a bad file fails before the app (or the engine) starts
     except (ValueError, OSError):
         print_warnings(warnings)
         raise
+    ranks = launched()
+    if ranks is not None and ranks[0] != 0:
+        from moechat.app.paths import app_paths
+        from moechat.app.split_run import run_as_rank
+
+        print_warnings(warnings)
+        return run_as_rank(args.model, settings, None, app_paths().data / "warm")
     if not args.plain and sys.stdin.isatty() and sys.stdout.isatty():
         from moechat.app.paths import app_paths
         from moechat.app.tui import MoechatApp, real_engine_factory, run_tui
@@ -67,23 +78,39 @@ def _line_chat(args: argparse.Namespace, settings: Settings) -> int:
     and, as the app does, the conversation and the session's stats saved after each reply and the
     expert cache warm-started from, and saved to, this model's use counts. `-v` prints each
     reply's stats as `moechat run` does."""
-    from moechat.app.conversations import Conversation, ConversationStore
     from moechat.app.demo_model import resolve_model
-    from moechat.app.export import SessionStats, reply_record, reply_stats, session_file, write_stats
     from moechat.app.paths import app_paths
     from moechat.app.real_engine import RealEngine, load_for
     from moechat.app.tuned import identity_of
-    from moechat.engine.cache.stats import summary_lines
+    from moechat.engine.distributed import launched
 
-    params = sampling_params(settings)
+    sampling_params(settings)  # bad values fail before the model loads
+    warm_dir = app_paths().data / "warm"
+    if launched() is not None:  # rank 0 of a split
+        from moechat.app.split_run import run_as_rank
+
+        return run_as_rank(args.model, settings, lambda pm, lm, identity, cache: _chat_lines(
+            args, settings, RealEngine(lm, replace(cache, mib=0.0, cpu_share=0.0, trace=None), identity, pm)),
+            warm_dir)  # fmt: skip
     path = resolve_model(args.model)
-    paths = app_paths()
     identity = identity_of(path)
-    cache = cache_settings(settings, paths.data / "warm" / f"{identity}.json" if identity else None)
+    cache = cache_settings(settings, warm_dir / f"{identity}.json" if identity else None)
     status = StatusLine()
     lm = load_for(path, settings, cache, status)
     status.done()
-    engine = RealEngine(lm, replace(cache, mib=0.0, cpu_share=0.0, trace=None), identity)
+    return _chat_lines(args, settings, RealEngine(lm, replace(cache, mib=0.0, cpu_share=0.0, trace=None), identity))
+
+
+def _chat_lines(args: argparse.Namespace, settings: Settings, engine: RealEngine) -> int:
+    """The line-mode chat's turns, until the end of stdin; `engine` is closed at the end."""
+    from moechat.app.conversations import Conversation, ConversationStore
+    from moechat.app.export import SessionStats, reply_record, reply_stats, session_file, write_stats
+    from moechat.app.paths import app_paths
+    from moechat.engine.cache.stats import summary_lines
+
+    params = sampling_params(settings)
+    paths = app_paths()
+    lm = engine.lm
     settings_now = settings.values()
     conv = Conversation(model=engine.info.name, system=settings.system)
     store = ConversationStore(paths.data / "conversations")

@@ -73,12 +73,12 @@ def run(args: argparse.Namespace) -> int:
     check_model_file(args.model)
     from moechat.app.demo_model import resolve_model
     from moechat.app.real_engine import load_for
-    from moechat.engine.distributed.run import launched
+    from moechat.engine.distributed import launched
 
     if launched() is not None:
         from moechat.app.split_run import run_as_rank
 
-        return run_as_rank(args, settings, reply)
+        return run_as_rank(args.model, settings, lambda pm, lm, _id, _cache: reply(args, settings, lm, pm, pm.snapshot))
     status = StatusLine()
     lm = load_for(resolve_model(args.model), settings, cache_settings(settings), status)
     status.done()

@@ -43,6 +43,9 @@ class Routing:
     recorded_share: float = 0.0
     warm: dict[int, list[float]] | None = None  # the saved counts a warm-started cache filled its slots from
     recorded_policy: str = "classlru"
+    # A split model's trace (engine/distributed): the groups each stage held. Each stage sized its
+    # own slots from the whole budget, so a size here is each stage's. None: one process.
+    stages: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def first_layer(self) -> int:
@@ -66,14 +69,24 @@ class Routing:
                 seen += len(ids) // n
             yield seen
 
+    def _stages(self) -> tuple[tuple[int, ...], ...]:
+        return self.stages if self.stages is not None else (tuple(range(len(self.groups))),)
+
     def slots(self, mib: float) -> list[int]:
+        """Slots of each group in a cache of `mib` MiB (a split: in each stage's cache of `mib` MiB)."""
         budget = int(mib * 2**20)
-        return [n for n, _ in split_budget([(len(g.layers), g.n_expert, g.expert_bytes) for g in self.groups],
-                                           budget, self.n_expert_used)]  # fmt: skip
+        out = [0] * len(self.groups)
+        for stage in self._stages():
+            groups = [self.groups[i] for i in stage]
+            got = split_budget([(len(g.layers), g.n_expert, g.expert_bytes) for g in groups], budget,
+                               self.n_expert_used)  # fmt: skip
+            for i, (n, _) in zip(stage, got, strict=True):
+                out[i] = n
+        return out
 
     def full_mib(self) -> float:
-        """The smallest cache, in MiB, that holds every expert."""
-        return self.expert_bytes / 2**20
+        """The smallest cache, in MiB, that holds every expert (a split: every expert of the largest stage)."""
+        return max(sum(self.groups[i].bytes for i in stage) for stage in self._stages()) / 2**20
 
     def layer_steps(self, layer: int) -> list[list[int]]:
         """The experts each token selected in `layer`, token by token, over the whole trace."""
@@ -83,11 +96,17 @@ class Routing:
                 steps += [list(ids[i : i + n]) for i in range(0, len(ids), n)]
         return steps
 
+    @property
+    def geometry(self) -> tuple[object, ...]:
+        """What two traces must share to be joined: the same model, cache layout and split."""
+        return self.groups, self.n_expert_used, self.max_batch, self.stages
+
     def concat(self, other: Routing) -> Routing:
-        if (other.groups, other.n_expert_used, other.max_batch) != (self.groups, self.n_expert_used, self.max_batch):
+        if other.geometry != self.geometry:
             raise ValueError("traces of different models cannot be joined")
         return Routing(self.groups, self.n_expert_used, self.max_batch, self.records + other.records,
-                       self.recorded_mib, self.recorded_share, self.warm, self.recorded_policy)  # fmt: skip
+                       self.recorded_mib, self.recorded_share, self.warm, self.recorded_policy,
+                       self.stages)  # fmt: skip
 
 
 def load_routing(path: str | Path) -> Routing:
@@ -96,13 +115,18 @@ def load_routing(path: str | Path) -> Routing:
     try:
         groups = tuple(Group(tuple(g["layers"]), int(g["n_expert"]), int(g["expert_bytes"])) for g in h["groups"])
         warm = h.get("warm")
+        stages = h.get("stages")  # a split model's trace
+        held = tuple(tuple(int(i) for i in st) for st in stages) if stages is not None else None
         routing = Routing(groups, int(h["n_expert_used"]), int(h["max_batch"]),
                           tuple((r.layer, r.n_used, r.ids) for r in tr.records),
                           float(h.get("budget_mib", 0.0)), float(h.get("cpu_share", 0.0)),
                           {int(k): [float(c) for c in v] for k, v in warm.items()} if warm else None,
-                          str(h.get("policy", "classlru")))  # fmt: skip
+                          str(h.get("policy", "classlru")),
+                          held)  # fmt: skip
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: trace header lacks or garbles {e}") from None
+    if held is not None and sorted(i for st in held for i in st) != list(range(len(groups))):
+        raise ValueError(f"{path}: the trace header's stages do not hold each group once")
     known = {layer for g in groups for layer in g.layers}
     for record, _, ids in routing.records:
         layer = record_layer(record)

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -440,11 +441,17 @@ class ExpertCache:
                 self.warm_uploads, self.warm_bytes, self.settings.policy,
             )  # fmt: skip
 
+    def end_trace(self) -> Path | None:
+        """Close the routing trace (lookups from now on go unrecorded); the file written, or None."""
+        if self._trace is None:
+            return None
+        self._trace.close()
+        path, self._trace = self._trace.path, None
+        return path
+
     def close(self) -> None:
         self.save_warm_start()
-        if self._trace is not None:
-            self._trace.close()
-            self._trace = None
+        self.end_trace()
         if self._worker is not None:
             self._worker.shutdown(wait=True)
             self._worker = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 import struct
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, BinaryIO
@@ -41,19 +41,27 @@ class TraceWriter:
     def __init__(self, path: str | Path, header: dict[str, Any]) -> None:
         self.path = Path(path)
         self._f: BinaryIO | None = self.path.open("wb")
-        head = json.dumps(header, sort_keys=True).encode("utf-8")
-        self._f.write(MAGIC + struct.pack("<I", len(head)) + head)
+        self._f.write(_header_bytes(header))
 
     def write(self, layer: int, n_used: int, ids: np.ndarray) -> None:
         if self._f is None:
             return
-        flat = np.ascontiguousarray(ids, dtype="<i4").reshape(-1)
-        self._f.write(_REC.pack(layer, n_used, flat.size) + flat.tobytes())
+        self._f.write(_record_bytes(layer, n_used, ids))
 
     def close(self) -> None:
         if self._f is not None:
             self._f.close()
             self._f = None
+
+
+def _header_bytes(header: dict[str, Any]) -> bytes:
+    head = json.dumps(header, sort_keys=True).encode("utf-8")
+    return MAGIC + struct.pack("<I", len(head)) + head
+
+
+def _record_bytes(layer: int, n_used: int, ids: np.ndarray) -> bytes:
+    flat = np.ascontiguousarray(ids, dtype="<i4").reshape(-1)
+    return _REC.pack(layer, n_used, flat.size) + flat.tobytes()
 
 
 @dataclass(frozen=True)
@@ -66,7 +74,11 @@ class Trace:
 
 
 def read_trace(path: str | Path) -> Trace:
-    data = Path(path).read_bytes()
+    return parse_trace(Path(path).read_bytes(), str(path))
+
+
+def parse_trace(data: bytes, path: str) -> Trace:
+    """A trace from its bytes; `path` names it in errors."""
     if not data.startswith(MAGIC):
         raise TraceError(f"{path}: offset 0: not a moechat trace")
     pos = len(MAGIC)
@@ -91,3 +103,50 @@ def read_trace(path: str | Path) -> Trace:
         records.append(Record(layer, n_used, tuple(int(i) for i in ids)))
         pos += 4 * n_ids
     return Trace(header, tuple(records))
+
+
+def join_stages(parts: Sequence[bytes]) -> bytes:
+    """One trace from the traces of a split model's stages (rank order), as one process would have
+    recorded it: forward by forward, each stage's lookups after the stage before it.
+
+    Each stage's cache sees every forward once and looks up each of its MoE layers once per forward
+    (a prefetch's record comes before its layer's lookup), so a stage's forward ends with the lookup
+    of its last MoE layer. The header lists every stage's groups; `stages` says which groups each
+    stage held, since each stage sized its slots from its own budget (`budget_mib`, the same on all)."""
+    traces = [parse_trace(data, f"stage {i}") for i, data in enumerate(parts)]
+    heads = [t.header for t in traces]
+    shared = ("version", "max_batch", "n_expert_used", "budget_mib", "cpu_share", "policy", "prefetch")
+    for i, h in enumerate(heads[1:], 1):
+        differ = [k for k in shared if h.get(k) != heads[0].get(k)]
+        if differ:
+            raise TraceError(f"stage {i}: its trace differs from stage 0's in {', '.join(differ)}")
+    header: dict[str, Any] = {k: heads[0].get(k) for k in shared}
+    groups: list[Any] = []
+    stages: list[list[int]] = []
+    warm: dict[str, Any] = {}
+    forwards: list[list[list[Record]]] = []
+    for h, t in zip(heads, traces, strict=True):
+        first = len(groups)
+        groups += h["groups"]
+        stages.append(list(range(first, len(groups))))
+        warm.update(h.get("warm") or {})
+        last = max((layer for g in h["groups"] for layer in g["layers"]), default=None)
+        chunks: list[list[Record]] = [[]]
+        for r in t.records:
+            chunks[-1].append(r)
+            if r.layer == last:
+                chunks.append([])
+        if chunks[-1]:
+            raise TraceError(f"stage {len(forwards)}: its trace ends inside a forward")
+        forwards.append(chunks[:-1])
+    counts = {len(f) for f in forwards if f}
+    if len(counts) > 1:
+        raise TraceError(f"the stages' traces hold different numbers of forwards ({sorted(counts)})")
+    header["groups"], header["stages"] = groups, stages
+    header["warm"] = warm if any(h.get("warm") is not None for h in heads) else None
+    out = bytearray(_header_bytes(header))
+    for step in range(counts.pop() if counts else 0):
+        for stage in forwards:
+            for r in stage[step] if stage else ():
+                out += _record_bytes(r.layer, r.n_used, np.asarray(r.ids))
+    return bytes(out)

@@ -13,6 +13,7 @@ import argparse
 import os
 import sys
 from collections.abc import Callable
+from dataclasses import replace
 from datetime import timedelta
 from pathlib import Path
 from typing import Any, TypeVar
@@ -25,17 +26,11 @@ from ..generate import generate
 from ..gguf.identity import file_identity
 from ..loader import LoadedModel, load_model
 from ..models.opening import open_model
-from .pipeline import PipelineModel, serve
+from .pipeline import PipelineModel, serve, stage_file
 from .plan import Plan, plan_split, this_hosts_memory
 
 T = TypeVar("T")
 TIMEOUT_S = 60.0  # a rank that does not answer within this ends the run with an error
-
-
-def launched() -> tuple[int, int] | None:
-    """(rank, world size) when torchrun started this process as a rank of a group of several, else None."""
-    world = int(os.environ.get("WORLD_SIZE", "1") or 1)
-    return (int(os.environ.get("RANK", "0") or 0), world) if world > 1 else None
 
 
 def join(rank: int, world: int, address: str = "", timeout_s: float = TIMEOUT_S) -> None:
@@ -62,11 +57,19 @@ def agree(path: Path, memory: int) -> list[int]:
 
 def run_split(path: Path, on_rank0: Callable[[PipelineModel, LoadedModel], T], *, n_ctx: int = 4096,
               cache: CacheSettings | None = None, memory: int | None = None,
-              served: Callable[[LoadedModel], T] | None = None, **load: Any) -> T | None:  # fmt: skip
+              served: Callable[[LoadedModel], T] | None = None, timeout_s: float = TIMEOUT_S,
+              **load: Any) -> T | None:  # fmt: skip
     """This rank's part of a split run (after `join`): rank 0 calls `on_rank0` with the whole model
     behind a PipelineModel and returns what it returns; the other ranks serve until rank 0 is done,
-    then return `served(their model)` (None without it). `load`: more of load_model's options."""
+    then return `served(their model)` (None without it). `load`: more of load_model's options.
+
+    Each stage records its routing (`cache.trace`) beside the target and rank 0 joins the parts there
+    when `on_rank0` returns; each rank keeps its warm start in a file of its own (`stage_file`)."""
     rank = dist.get_rank()
+    trace = cache.trace if cache is not None else None
+    if cache is not None:
+        cache = replace(cache, trace=trace and stage_file(trace, rank),
+                        warm_start=cache.warm_start and stage_file(cache.warm_start, rank))  # fmt: skip
     sizes = agree(path, memory or this_hosts_memory())
     gguf, cfg = open_model(path)  # the header only: the plan comes before any page is read
     with gguf:
@@ -80,9 +83,12 @@ def run_split(path: Path, on_rank0: Callable[[PipelineModel, LoadedModel], T], *
         if rank != 0:
             serve(lm, plan, rank)
             return served(lm) if served is not None else None
-        pm = PipelineModel(lm, plan)
+        pm = PipelineModel(lm, plan, timeout_s)
         try:
-            return on_rank0(pm, lm)
+            result = on_rank0(pm, lm)
+            if trace is not None:
+                pm.join_traces(trace)
+            return result
         finally:
             pm.close()
     finally:
