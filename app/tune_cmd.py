@@ -248,7 +248,14 @@ def run_sim(args: argparse.Namespace) -> int:
                         + ([""] if split is not None else []))  # fmt: skip
     names = ", ".join(Path(t).name for t in args.trace)
     scored = f"held out: the last {n - split} scored" if split is not None else f"{n - args.warmup} scored"
-    print(f"{names}: {n} tokens, {sum(1 for r in routing.records if r[0] >= 0)} lookups, experts {full:.2f} MiB, "
+    experts = (
+        f"experts {full:.2f} MiB"
+        if routing.stages is None
+        else (
+            f"split over {len(routing.stages)} hosts: sizes are each host's, the largest host's experts {full:.2f} MiB"
+        )
+    )
+    print(f"{names}: {n} tokens, {sum(1 for r in routing.records if r[0] >= 0)} lookups, {experts}, "
           f"warm-up {args.warmup} tokens, {scored}")  # fmt: skip
     header = ["cache MiB", "slots", "policy", "share", "hit rate", "misses", "vs MIN", "vs MIN-bypass", "compulsory"]
     if split is not None:

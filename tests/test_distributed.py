@@ -56,6 +56,9 @@ def test_a_split_model_writes_what_one_process_writes(tmp_path: Path, arch: str)
             sim = replay(joined, cache.mib, cache.cpu_share, warmup=0)
             assert {layer: c.total for layer, c in sim.layers.items()} == {k: c for k, (c, _) in merged.items()}
             assert sum(c.cpu for c, _ in merged.values()) > 0 and sum(c.hits for c, _ in merged.values()) > 0
+            sim_cmd = subprocess.run([sys.executable, "-m", "moechat", "sim", str(split_trace), "--warmup", "0"],
+                                     capture_output=True, text=True, timeout=120)  # fmt: skip
+            assert sim_cmd.returncode == 0 and f"split over {len(joined.stages)} hosts" in sim_cmd.stdout, sim_cmd
         # Each rank has only its own part of the file in memory: its layers (rank 0: and the ends).
         gguf, cfg = open_model(path)
         with gguf:
