@@ -59,6 +59,8 @@ V_I8, V_I16, V_I32, V_F32, V8_F32 = _vec(I8), _vec(I16), _vec(I32), _vec(F32), _
 
 _IQ4_NL = list(IQ4_NL_VALUES)
 _MXFP4 = list(MXFP4_VALUES)  # doubled; the scale is halved
+_E8M0_HALF = [2.0 ** (e - 128) for e in range(256)]  # MXFP4's scales, halved: all exact in float32
+_E8M0_NAME = "moechat_e8m0_half"
 # The instructions named below, by the level `isa` chose (the CPU's, or a lower one MOECHAT_CPU_ISA asks for).
 # x86's byte shuffle looks up 16 table entries for 16 lanes at once (32 with AVX2); elsewhere one lane at a time.
 _X86 = isa.X86
@@ -230,12 +232,15 @@ def _iq4_nl(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
 
 
 def _mxfp4(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
-    # E8M0 scale 2^(e - 127), halved for the doubled code book: the float32 with exponent bits e - 1.
+    # E8M0 scale 2^(e - 127), halved for the doubled code book: looked up in a table of the 256 values
+    # (one load, where computing it with its two subnormal cases took seven instructions a block).
     b = v.b
     e = b.zext(v.scalar(p, 0, I8), I32)
-    normal = b.shl(b.sub(e, ir.Constant(I32, 1)), ir.Constant(I32, 23))
-    subnormal = b.shl(ir.Constant(I32, 0x200000), e)  # e = 0, 1: 2^-128, 2^-127
-    d = b.bitcast(b.select(b.icmp_unsigned(">=", e, ir.Constant(I32, 2)), normal, subnormal), F32)
+    try:
+        tab = b.module.get_global(_E8M0_NAME)  # one table per compiled function
+    except KeyError:
+        tab = cgutils.global_constant(b.module, _E8M0_NAME, ir.Constant(ir.ArrayType(F32, 256), _E8M0_HALF))
+    d = b.load(b.gep(tab, [ir.Constant(I32, 0), e]), align=4)
     return Block([Chunk(v.table(v.nibbles(p, 1), _MXFP4), True, _scaled(v, d, dxp))], None)
 
 
@@ -610,9 +615,11 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
             accb = [cgutils.alloca_once_value(b, ir.Constant(V8_F32, None)) for _ in range(nt)]
             accs = [cgutils.alloca_once_value(b, ir.Constant(F32, None)) for _ in range(nt)]
             used: set[str] = set()
-            with cgutils.for_range(b, args[2]) as loop:
-                first = b.mul(loop.index, ir.Constant(I64, layout.weights))  # the block's first weight
-                block_p = v.at(wp, b.mul(loop.index, ir.Constant(I64, layout.size)))
+
+            def block_dots(index: ir.Value, par: int) -> None:
+                """Block `index`'s products into the accumulators; `par` picks which chain its chunks start on."""
+                first = b.mul(index, ir.Constant(I64, layout.weights))  # the block's first weight
+                block_p = v.at(wp, b.mul(index, ir.Constant(I64, layout.size)))
                 sums = b.udiv(first, ir.Constant(I64, LANES))  # the block's first chunk
                 if ints is not None:
                     # int8: the activations of one scale per 256 are the second half of each row
@@ -631,20 +638,24 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
                             x = v.load(xps[t], b.add(first, ir.Constant(I64, c * LANES)), act, align=bits // 8)
                             if bits == 8:
                                 m = b.sitofp(_dot32(v, q, magnitudes[c], signed, x), V8_F32)
-                                acc = acc8[t][c % 2]
+                                acc = acc8[t][(c + par) % 2]
                                 scale = scale if isinstance(scale.type, ir.VectorType) else v.splat(scale, 8)
                                 b.store(v.fma(m, scale, b.load(acc)), acc)
                                 continue
                             m = _dot32_wide(v, q, signed, x)  # <16 x i32>
                             if isinstance(scale.type, ir.VectorType):
-                                acc = acc16[t][c % 2]
+                                acc = acc16[t][(c + par) % 2]
                                 scale = b.shuffle_vector(scale, scale, ir.Constant(_vec(I32, 16), [0] * 8 + [4] * 8))
                                 b.store(v.fma(b.sitofp(m, _vec(F32, 16)), scale, b.load(acc)), acc)
+                                used.add("16")
+                            elif _AVX512:  # one scale, 16 lanes in one register: no halves to add first
+                                acc = acc16[t][(c + par) % 2]
+                                b.store(v.fma(b.sitofp(m, _vec(F32, 16)), v.splat(scale, 16), b.load(acc)), acc)
                                 used.add("16")
                             else:  # one scale: the two halves' integer sums first
                                 halves = [b.shuffle_vector(m, m, ir.Constant(_vec(I32, 8), list(range(h, h + 8))))
                                           for h in (0, 8)]  # fmt: skip
-                                acc = acc8[t][c % 2]
+                                acc = acc8[t][(c + par) % 2]
                                 b.store(v.fma(b.sitofp(b.add(*halves), V8_F32), v.splat(scale, 8), b.load(acc)), acc)
                         if block.bias is not None:
                             if isinstance(block.bias.type, ir.VectorType):
@@ -655,6 +666,20 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
                                 bsum = b.load(v.at(bps[t], sums), align=4)
                                 b.store(_fma1(b, block.bias, bsum, b.load(accs[t])), accs[t])
                                 used.add("s")
+
+            n_blocks = args[2]
+            if layout.weights == LANES:
+                # One chunk per block: two blocks a pass, on two chains of FMAs, so that the next block's
+                # FMA does not wait for the last one's (its latency, not the bytes, bounded the loop).
+                with cgutils.for_range(b, b.udiv(n_blocks, ir.Constant(I64, 2))) as loop:
+                    even = b.mul(loop.index, ir.Constant(I64, 2))
+                    block_dots(even, 0)
+                    block_dots(b.add(even, ir.Constant(I64, 1)), 1)
+                with b.if_then(b.trunc(n_blocks, ir.IntType(1))):  # an odd count's last block
+                    block_dots(b.sub(n_blocks, ir.Constant(I64, 1)), 0)
+            else:  # eight chunks a block: they alternate between the chains
+                with cgutils.for_range(b, n_blocks) as loop:
+                    block_dots(loop.index, 0)
             outs = []
             for t in range(nt):
                 parts = [_hsum(b, b.fadd(b.load(acc8[t][0]), b.load(acc8[t][1])))]
