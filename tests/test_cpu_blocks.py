@@ -107,3 +107,29 @@ def test_compiled_delta_rule_matches_the_torch_recurrence(n_tok: int, n_head: in
     assert not torch.equal(state, start)
     assert float((out - ref).abs().max()) <= 1e-5 * float(ref.abs().max())
     assert float((state - ref_state).abs().max()) <= 1e-5 * float(ref_state.abs().max())
+
+
+@pytest.mark.parametrize("window", [0, 6])
+def test_attention_sinks_in_the_fused_attention_are_a_softmax_logit_without_a_value(window: int) -> None:
+    """gpt-oss's sinks ride in torch's fused attention as one more key: the same as the softmax over the
+    scores and each head's sink logit, for a prompt and for the token after it."""
+    torch.manual_seed(0)
+    n_head, n_kv, dim, t = 6, 2, 16, 9
+    sinks = torch.randn(n_head) * 2
+    cache = LayerCache(torch.zeros(32, n_kv, dim), torch.zeros(32, n_kv, dim))
+    keys, values = torch.randn(t + 1, n_kv, dim), torch.randn(t + 1, n_kv, dim)
+    queries = torch.randn(t + 1, n_head, dim)
+
+    def step(a: int, b: int) -> torch.Tensor:  # positions a..b-1 after those before a
+        return attention(queries[a:b], cache, keys[a:b], values[a:b], a, scale=0.25, window=window, sinks=sinks)
+
+    got = torch.cat([step(0, t), step(t, t + 1)])
+    group = n_head // n_kv
+    for i in range(t + 1):  # each position by the formula: softmax over its visible keys and the sink
+        first = max(0, i - window + 1) if window else 0
+        for h in range(n_head):
+            scores = keys[first : i + 1, h // group] @ queries[i, h] * 0.25
+            probs = torch.softmax(torch.cat([scores, sinks[h : h + 1]]), 0)[:-1]
+            want = probs @ values[first : i + 1, h // group]
+            torch.testing.assert_close(got[i, h], want, rtol=1e-5, atol=1e-6)
+    assert got.shape == (t + 1, n_head, dim)

@@ -206,6 +206,27 @@ def _visible(pos0: int, t: int, start: int, window: int, device: torch.device) -
     return allowed
 
 
+def _with_sink_key(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None, sinks: torch.Tensor, scale: float
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Attention sinks (a learned logit per query head that takes part in the softmax and has no value)
+    as one more key that every query sees: each query gets one more dimension holding its head's sink
+    (over the scale), the keys a zero there, the sink key a one there and nothing else, its value zero.
+    So the fused attention runs with sinks too. q [T, H, D], k [S, Hkv, D], v [S, Hkv, D], mask [T, S]."""
+    t, n_head, _ = q.shape
+    n_kv = k.shape[1]
+    q = torch.cat([q, (sinks / scale).reshape(1, n_head, 1).expand(t, -1, -1).to(q.dtype)], dim=-1)  # [T, H, D+1]
+    sink_key = torch.zeros(1, n_kv, k.shape[-1] + 1, dtype=k.dtype, device=k.device)
+    sink_key[..., -1] = 1.0
+    k = torch.cat([F.pad(k, (0, 1)), sink_key])  # [S+1, Hkv, D+1]
+    # The values get a zero dimension too: with the keys' width torch runs its fused kernel, with
+    # another its unfused one (seven times slower here). The caller drops it from the output.
+    v = torch.cat([F.pad(v, (0, 1)), v.new_zeros(1, n_kv, v.shape[-1] + 1)])  # [S+1, Hkv, Dv+1]
+    if mask is not None:
+        mask = F.pad(mask, (0, 1), value=True)  # [T, S+1]
+    return q, k, v, mask
+
+
 def attention(
     q: torch.Tensor,
     layer: LayerCache,
@@ -225,18 +246,22 @@ def attention(
     layer.v[pos0:end] = v_new
     start = max(0, pos0 - window + 1) if window else 0
     k, v = layer.k[start:end], layer.v[start:end]  # [S, Hkv, D]
-    if sinks is None and not softcap:
+    if not softcap:
         # One fused op: no [H, T, S] scores held, no dozen eager ones per layer. One token sees every
         # cached position from `start` on: no mask.
+        mask = None if t == 1 else _visible(pos0, t, start, window, q.device)  # [T, S]
+        dv = v.shape[-1]
+        if sinks is not None:
+            q, k, v, mask = _with_sink_key(q, k, v, mask, sinks, scale)
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1).unsqueeze(0),
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
-            attn_mask=None if t == 1 else _visible(pos0, t, start, window, q.device),
+            attn_mask=mask,
             scale=scale,
             enable_gqa=True,
         )  # [1, H, T, Dv]
-        return out[0].transpose(0, 1)  # [T, H, Dv]
+        return out[0, ..., :dv].transpose(0, 1)  # [T, H, Dv]
     # Query head h reads KV head h // group: the queries grouped by their KV head, so the cached
     # keys and values are read as they lie (copied per query head they were a group's times the cache).
     n_kv = k.shape[1]
