@@ -24,22 +24,25 @@ from testkit.ggufgen import Q, quantized
 
 
 @pytest.mark.parametrize(
-    ("n_head", "n_kv", "dim", "rope_dim", "neox", "window"),
-    [(4, 4, 16, 16, True, 0), (8, 2, 32, 32, False, 0), (6, 3, 32, 16, True, 5), (9, 3, 64, 64, False, 0)],
-)
+    ("n_head", "n_kv", "dim", "rope_dim", "neox", "window", "sink"),
+    [(4, 4, 16, 16, True, 0, False), (8, 2, 32, 32, False, 0, False), (6, 3, 32, 16, True, 5, True),
+     (9, 3, 64, 64, False, 0, True)],
+)  # fmt: skip
 def test_decode_attention_matches_the_torch_path(n_head: int, n_kv: int, dim: int, rope_dim: int, neox: bool,
-                                                 window: int) -> None:  # fmt: skip
+                                                 window: int, sink: bool) -> None:  # fmt: skip
     torch.manual_seed(0)
     n_ctx, scale = 32, dim**-0.5
+    sinks = torch.randn(n_head) * 2 if sink else None  # gpt-oss's attention sinks
     rope = Rope(rope_dim, 10000.0, n_ctx, neox=neox)
     ref_cache = LayerCache(torch.zeros(n_ctx, n_kv, dim), torch.zeros(n_ctx, n_kv, dim))
     cache = LayerCache(torch.zeros(n_ctx, n_kv, dim), torch.zeros(n_ctx, n_kv, dim))
     for pos in range(12):  # each position attends to all earlier ones (or the window's)
         q, k, v = torch.randn(1, n_head, dim), torch.randn(1, n_kv, dim), torch.randn(1, n_kv, dim)
         p = torch.tensor([pos])
-        ref = attention(rope(q, p), ref_cache, rope(k, p), v, pos, scale=scale, window=window)  # [1, H, D]
+        ref = attention(rope(q, p), ref_cache, rope(k, p), v, pos, scale=scale, window=window, sinks=sinks)  # [1, H, D]
         got = decode_attention(q[0].numpy().copy(), k[0].numpy().copy(), v[0].numpy().copy(), rope.parts(), neox,
-                               cache.k.numpy(), cache.v.numpy(), pos, window, scale)  # fmt: skip
+                               cache.k.numpy(), cache.v.numpy(), pos, window, scale,
+                               None if sinks is None else sinks.numpy())  # fmt: skip
         torch.testing.assert_close(torch.from_numpy(got), ref[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(cache.k[: pos + 1], ref_cache.k[: pos + 1], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(cache.v[: pos + 1], ref_cache.v[: pos + 1])

@@ -11,8 +11,8 @@ the output projection (a second parallel region), a post-attention norm where th
 post-norm, residual add), or without norm and residual for a MoE layer's shared expert.
 `rms_rows` and `route_rows` are a few rows' RMS norm and a MoE layer's routing.
 
-Prefill, attention sinks and logit soft-capping keep the torch path (`layers.attention`), which
-is also the reference the tests hold this one to.
+Prefill and logit soft-capping keep the torch path (`layers.attention`), which is also the
+reference the tests hold this one to; attention sinks (gpt-oss) are in both.
 """
 
 from __future__ import annotations
@@ -84,8 +84,9 @@ def _check_position(pos: int, k_cache: np.ndarray) -> None:
 
 
 @njit
-def _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, scale, out):
-    """q [H, D], k [Hkv, D], v [Hkv, Dv] of the token at `pos` -> out [H, Dv]; writes the cache at pos."""
+def _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, scale, sinks, out):
+    """q [H, D], k [Hkv, D], v [Hkv, Dv] of the token at `pos` -> out [H, Dv]; writes the cache at pos.
+    sinks [H] (or empty): each head's logit that takes part in the softmax and has no value."""
     _rotate(q, cis, pos, neox)
     _rotate(k, cis, pos, neox)
     k_cache[pos] = k
@@ -95,14 +96,14 @@ def _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, scale, o
     p = np.empty(n, np.float32)
     for h in range(n_head):
         kv = h // group
-        top = np.float32(-np.inf)
+        top = sinks[h] if sinks.size else np.float32(-np.inf)
         for s in range(n):
             dot = np.float32(0)
             for d in range(q.shape[1]):
                 dot += q[h, d] * k_cache[start + s, kv, d]
             p[s] = dot * scale
             top = max(top, p[s])
-        total = np.float32(0)
+        total = np.exp(sinks[h] - top) if sinks.size else np.float32(0)
         for s in range(n):
             p[s] = np.exp(p[s] - top)
             total += p[s]
@@ -116,17 +117,19 @@ def _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, scale, o
 
 def decode_attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, cis: np.ndarray, neox: bool, k_cache: np.ndarray,
-    v_cache: np.ndarray, pos: int, window: int, scale: float,
+    v_cache: np.ndarray, pos: int, window: int, scale: float, sinks: np.ndarray | None = None,
 ) -> np.ndarray:  # fmt: skip
     """One token's attention: q [H, D], k [Hkv, D], v [Hkv, Dv] (rotated here, in place) -> [H, Dv].
 
     cis [n_ctx, rope_dim / 2, 2]: cos and sin per position; k_cache/v_cache [n_ctx, Hkv, D]: the
-    layer's cache, written at `pos`; window: 0, or the sliding window's length.
+    layer's cache, written at `pos`; window: 0, or the sliding window's length; sinks [H]: the
+    heads' attention sinks (gpt-oss), or None.
     """
     _check_position(pos, k_cache)
     start = max(0, pos - window + 1) if window else 0
     out = np.empty((q.shape[0], v.shape[1]), np.float32)
-    _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, np.float32(scale), out)
+    _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, np.float32(scale),
+                      _NONE if sinks is None else sinks, out)  # fmt: skip
     return out
 
 
@@ -136,7 +139,7 @@ def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q, bits: int) -> Any:
 
     @njit(parallel=True, fastmath=False)
     def block(x, norm, eps, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, post_norm, n_head, n_kv, head_dim,
-              cis, neox, k_cache, v_cache, pos, start, scale, out):  # fmt: skip
+              cis, neox, k_cache, v_cache, pos, start, scale, sinks, out):  # fmt: skip
         e = x.shape[1]
         one = np.zeros(1, np.int64)
         h = np.empty((1, e), np.float32)
@@ -163,7 +166,8 @@ def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q, bits: int) -> Any:
         if k_norm.size:
             _rms(k.copy(), k_norm, eps, k)
         a = np.empty((n_head, v_cache.shape[2]), np.float32)
-        _decode_attention(q, k, yv.reshape(n_kv, v_cache.shape[2]), cis, neox, k_cache, v_cache, pos, start, scale, a)
+        _decode_attention(q, k, yv.reshape(n_kv, v_cache.shape[2]), cis, neox, k_cache, v_cache, pos, start, scale,
+                          sinks, a)  # fmt: skip
         a2 = a.reshape(1, -1)
         qo = quantize_rows(a2, one, bits)
         y = np.empty((1, e), np.float32)
@@ -186,14 +190,14 @@ def attention_block(
     x: np.ndarray, norm: np.ndarray, eps: float, ws: tuple[tuple[np.ndarray, Q], ...],
     biases: tuple[np.ndarray | None, ...], q_norm: np.ndarray | None, k_norm: np.ndarray | None,
     post_norm: np.ndarray | None, shape: tuple[int, int, int], cis: np.ndarray, neox: bool, k_cache: np.ndarray,
-    v_cache: np.ndarray, pos: int, window: int, scale: float, bits: int = 16,
+    v_cache: np.ndarray, pos: int, window: int, scale: float, bits: int = 16, sinks: np.ndarray | None = None,
 ) -> np.ndarray:  # fmt: skip
     """x [1, E] + the attention of its normed self at `pos` (see the module's doc) -> [1, E].
 
     ws: (raw bytes, type) of q, k, v and output; biases: of q, k, v, output (None: none; q, k
     and v have them all or none); q_norm/k_norm: per-head weights [head_dim]; post_norm: the
     norm after the output projection; shape: (heads, KV heads, head_dim); bits: the activations'
-    integers in the products (8 or 16).
+    integers in the products (8 or 16); sinks: as for decode_attention.
     """
     _check_position(pos, k_cache)
     (wq, tq), (wk, tk), (wv, tv), (wo, to) = ws
@@ -203,7 +207,7 @@ def attention_block(
     _block_kernel(tq, tk, tv, to, bits)(
         x, norm, np.float32(eps), wq, wk, wv, wo, bq, bk, bv, bo, _NONE if q_norm is None else q_norm,
         _NONE if k_norm is None else k_norm, _NONE if post_norm is None else post_norm, *shape, cis, neox, k_cache,
-        v_cache, pos, start, np.float32(scale), out,
+        v_cache, pos, start, np.float32(scale), _NONE if sinks is None else sinks, out,
     )  # fmt: skip
     return out
 

@@ -72,7 +72,7 @@ class Attention(nn.Module):
     def _cpu_decode(self, cache: LayerCache) -> bool:
         """Whether one token's rotary, cache write and attention can run compiled (`cpu_blocks`)."""
         cpu_f32 = cache.k.device.type == "cpu" and cache.k.dtype == torch.float32
-        return cpu_f32 and self.sinks is None and not self.cfg.attn_softcap
+        return cpu_f32 and not self.cfg.attn_softcap
 
     def _compiled(self, cache: LayerCache) -> bool:
         """Whether one token's whole attention, projections included, can run as one compiled call."""
@@ -95,7 +95,7 @@ class Attention(nn.Module):
             None if self.q_norm is None else self.q_norm.numpy(), None if self.k_norm is None else self.k_norm.numpy(),
             None if post_norm is None else post_norm.numpy(), (cfg.n_head, cfg.n_head_kv[self.i], cfg.head_dim),
             rope.parts(), rope.neox, cache.k.numpy(), cache.v.numpy(), pos0, self.window, cfg.head_dim**-0.5,
-            getattr(self.wq, "bits", 16),
+            getattr(self.wq, "bits", 16), None if self.sinks is None else self.sinks.numpy(),
         )  # fmt: skip
         return torch.from_numpy(out)
 
@@ -123,7 +123,8 @@ class Attention(nn.Module):
             # One token on the CPU: rotary, cache write and attention in one compiled call.
             a = torch.from_numpy(decode_attention(
                 host_rows(q[0]), host_rows(k[0]), host_rows(v[0]), rope.parts(), rope.neox, cache.k.numpy(),
-                cache.v.numpy(), pos0, self.window, cfg.head_dim**-0.5))  # fmt: skip
+                cache.v.numpy(), pos0, self.window, cfg.head_dim**-0.5,
+                None if self.sinks is None else self.sinks.numpy()))  # fmt: skip
             return a.view(1, cfg.n_head, cfg.head_dim_v)
         pos = torch.arange(pos0, pos0 + t, device=q.device)
         q, k = rope(q, pos), rope(k, pos)
