@@ -112,7 +112,7 @@ def main() -> None:
                 r = f(*a, **kw)
             finally:
                 depth[name] -= 1
-            if depth[name] == 0:
+            if depth[name] == 0 and r is not None:  # (None: a compiled block declined, its caller runs instead)
                 spent[name] += time.perf_counter() - t
                 read[name] += nbytes(*a, r)
             return r
