@@ -10,6 +10,7 @@ from __future__ import annotations
 import gc
 import logging
 import os
+import signal
 import sys
 import threading
 from collections.abc import Callable, Iterable
@@ -240,6 +241,15 @@ def real_engine_factory(model: str | None, settings: Settings, warm_dir: Path | 
     return build
 
 
+def _terminated(app: MoechatApp) -> None:
+    """SIGTERM (a system shutting down; torchrun stopping every rank of a split when one has ended): the
+    app closes as on quit (the terminal restored, the engine closed) and says why."""
+    app.failure = app.failure or (
+        "moechat: error: stopped by SIGTERM" + (" (a rank of the split ended; torchrun stopped the others)"
+                                              if os.environ.get("TORCHELASTIC_RUN_ID") else ""))  # fmt: skip
+    app.exit(return_code=2)
+
+
 def run_tui(app: MoechatApp, log_path: Path) -> int:
     """Run the app with native stderr (torch, CUDA) going to the log file, never onto the screen.
 
@@ -255,9 +265,11 @@ def run_tui(app: MoechatApp, log_path: Path) -> int:
         logging.getLogger().addHandler(handler)
         sys.__stderr__ = terminal  # type: ignore[misc]  # what Textual draws on
         os.dup2(log.fileno(), 2)
+        previous = signal.signal(signal.SIGTERM, lambda signum, frame: _terminated(app))
         try:
             code = app.run()
         finally:
+            signal.signal(signal.SIGTERM, previous)
             os.dup2(saved, 2)
             os.close(saved)
             sys.__stderr__ = original  # type: ignore[misc]

@@ -167,3 +167,30 @@ def test_a_model_that_does_not_load_leaves_its_error_in_the_terminal(tmp_path: P
         assert _shows(after, "moechat: error:", "unsupported architecture 'mamba'")  # ... and the error is still there
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
+@pytest.mark.slow
+def test_sigterm_closes_the_app_and_restores_the_terminal(tmp_path: Path) -> None:
+    """SIGTERM (a shutdown; torchrun stopping the ranks of a split when one has ended) closes the app as a
+    quit does: its screen is gone, the reason stays in the terminal, the exit status is 2."""
+    import signal
+
+    exe = _require("moechat")
+    model = tiny_moe(tmp_path / "m.gguf")
+    session = f"moechat-{uuid.uuid4().hex[:8]}"
+    done = tmp_path / "exit-code"
+    app = f"env MOECHAT_HOME={shlex.quote(str(tmp_path / 'home'))} TERM=xterm-256color {shlex.quote(exe)}"
+    cmd = f"{app} {shlex.quote(str(model))}; echo $? > {shlex.quote(str(done))}; sleep 60"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30", cmd], check=True)
+    try:
+        _wait(session, "^p palette")
+        os.kill(_ui_process(session), signal.SIGTERM)
+        end = time.monotonic() + 30
+        while not done.exists() and time.monotonic() < end:
+            time.sleep(0.2)
+        assert done.read_text().strip() == "2"
+        after = _unwrapped(_pane(session))
+        assert not _shows(after, "^p palette")  # the app's screen is gone ...
+        assert _shows(after, "moechat: error: stopped by SIGTERM")  # ... and the reason is there
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
