@@ -13,7 +13,6 @@ exit 0 when rank 0 is done. Any rank's failure is one line naming the rank.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -67,8 +66,10 @@ def run_as_rank(model: str | None, settings: Settings, job: Job | None, warm_dir
     `warm_dir`: where the warm start's files live (None: no warm start). The exit status."""
     from moechat.app.demo_model import resolve_model
     from moechat.app.tuned import identity_of
+    from moechat.engine.distributed import launched
 
-    rank = int(os.environ.get("RANK", "0") or 0)
+    ranks = launched()
+    rank = ranks[0] if ranks is not None else 0
     try:
         path = resolve_model(model)
         identity = identity_of(path)

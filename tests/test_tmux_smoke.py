@@ -54,6 +54,14 @@ def _wait(session: str, text: str, timeout: float = 90.0) -> str:
     raise AssertionError(f"{text!r} never appeared; the screen was:\n{_pane(session)}")
 
 
+def _exit_code(done: Path, timeout: float = 30.0) -> str:
+    """The exit status the pane's command wrote to `done` once the app ended (waited for by polling)."""
+    end = time.monotonic() + timeout
+    while not done.exists() and time.monotonic() < end:
+        time.sleep(0.2)
+    return done.read_text().strip()
+
+
 def _children(pid: int) -> list[int]:
     found = []
     for stat in Path("/proc").glob("[0-9]*/stat"):
@@ -119,10 +127,7 @@ def test_moechat_in_tmux(tmp_path: Path, width: int, height: int, term: str) -> 
         # In 16 colours nothing asks for more; in 256 the same screen does (the check can fail).
         assert (len(colours) == 0) == (term == "xterm"), colours[:5]
         subprocess.run(["tmux", "send-keys", "-t", session, "C-q"], check=True)
-        end = time.monotonic() + 30
-        while not done.exists() and time.monotonic() < end:
-            time.sleep(0.2)
-        assert done.read_text().strip() == "0"
+        assert _exit_code(done) == "0"
         assert "Traceback" not in (home / "log" / "moechat.log").read_text()
     finally:
         subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
@@ -158,10 +163,7 @@ def test_a_model_that_does_not_load_leaves_its_error_in_the_terminal(tmp_path: P
         screen = _unwrapped(_wait(session, "press any key to quit"))
         assert _shows(screen, "moechat: error:", "unsupported architecture 'mamba'")
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
-        end = time.monotonic() + 30
-        while not done.exists() and time.monotonic() < end:
-            time.sleep(0.2)
-        assert done.read_text().strip() == "2"
+        assert _exit_code(done) == "2"
         after = _unwrapped(_pane(session))
         assert not _shows(after, "press any key")  # the app's screen is gone ...
         assert _shows(after, "moechat: error:", "unsupported architecture 'mamba'")  # ... and the error is still there
@@ -185,10 +187,7 @@ def test_sigterm_closes_the_app_and_restores_the_terminal(tmp_path: Path) -> Non
     try:
         _wait(session, "^p palette")
         os.kill(_ui_process(session), signal.SIGTERM)
-        end = time.monotonic() + 30
-        while not done.exists() and time.monotonic() < end:
-            time.sleep(0.2)
-        assert done.read_text().strip() == "2"
+        assert _exit_code(done) == "2"
         after = _unwrapped(_pane(session))
         assert not _shows(after, "^p palette")  # the app's screen is gone ...
         assert _shows(after, "moechat: error: stopped by SIGTERM")  # ... and the reason is there

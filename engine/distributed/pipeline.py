@@ -98,7 +98,7 @@ class PipelineModel:
     def snapshot(self) -> StatsSnapshot | None:
         """Every stage's expert-cache counters as one snapshot, each MoE layer by its own index (None: no
         stage has a cache). Between forwards: the other ranks answer in rank order."""
-        stages = self._gather(SNAPSHOT, self.lm.cache.snapshot() if self.lm.cache is not None else None)
+        stages = self._gather(SNAPSHOT, _stage_snapshot(self.lm))
         present = [s for s in stages if isinstance(s, StatsSnapshot)]
         return merge_stages(present) if present else None
 
@@ -174,6 +174,11 @@ def _trace_bytes(lm: LoadedModel, part: Path | None) -> bytes | None:
     return data
 
 
+def _stage_snapshot(lm: LoadedModel) -> StatsSnapshot | None:
+    """This stage's cache counters (None: it has no cache)."""
+    return lm.cache.snapshot() if lm.cache is not None else None
+
+
 def _set_cache(lm: LoadedModel, settings: CacheSettings | None) -> str | None:
     try:
         lm.set_cache(settings)
@@ -198,7 +203,7 @@ def serve(lm: LoadedModel, plan: Plan, rank: int) -> None:
         if command == STOP:
             return
         if command == SNAPSHOT:
-            dist.send_object_list([lm.cache.snapshot() if lm.cache is not None else None], dst=0)
+            dist.send_object_list([_stage_snapshot(lm)], dst=0)
         elif command == TRACE:
             dist.send_object_list([_trace_bytes(lm, part)], dst=0)
         elif command == SET_CACHE:
