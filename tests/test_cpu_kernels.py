@@ -93,17 +93,22 @@ def test_several_matrices_in_one_call_equal_one_at_a_time(qtype: Q) -> None:
 
 @pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q8_0], ids=lambda t: t.name)
 def test_qlinear_agrees_below_and_above_the_gemm_switch(qtype: Q, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Few tokens run the kernel, many a float GEMM over decoded tiles: both are the same product."""
+    """Few tokens run the kernel; many run its integer tiles where they read the type (a
+    super-block type: each token's very bits as alone), else a float GEMM over decoded tiles of
+    rows: all the same product."""
     rng = np.random.default_rng(1)
     raw = quantized((300, 512), qtype, rng)
     lin = QLinear(raw, qtype)
     lin_tiles = QLinear(raw, qtype)  # another matrix object over the same bytes
+    assert lin.tiled == (qtype == Q.Q4_K)
     w = lin.dequantized().double()
     for t in (1, GEMM_TOKENS - 1, GEMM_TOKENS, 40):
         x = torch.randn(t, 512)
         got = lin(x)
         assert got.shape == (t, 300)
         assert _rel(got.numpy(), (x.double() @ w.T).numpy()) <= BOUND[16]
+        if lin.tiled:
+            assert all(torch.equal(got[i], lin(x[i : i + 1])[0]) for i in range(t))
     # Tiles smaller than the matrix (64 rows, the last one short): every row is still computed once.
     x = torch.randn(GEMM_TOKENS + 3, 512)
     whole = lin(x)

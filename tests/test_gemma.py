@@ -39,10 +39,15 @@ def test_dense_gemma3_matches_transformers(gemma_gguf: Path, test_cache: Path) -
     ids = lm.tokenizer.encode(PROMPT)[:32]
     assert ids[0] == 2 and len(ids) >= 20
     ref = _reference_logits(gemma_gguf, test_cache, ids)
+    exact = load_model(gemma_gguf, n_ctx=128, cpu_kernels="exact")
     with torch.inference_mode():
         ours = lm.model(torch.tensor(ids), 0, lm.new_cache())
-    rel = float((ours - ref).abs().max() / ref.abs().max())
+        ours_exact = exact.model(torch.tensor(ids), 0, exact.new_cache())
+    rel = float((ours_exact - ref).abs().max() / ref.abs().max())
     assert rel <= 1e-4, rel
+    # The default path multiplies a prompt's activations rounded to int16 (within 1e-4 per product).
+    rel = float((ours - ref).abs().max() / ref.abs().max())
+    assert rel <= 1e-3, rel
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
 
 

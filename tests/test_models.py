@@ -53,6 +53,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
 # The fast path (int16 activations, within 1e-4 per product) against the exact one, end to end: a
 # router's near-tie can pick another expert for a token, which moves its logits by about 1e-3.
 FAST_VS_EXACT = 5e-3
+NEAR_TIE = 1e-3  # of the largest logit: a greedy pick the fast path's rounding may flip
 
 
 def _exact(model: LoadedModel) -> LoadedModel:
@@ -123,8 +124,17 @@ def test_greedy_continuation_matches_transformers(model: LoadedModel) -> None:
     hf = hf_reference(model.gguf, model.config)
     with torch.inference_mode():
         out = hf.generate(torch.tensor([prompt]), max_new_tokens=32, do_sample=False, min_new_tokens=32,
-                          eos_token_id=None, pad_token_id=0)  # fmt: skip
-    assert ours == out[0, len(prompt) :].tolist()
+                          eos_token_id=None, pad_token_id=0, output_scores=True,
+                          return_dict_in_generate=True)  # fmt: skip
+    theirs = out.sequences[0, len(prompt) :].tolist()
+    if ours != theirs:
+        # The fast path rounds activations (within 1e-4 per product): it may take the other side
+        # of a near-tie, never a token the reference ranks clearly lower. After that the two
+        # continuations differ by construction.
+        i = next(i for i, (a, b) in enumerate(zip(ours, theirs, strict=True)) if a != b)
+        logits = out.scores[i][0]
+        gap = float(logits.max() - logits[ours[i]])
+        assert gap <= NEAR_TIE * float(logits.abs().max()), (i, gap)
 
 
 @pytest.mark.slow
@@ -162,7 +172,10 @@ def test_dense_models_match_transformers(tmp_path: Path, arch: str, qtype: Q) ->
     with torch.inference_mode():
         ours = lm.model(torch.tensor(ids), 0, lm.new_cache())
         ref = hf_reference(lm.gguf, lm.config)(torch.tensor([ids])).logits[0]
-    assert float((ours - ref).abs().max() / ref.abs().max()) <= 1e-4
+    # A prompt meets a super-block type's matrices in the kernels' integer tiles (int16 activations).
+    tiled = any(isinstance(w, QLinear) and w.tiled for m in lm.model.modules() for w in vars(m).values())
+    assert tiled == (qtype == Q.Q4_K)
+    assert float((ours - ref).abs().max() / ref.abs().max()) <= (FAST_VS_EXACT if tiled else 1e-4)
     assert lm.model.routing() == ()
 
 

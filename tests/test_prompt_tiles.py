@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from moechat.engine.kernels import cpu as cpu_kernels
 from moechat.engine.kernels.codes import ACT_SILU
+from moechat.engine.kernels.cpu import TOKEN_BLOCK
 from moechat.engine.kernels.qtiles import TILE_TOKENS, tiled
 from testkit.ggufgen import Q, quantized
 
@@ -54,3 +55,33 @@ def test_a_token_gets_the_same_bits_however_many_share_its_expert(qtype: Q) -> N
         for got, ref in zip(together, alone, strict=True):
             assert not np.isnan(got[i * per_token : (i + 1) * per_token]).any()
             assert np.array_equal(got[i * per_token : (i + 1) * per_token], ref), (qtype.name, i)
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K], ids=lambda t: t.name)
+def test_a_prompt_longer_than_a_token_block_gets_each_token_its_bits(qtype: Q) -> None:
+    """An expert met by more tokens than one block (two blocks and a short third), its rows a power
+    of two apart in the output (written a token's run at a time): every token as if alone."""
+    rng = np.random.default_rng(3)
+    rows, k = 64, 256
+    w = quantized((2, rows, k), qtype, rng)
+    t = 2 * TOKEN_BLOCK + 2
+    ids = np.stack([np.zeros(t, np.int64), 1 + (np.arange(t) % 7 == 0)], axis=1)  # every 7th token: expert 2
+    x = rng.standard_normal((t, k)).astype(np.float32)
+    scale = rng.random(2 * t).astype(np.float32)
+
+    def products(ids: np.ndarray, x: np.ndarray, scale: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        a, eids, ptr, a_in, x_rows = _selection(ids)
+        ws = np.concatenate([w, w[:1]])  # expert 2: the first's bytes again
+        out = np.full((ids.size, rows), np.nan, np.float32)
+        cpu_kernels.matmul(ws, qtype, x, x_rows, eids, eids, ptr, a_in, a, out, scale=scale)
+        h = np.full((ids.size, rows), np.nan, np.float32)
+        cpu_kernels.gate_up(ws, qtype, ws[::-1].copy(), qtype, x, x_rows, eids, eids, ptr, a_in, a, h, ACT_SILU)
+        return out, h
+
+    together = products(ids, x, scale)
+    assert np.bincount(ids[:, 0])[0] > 2 * TOKEN_BLOCK
+    for i in range(t):
+        alone = products(ids[i : i + 1], x[i : i + 1], scale[2 * i : 2 * i + 2])
+        for got, ref in zip(together, alone, strict=True):
+            assert not np.isnan(got[2 * i : 2 * i + 2]).any()
+            assert np.array_equal(got[2 * i : 2 * i + 2], ref), (qtype.name, i)

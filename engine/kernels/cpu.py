@@ -87,7 +87,7 @@ def _token_block(j0: int, nc: int) -> tuple[int, int]:
 @njit(inline="always")
 def tile_products(code: int, w: np.ndarray, m: int, r: int, k: int, q: Any, a_in: np.ndarray, c0: int, nc: int,
                   sc: Any, acc: np.ndarray) -> None:  # fmt: skip
-    """acc[i, j] = row r + i of matrix m times activation row a_in[c0 + j], i < TILE_ROWS, j < nc
+    """acc[j, i] = row r + i of matrix m times activation row a_in[c0 + j], i < TILE_ROWS, j < nc
     (>= TILE_TOKENS): the rows unpacked once into the scratch sc, then tiles. The same results as
     `dots` (see qtiles)."""
     xq, dx, bs = q
@@ -98,15 +98,27 @@ def tile_products(code: int, w: np.ndarray, m: int, r: int, k: int, q: Any, a_in
 
 
 @njit(inline="always")
-def _gate_up_out(ag: np.ndarray, au: np.ndarray, r: int, u: int, eid: np.ndarray, a_out: np.ndarray, c0: int,
+def _gate_up_out(g: np.ndarray, v: np.ndarray, r0: int, u: int, eid: np.ndarray, a_out: np.ndarray, c0: int,
                  bias_g: np.ndarray, bias_u: np.ndarray, act_code: int, out: np.ndarray) -> None:  # fmt: skip
-    """Row r's gate and up products of the assignments c0.. (ag, au) -> out, through the activation."""
-    for i in range(ag.shape[0]):
-        gv, uv = ag[i], au[i]
-        if bias_g.shape[0]:
-            gv += bias_g[eid[u], r]
-            uv += bias_u[eid[u], r]
-        out[a_out[c0 + i], r] = act(act_code, gv, uv)
+    """Gate and up products g, v [n, width] of the assignments c0.. and rows r0.. -> out, through the
+    activation: each assignment's run of rows written in one pass (see `_staged`)."""
+    for i in range(g.shape[0]):
+        a = a_out[c0 + i]
+        for c in range(g.shape[1]):
+            gv, uv = g[i, c], v[i, c]
+            if bias_g.shape[0]:
+                gv += bias_g[eid[u], r0 + c]
+                uv += bias_u[eid[u], r0 + c]
+            out[a, r0 + c] = act(act_code, gv, uv)
+
+
+@njit(inline="always")
+def _staged(nc: int) -> bool:
+    """Whether a work item's results go through a block [tokens, ROWS] first. Its tokens' output rows
+    lie a row length apart, and where that is a multiple of 4 KiB (2048 or 4096 floats) writing a
+    column of them evicts itself from the core's cache: staged, each token's run of rows is written
+    at once. A token or three write directly (no block to allocate: decode)."""
+    return nc >= TILE_TOKENS
 
 
 @functools.cache
@@ -124,43 +136,66 @@ def _gate_up_kernel(gate_type: Q, up_type: Q, bits: int) -> Any:
         q = quantize_rows(x, x_rows, bits)
         for job in prange(sel.shape[0] * n_tiles):
             u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
+            if not _staged(nc):
+                ag = np.empty(nc, np.float32)
+                au = np.empty(nc, np.float32)
+                for r in range(r0, r1):
+                    dots(code_g, gate, _row(gate, m, r), k, q, a_in, c0, nc, ag)
+                    dots(code_u, up, _row(up, m, r), k, q, a_in, c0, nc, au)
+                    _gate_up_out(ag.reshape(nc, 1), au.reshape(nc, 1), r, u, eid, a_out, c0, bias_g, bias_u,
+                                 act_code, out)  # fmt: skip
+                continue
+            # A block of tokens at a time: their activations stay in the core's cache while every
+            # row of the work item meets them.
+            tb = min(nc, TOKEN_BLOCK)
+            rg, ru = np.empty((tb, ROWS), np.float32), np.empty((tb, ROWS), np.float32)  # [tokens, rows]
             done = r0  # rows done in tiles
             if tiles:  # noqa: SIM102 - a constant: numba drops the branch (and its typing) for other types
-                if nc >= TILE_TOKENS and k % SUPER == 0:
+                if k % SUPER == 0:
                     sg, su = scratch(k), scratch(k)
-                    tg = np.empty((TILE_ROWS, min(nc, TOKEN_BLOCK)), np.float32)
-                    tu = np.empty_like(tg)
-                    # A block of tokens at a time: their activations stay in the core's cache while
-                    # every pair of rows of the work item meets them.
+                    n_tiled = (r1 - r0) // TILE_ROWS * TILE_ROWS
                     for j0 in range(0, nc, TOKEN_BLOCK):
                         j, n = _token_block(j0, nc)
-                        for r in range(r0, r1 - TILE_ROWS + 1, TILE_ROWS):
-                            tile_products(code_g, gate, m, r, k, q, a_in, c0 + j, n, sg, tg[:, :n])
-                            tile_products(code_u, up, m, r, k, q, a_in, c0 + j, n, su, tu[:, :n])
-                            for i in range(TILE_ROWS):
-                                _gate_up_out(tg[i, :n], tu[i, :n], r + i, u, eid, a_out, c0 + j, bias_g, bias_u,
-                                             act_code, out)  # fmt: skip
-                    done += (r1 - r0) // TILE_ROWS * TILE_ROWS
-            ag = np.empty(nc, np.float32)
-            au = np.empty(nc, np.float32)
-            for r in range(done, r1):
-                dots(code_g, gate, _row(gate, m, r), k, q, a_in, c0, nc, ag)
-                dots(code_u, up, _row(up, m, r), k, q, a_in, c0, nc, au)
-                _gate_up_out(ag, au, r, u, eid, a_out, c0, bias_g, bias_u, act_code, out)
+                        for r in range(r0, r0 + n_tiled, TILE_ROWS):
+                            c = r - r0
+                            tile_products(code_g, gate, m, r, k, q, a_in, c0 + j, n, sg, rg[:n, c : c + TILE_ROWS])
+                            tile_products(code_u, up, m, r, k, q, a_in, c0 + j, n, su, ru[:n, c : c + TILE_ROWS])
+                        _gate_up_out(rg[:n, :n_tiled], ru[:n, :n_tiled], r0, u, eid, a_out, c0 + j, bias_g, bias_u,
+                                     act_code, out)  # fmt: skip
+                    done += n_tiled
+            if done < r1:
+                ag = np.empty(tb, np.float32)
+                au = np.empty(tb, np.float32)
+                for j in range(0, nc, TOKEN_BLOCK):
+                    n = min(TOKEN_BLOCK, nc - j)
+                    for r in range(done, r1):
+                        dots(code_g, gate, _row(gate, m, r), k, q, a_in, c0 + j, n, ag)
+                        dots(code_u, up, _row(up, m, r), k, q, a_in, c0 + j, n, au)
+                        rg[:n, r - done] = ag[:n]
+                        ru[:n, r - done] = au[:n]
+                    _gate_up_out(rg[:n, : r1 - done], ru[:n, : r1 - done], done, u, eid, a_out, c0 + j, bias_g,
+                                 bias_u, act_code, out)  # fmt: skip
 
     return gate_up
 
 
 @njit(inline="always")
-def _matmul_out(acc: np.ndarray, r: int, u: int, eid: np.ndarray, a_out: np.ndarray, c0: int, bias: np.ndarray,
+def _matmul_out(res: np.ndarray, r0: int, u: int, eid: np.ndarray, a_out: np.ndarray, c0: int, bias: np.ndarray,
                 scale: np.ndarray, out: np.ndarray) -> None:  # fmt: skip
-    """Row r's products of the assignments c0.. (acc) -> out, with the bias and the scale."""
-    for i in range(acc.shape[0]):
-        v = acc[i]
-        if bias.shape[0]:
-            v += bias[eid[u], r]
+    """Products res [n, width] of the assignments c0.. and rows r0.. -> out, with the bias and the
+    scale: each assignment's run of rows written in one pass (see `_staged`)."""
+    n, width = res.shape
+    for i in range(n):
         a = a_out[c0 + i]
-        out[a, r] = v * scale[a] if scale.shape[0] else v
+        s = scale[a] if scale.shape[0] else np.float32(1)  # times one: the same float
+        src, dst = res[i, :width], out[a, r0 : r0 + width]
+        if bias.shape[0]:
+            b = bias[eid[u], r0 : r0 + width]
+            for c in range(width):
+                dst[c] = (src[c] + b[c]) * s
+        else:
+            for c in range(width):
+                dst[c] = src[c] * s
 
 
 @functools.cache
@@ -175,22 +210,34 @@ def _matmul_kernel(qtype: Q, bits: int) -> Any:
         q = quantize_rows(x, x_rows, bits)
         for job in prange(sel.shape[0] * n_tiles):
             u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
-            done = r0  # rows done in tiles
+            if not _staged(nc):
+                acc = np.empty(nc, np.float32)
+                for r in range(r0, r1):
+                    dots(code, w, _row(w, m, r), k, q, a_in, c0, nc, acc)
+                    _matmul_out(acc.reshape(nc, 1), r, u, eid, a_out, c0, bias, scale, out)
+                continue
+            tb = min(nc, TOKEN_BLOCK)  # as in gate_up
+            res = np.empty((tb, ROWS), np.float32)  # [tokens, rows]
+            done = r0
             if tiles:  # noqa: SIM102 - a constant: numba drops the branch (and its typing) for other types
-                if nc >= TILE_TOKENS and k % SUPER == 0:
+                if k % SUPER == 0:
                     sc = scratch(k)
-                    tile = np.empty((TILE_ROWS, min(nc, TOKEN_BLOCK)), np.float32)
-                    for j0 in range(0, nc, TOKEN_BLOCK):  # as in gate_up
+                    n_tiled = (r1 - r0) // TILE_ROWS * TILE_ROWS
+                    for j0 in range(0, nc, TOKEN_BLOCK):
                         j, n = _token_block(j0, nc)
-                        for r in range(r0, r1 - TILE_ROWS + 1, TILE_ROWS):
-                            tile_products(code, w, m, r, k, q, a_in, c0 + j, n, sc, tile[:, :n])
-                            for i in range(TILE_ROWS):
-                                _matmul_out(tile[i, :n], r + i, u, eid, a_out, c0 + j, bias, scale, out)
-                    done += (r1 - r0) // TILE_ROWS * TILE_ROWS
-            acc = np.empty(nc, np.float32)
-            for r in range(done, r1):
-                dots(code, w, _row(w, m, r), k, q, a_in, c0, nc, acc)
-                _matmul_out(acc, r, u, eid, a_out, c0, bias, scale, out)
+                        for r in range(r0, r0 + n_tiled, TILE_ROWS):
+                            c = r - r0
+                            tile_products(code, w, m, r, k, q, a_in, c0 + j, n, sc, res[:n, c : c + TILE_ROWS])
+                        _matmul_out(res[:n, :n_tiled], r0, u, eid, a_out, c0 + j, bias, scale, out)
+                    done += n_tiled
+            if done < r1:
+                acc = np.empty(tb, np.float32)
+                for j in range(0, nc, TOKEN_BLOCK):
+                    n = min(TOKEN_BLOCK, nc - j)
+                    for r in range(done, r1):
+                        dots(code, w, _row(w, m, r), k, q, a_in, c0 + j, n, acc)
+                        res[:n, r - done] = acc[:n]
+                    _matmul_out(res[:n, : r1 - done], done, u, eid, a_out, c0 + j, bias, scale, out)
 
     return matmul
 
@@ -321,6 +368,11 @@ def matmul(
     """out[a_out] = scale[a_out] * (x[a_in] @ w[sel].T + b) for every selected matrix (x_rows as for gate_up)."""
     b, s = _NO_BIAS if bias is None else bias, _NO_SCALE if scale is None else scale
     _matmul_kernel(qtype, bits)(_blocks(w), _acts(x), x_rows, sel, eid, ptr, a_in, a_out, b, s, out)
+
+
+def tiles_read(qtype: Q, k: int) -> bool:
+    """Whether a prompt's products with rows of this type and width run in integer tiles (int16 activations)."""
+    return tiled(qtype) and k % SUPER == 0
 
 
 @functools.cache

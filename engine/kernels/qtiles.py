@@ -129,16 +129,17 @@ def _tile_intrinsic(qtype: Q) -> Any:
     @intrinsic
     def tiles(typingctx, ws, wd, wb, n_blocks, xq, dx, bs, a_in, c0, nc, out):
         """The scratch's TILE_ROWS rows times activation rows a_in[c0 + j], j < nc (>= TILE_TOKENS),
-        of quantize_rows' int16 (xq, dx, bs) -> out[row, j]: TILE_TOKENS tokens at a time, the last
-        group overlapping the one before (the same values again)."""
+        of quantize_rows' int16 (xq, dx, bs) -> out[j, row] (rows of out may lie apart, its
+        elements not): TILE_TOKENS tokens at a time, the last group overlapping the one before (the
+        same values again)."""
         sig = types.void(ws, wd, wb, types.int64, xq, dx, bs, a_in, types.int64, types.int64, out)
 
         def codegen(context, builder, sig, args):
             v, b = _B(builder), builder
             i64 = functools.partial(ir.Constant, I64)
             n_blocks, c0, nc = args[3], args[8], args[9]
-            wsp, wdp, wbp, outp = ([row_ptr(context, b, sig.args[i], args[i], i64(r), t) for r in range(n_r)]
-                                   for i, t in ((0, I16), (1, F32), (2, F32), (10, F32)))  # fmt: skip
+            wsp, wdp, wbp = ([row_ptr(context, b, sig.args[i], args[i], i64(r), t) for r in range(n_r)]
+                             for i, t in ((0, I16), (1, F32), (2, F32)))  # fmt: skip
             a_p = b.bitcast(_data(context, b, sig.args[7], args[7], i64(0)), I64.as_pointer())
             pairs = [(r, t) for r in range(n_r) for t in range(n_t)]
             # dot_row's super-block accumulators per (row, token): products (16 lanes), biases (8)
@@ -181,8 +182,9 @@ def _tile_intrinsic(qtype: Q) -> Any:
                 unused = _hsum(b, b.fadd(zero8, zero8))
                 products = hsums(b, [b.fadd(b.load(acc[p]), zero16) for p in pairs])
                 biases = hsums(b, [b.load(accb[p]) for p in pairs])
+                outp = [row_ptr(context, b, sig.args[10], args[10], b.add(j, i64(t)), F32) for t in range(n_t)]
                 for (r, t), s, sb in zip(pairs, products, biases, strict=True):
-                    b.store(b.fadd(b.fadd(unused, s), sb), v.at(outp[r], b.add(j, i64(t))), align=4)
+                    b.store(b.fadd(b.fadd(unused, s), sb), v.at(outp[t], i64(r)), align=4)
             return context.get_dummy_value()
 
         return sig, codegen
@@ -210,7 +212,8 @@ def unpack_row(code: int, w: np.ndarray, w_off: int, k: int, ws: np.ndarray, wd:
 def tile_dots(code: int, ws: np.ndarray, wd: np.ndarray, wb: np.ndarray, k: int, xq: np.ndarray, dx: np.ndarray,
               bs: np.ndarray, a_in: np.ndarray, c0: int, nc: int, out: np.ndarray) -> None:  # fmt: skip
     """The scratch's TILE_ROWS rows times activation rows a_in[c0 + j], j < nc (at least
-    TILE_TOKENS), of quantize_rows' int16 output -> out[row, j] (float32). Compiled code only."""
+    TILE_TOKENS), of quantize_rows' int16 output -> out[j, row] (float32; out's rows may lie apart,
+    as a column slice of a wider block does). Compiled code only."""
     raise NotImplementedError("tile_dots runs in compiled code")
 
 

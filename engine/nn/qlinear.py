@@ -3,7 +3,8 @@
 `QLinear` is what a model holds for a quantized matrix it runs on the CPU (attention
 projections, shared experts, dense FFNs, the output head): no float copy is ever made. A few
 tokens (decode) go through `cpu_kernels.dense`, which reads each row once for all of them; many
-(prefill) are cheaper as a float GEMM over the matrix decoded a tile of rows at a time.
+(prefill) too where its integer tiles read the type, else a float GEMM over the matrix decoded a
+tile of rows at a time.
 `linear` applies either kind of weight. A matrix's `bits` is what its activations are rounded to in
 the kernels: 16 by default, 8 with `--cpu-kernels int8` (see `cpu_kernels`).
 """
@@ -41,10 +42,13 @@ class QLinear:
         self.bits = bits
         self.shape = (int(raw.shape[0]), int(raw.shape[1]) // size * block)
         self.device = torch.device("cpu")
+        # A prompt multiplies in the kernels' integer tiles where they read the type (faster than
+        # decoding to float for sgemm); elsewhere by a float GEMM over decoded tiles of rows.
+        self.tiled = bits == 16 and cpu_kernels.tiles_read(qtype, self.shape[1])
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
-        if x.shape[0] < GEMM_TOKENS:
+        if x.shape[0] < GEMM_TOKENS or self.tiled:
             return torch.from_numpy(cpu_kernels.dense(self.raw, self.qtype, x.numpy(), self.bits))
         n, k = self.shape
         tile = max(1, GEMM_TILE_BYTES // (4 * k))
