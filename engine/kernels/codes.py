@@ -18,6 +18,7 @@ SWIGLU_LIMIT = 7.0
 SWIGLU_ALPHA = 1.702
 
 # From this many tokens on, a quantized dense matrix is decoded once per call (in tiles) and multiplied
-# by a float GEMM; below it, the kernels multiply the blocks in place. One threshold for the CPU and
-# the device: both trade a decode of the whole matrix against reading it once per token.
+# by a float GEMM, except on the CPU where the prompt tiles read its type (super-blocks); below it, the
+# kernels multiply the blocks in place. One threshold for the CPU and the device: both trade a decode
+# of the whole matrix against reading it once per token.
 GEMM_TOKENS = 16
