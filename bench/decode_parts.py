@@ -1,6 +1,6 @@
 """One decode token split into its parts, with the bytes each reads and the machine's read bandwidth.
 
-    python bench/decode_parts.py MODEL.gguf [--tokens 32] [--threads 0] [--kernels fast]
+    python bench/decode_parts.py MODEL.gguf [--tokens 32] [--threads 0] [--kernels fast] [--context 512]
 
 In-process, after warm-up tokens (no page faults left), cache off: per decode token, the time of
 the attention blocks (norm, projections, rotary, cache, attention, output projection), of the MoE
@@ -8,7 +8,8 @@ layers (router and the selected experts, shared experts included) and dense FFNs
 head; the weight bytes each reads per token (the MoE layers: the router and the experts the token
 selected) and so its GB/s. The machine's read bandwidth is measured in the same run (a compiled
 sum over 1 GiB, on the same threads), so the parts can be read as a share of it. Prints the CPU
-and the kernels' instruction path.
+and the kernels' instruction path. With --context the cache first holds that many positions: the
+attention then also reads them (not counted in its bytes).
 """
 
 from __future__ import annotations
@@ -86,15 +87,20 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=32)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--kernels", default="fast")
+    ap.add_argument("--context", type=int, default=0,
+                    help="positions in the cache before the timed tokens (0: the short prompt only)")  # fmt: skip
     args = ap.parse_args()
     torch.set_grad_enabled(False)
     n_threads = set_threads(args.threads)
     print(f"CPU: {cpu_name()}; {n_threads} threads; kernels {args.kernels}; load average {os.getloadavg()[0]:.2f}")
     bw = read_bandwidth(n_threads)
-    lm = load_model(args.model, n_ctx=args.tokens + 96, cpu_kernels=args.kernels)
+    lm = load_model(args.model, n_ctx=max(args.context, 80) + args.tokens + 16, cpu_kernels=args.kernels)
     model = lm.model
     kv = lm.new_cache()
-    tok = int(prefill(model, lm.tokenizer.encode(PROMPT), kv).argmax())
+    ids = lm.tokenizer.encode(PROMPT)
+    if args.context:  # the prompt again and again, to that many positions
+        ids = (ids * (args.context // len(ids) + 1))[: args.context]
+    tok = int(prefill(model, ids, kv).argmax())
     for _ in range(16):  # warm-up: every page touched, every kernel compiled
         tok = int(decode_one(model, tok, kv).argmax())
 
@@ -148,7 +154,8 @@ def main() -> None:
     lm.close()
     n = args.tokens
     step = statistics.mean(steps)  # the parts are means too: "the rest" is what they leave
-    print(f"machine read bandwidth: {bw:.1f} GB/s; decode {1 / step:.1f} t/s (mean step {step * 1e3:.2f} ms)\n")
+    print(f"machine read bandwidth: {bw:.1f} GB/s; decode {1 / step:.1f} t/s (mean step {step * 1e3:.2f} ms) "
+          f"at positions {len(ids) + 16}-{len(ids) + 16 + n}\n")  # fmt: skip
     print("| part | MB read per token | ms per token | GB/s | of the read bandwidth |")
     print("|---|---:|---:|---:|---:|")
     for name in ("attention", "MoE layers", "dense FFNs", "output head"):

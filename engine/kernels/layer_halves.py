@@ -83,7 +83,11 @@ def _check_position(pos: int, k_cache: np.ndarray) -> None:
         raise IndexError(f"position {pos} is outside the KV cache of {k_cache.shape[0]} positions")
 
 
-@njit
+# The heads run in parallel, and their sums may be reassociated: a dot product of q and a cached k
+# in one chain of dependent adds left the vector units idle, and attention over a long context took
+# as long as the layer's weights. The order is fixed by the compiled code, so every call (cache on
+# or off) gives the same bits.
+@njit(parallel=True, fastmath={"reassoc", "contract"})
 def _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, scale, sinks, out):
     """q [H, D], k [Hkv, D], v [Hkv, Dv] of the token at `pos` -> out [H, Dv]; writes the cache at pos.
     sinks [H] (or empty): each head's logit that takes part in the softmax and has no value."""
@@ -93,8 +97,8 @@ def _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, scale, s
     v_cache[pos] = v
     n_head, group = q.shape[0], q.shape[0] // k.shape[0]
     n = pos + 1 - start
-    p = np.empty(n, np.float32)
-    for h in range(n_head):
+    for h in prange(n_head):
+        p = np.empty(n, np.float32)  # [n] this head's scores, then weights
         kv = h // group
         top = sinks[h] if sinks.size else np.float32(-np.inf)
         for s in range(n):
