@@ -225,6 +225,8 @@ def load_model(
             model.to_device(torch.device(device))
         with compile_notes(progress):  # one token through every layer: the kernels compile here
             check_fit(gguf, cfg, model, tok, own_layers)
+            if on_cpu:
+                compile_ahead.warm_prompt_kernels(model)  # a prompt's dense matrices, before a first reply waits
             if on_cpu and cfg.is_moe:
                 compile_ahead.warm_expert_kernels(model)  # the prompt's path, before a first reply waits for it
             if cache is not None and cache.mib > 0:

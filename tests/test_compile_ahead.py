@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from moechat.engine.loader import load_model
 from moechat.engine.models import compile_ahead
-from testkit.ggufgen import tiny_moe
+from testkit.ggufgen import Q, tiny_moe
 
 COUNT_COMPILES = """
 import sys, torch
@@ -94,16 +94,17 @@ lm = load_model(sys.argv[1], n_ctx=64)
 kv = lm.new_cache()
 notes = []
 with compile_notes(notes.append), torch.inference_mode():
-    decode_one(lm.model, int(lm.model(torch.tensor([1, 2, 3]), 0, kv)[-1].argmax()), kv)
+    decode_one(lm.model, int(lm.model(torch.arange(1, 21), 0, kv)[-1].argmax()), kv)
 print(notes)
 """
 
 
 @pytest.mark.slow
 def test_a_load_compiles_the_experts_kernels_a_first_prompt_needs(tmp_path: Path) -> None:
-    """The load's one token takes the one-call MoE path; the prompt's experts run the general kernels,
-    which the load compiles too: a first reply does not wait for them."""
-    path = tiny_moe(tmp_path / "m.gguf")
+    """The load's one token takes the one-call MoE path and the compiled layer halves; a prompt's
+    experts run the general kernels and its dense matrices the tiles (Q4_K attention: a kernel the
+    experts' Q6_K down does not compile), which the load compiles too: a first reply does not wait."""
+    path = tiny_moe(tmp_path / "m.gguf", expert_type=Q.Q4_K, dense_type=Q.Q4_K, down_type=Q.Q6_K)
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "kernels"), "MOECHAT_COMPILE_AHEAD": "0"}
     r = subprocess.run([sys.executable, "-c", FIRST_PROMPT, str(path)], env=env, capture_output=True, text=True,
                        timeout=600)  # fmt: skip

@@ -116,9 +116,11 @@ def compile_passes(path: Path, n_ctx: int, cpu_kernels: str) -> None:
                         vars(attn).pop("decode_block", None)
                 model.experts = _no_experts if skip_experts else experts
                 model(torch.tensor([0]), 0, KVCache(cfg, 1, device=model.device))
-                if not skip_experts and skip_attention and cfg.is_moe:
-                    warm_expert_kernels(model)
-                    warm_policy()  # the loading process needs it last: before the attention it has begun with
+                if not skip_experts and skip_attention:
+                    warm_prompt_kernels(model)
+                    if cfg.is_moe:
+                        warm_expert_kernels(model)
+                        warm_policy()  # the loading process needs it last: before the attention it has begun with
     finally:
         gguf.close()
 
@@ -139,6 +141,27 @@ def warm_expert_kernels(model: Any) -> None:
         seen.add(kind)
         ids = torch.arange(k, dtype=torch.int64)[None]  # [1, k]
         host(layer, torch.zeros(1, model.cfg.n_embd), ids, torch.full((1, k), 1 / k))
+
+
+def warm_prompt_kernels(model: Any) -> None:
+    """The kernels a prompt's dense matrices run, which a load's one token does not (it takes the
+    compiled layer halves): per distinct type and activations, the tiles' kernel (one row of zeros)
+    or the float path's decoder."""
+    import numpy as np
+
+    from ..kernels import cpu as cpu_kernels
+    from ..nn.qlinear import QLinear
+
+    seen = set()
+    for m in model.modules():
+        for w in vars(m).values():
+            if not isinstance(w, QLinear) or (w.qtype, w.bits, w.tiled) in seen:
+                continue
+            seen.add((w.qtype, w.bits, w.tiled))
+            if w.tiled:
+                cpu_kernels.dense(w.raw[:1], w.qtype, np.zeros((1, w.shape[1]), np.float32), w.bits)
+            else:
+                cpu_kernels.dequantize_rows(w.raw[:1], w.qtype, w.shape[1])
 
 
 def warm_policy() -> None:
