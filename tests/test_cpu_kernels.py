@@ -26,7 +26,7 @@ from moechat.engine.moe.expert_tensors import ExpertTensor, LayerExperts
 from moechat.engine.moe.host_experts import run_experts, sum_parts
 from moechat.engine.moe.kernel_calls import run_fused
 from moechat.engine.nn.activations import swiglu
-from moechat.engine.nn.qlinear import QLinear
+from moechat.engine.nn.qlinear import QLinear, set_activation_bits
 from testkit.ggufgen import Q, quantized
 
 BOUND = {16: 1e-4, 8: 1e-2}  # by the activations' bits
@@ -101,6 +101,12 @@ def test_qlinear_agrees_below_and_above_the_gemm_switch(qtype: Q, monkeypatch: p
     lin = QLinear(raw, qtype)
     lin_tiles = QLinear(raw, qtype)  # another matrix object over the same bytes
     assert lin.tiled == (qtype == Q.Q4_K)
+    # `--cpu-kernels int8` sets the bits after loading: its prompts take the float GEMM (no int8 tiles).
+    holder, w8 = torch.nn.Module(), QLinear(raw, qtype)
+    holder.w = w8
+    set_activation_bits(holder, 8)
+    x = torch.randn(40, 512)
+    assert w8.bits == 8 and not w8.tiled and torch.equal(w8(x), w8.gemm(x))
     w = lin.dequantized().double()
     for t in (1, GEMM_TOKENS - 1, GEMM_TOKENS, 40):
         x = torch.randn(t, 512)

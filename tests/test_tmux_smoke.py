@@ -4,6 +4,7 @@ At 120x40 in a 256-colour terminal, and at 80x24 in a 16-colour one (TERM=xterm,
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shlex
@@ -11,6 +12,7 @@ import shutil
 import subprocess
 import time
 import uuid
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -143,6 +145,22 @@ def _shows(unwrapped: str, *texts: str) -> bool:
     return all("".join(t.split()) in unwrapped for t in texts)
 
 
+@contextlib.contextmanager
+def _app_in_tmux(tmp_path: Path, model: Path) -> Iterator[tuple[str, Path]]:
+    """The installed `moechat MODEL` in a 100x30 tmux session: (the session, the file its exit status
+    is written to). The session stays after the app exits, for its last screen, until the block ends."""
+    exe = _require("moechat")
+    session = f"moechat-{uuid.uuid4().hex[:8]}"
+    done = tmp_path / "exit-code"
+    app = f"env MOECHAT_HOME={shlex.quote(str(tmp_path / 'home'))} TERM=xterm-256color {shlex.quote(exe)}"
+    cmd = f"{app} {shlex.quote(str(model))}; echo $? > {shlex.quote(str(done))}; sleep 60"
+    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30", cmd], check=True)
+    try:
+        yield session, done
+    finally:
+        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
+
+
 @pytest.mark.slow
 def test_a_model_that_does_not_load_leaves_its_error_in_the_terminal(tmp_path: Path) -> None:
     """The error is on screen while the app runs, and on stderr after it exits (non-zero). The file is a
@@ -151,15 +169,9 @@ def test_a_model_that_does_not_load_leaves_its_error_in_the_terminal(tmp_path: P
     import numpy as np
     from testkit.ggufgen import Q, write_gguf
 
-    exe = _require("moechat")
     meta = {"mamba.block_count": 1, "mamba.embedding_length": 64, "mamba.attention.head_count": 2}
     model = write_gguf(tmp_path / "mamba.gguf", "mamba", meta, {"a.weight": (np.zeros((2, 32), np.float32), Q.F32)})
-    session = f"moechat-{uuid.uuid4().hex[:8]}"
-    done = tmp_path / "exit-code"
-    app = f"env MOECHAT_HOME={shlex.quote(str(tmp_path / 'home'))} TERM=xterm-256color {shlex.quote(exe)}"
-    cmd = f"{app} {shlex.quote(str(model))}; echo $? > {shlex.quote(str(done))}; sleep 60"
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30", cmd], check=True)
-    try:
+    with _app_in_tmux(tmp_path, model) as (session, done):
         screen = _unwrapped(_wait(session, "press any key to quit"))
         assert _shows(screen, "moechat: error:", "unsupported architecture 'mamba'")
         subprocess.run(["tmux", "send-keys", "-t", session, "q"], check=True)
@@ -167,8 +179,6 @@ def test_a_model_that_does_not_load_leaves_its_error_in_the_terminal(tmp_path: P
         after = _unwrapped(_pane(session))
         assert not _shows(after, "press any key")  # the app's screen is gone ...
         assert _shows(after, "moechat: error:", "unsupported architecture 'mamba'")  # ... and the error is still there
-    finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)
 
 
 @pytest.mark.slow
@@ -177,19 +187,11 @@ def test_sigterm_closes_the_app_and_restores_the_terminal(tmp_path: Path) -> Non
     quit does: its screen is gone, the reason stays in the terminal, the exit status is 2."""
     import signal
 
-    exe = _require("moechat")
     model = tiny_moe(tmp_path / "m.gguf")
-    session = f"moechat-{uuid.uuid4().hex[:8]}"
-    done = tmp_path / "exit-code"
-    app = f"env MOECHAT_HOME={shlex.quote(str(tmp_path / 'home'))} TERM=xterm-256color {shlex.quote(exe)}"
-    cmd = f"{app} {shlex.quote(str(model))}; echo $? > {shlex.quote(str(done))}; sleep 60"
-    subprocess.run(["tmux", "new-session", "-d", "-s", session, "-x", "100", "-y", "30", cmd], check=True)
-    try:
+    with _app_in_tmux(tmp_path, model) as (session, done):
         _wait(session, "^p palette")
         os.kill(_ui_process(session), signal.SIGTERM)
         assert _exit_code(done) == "2"
         after = _unwrapped(_pane(session))
         assert not _shows(after, "^p palette")  # the app's screen is gone ...
         assert _shows(after, "moechat: error: stopped by SIGTERM")  # ... and the reason is there
-    finally:
-        subprocess.run(["tmux", "kill-session", "-t", session], capture_output=True)

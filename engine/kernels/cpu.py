@@ -370,9 +370,10 @@ def matmul(
     _matmul_kernel(qtype, bits)(_blocks(w), _acts(x), x_rows, sel, eid, ptr, a_in, a_out, b, s, out)
 
 
-def tiles_read(qtype: Q, k: int) -> bool:
-    """Whether a prompt's products with rows of this type and width run in integer tiles (int16 activations)."""
-    return tiled(qtype) and k % SUPER == 0
+def tiles_read(qtype: Q, k: int, bits: int) -> bool:
+    """Whether a prompt's products with rows of this type and width, activations of `bits`, run in
+    the integer tiles (the kernels' own condition: int16, a super-block type, whole super-blocks)."""
+    return bits == 16 and tiled(qtype) and k % SUPER == 0
 
 
 @functools.cache

@@ -42,14 +42,22 @@ class QLinear:
         self.bits = bits
         self.shape = (int(raw.shape[0]), int(raw.shape[1]) // size * block)
         self.device = torch.device("cpu")
-        # A prompt multiplies in the kernels' integer tiles where they read the type (faster than
-        # decoding to float for sgemm); elsewhere by a float GEMM over decoded tiles of rows.
-        self.tiled = bits == 16 and cpu_kernels.tiles_read(qtype, self.shape[1])
+
+    @property
+    def tiled(self) -> bool:
+        """Whether a prompt multiplies in the kernels' integer tiles (they read the type; faster than
+        decoding to float for sgemm), else by a float GEMM over decoded tiles of rows. Asked at each
+        call: `set_activation_bits` changes the bits after loading."""
+        return cpu_kernels.tiles_read(self.qtype, self.shape[1], self.bits)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
         if x.shape[0] < GEMM_TOKENS or self.tiled:
             return torch.from_numpy(cpu_kernels.dense(self.raw, self.qtype, x.numpy(), self.bits))
+        return self.gemm(x)
+
+    def gemm(self, x: torch.Tensor) -> torch.Tensor:
+        """x [T, K] (float32, contiguous) @ W.T by torch's float GEMM over tiles of rows decoded in parallel."""
         n, k = self.shape
         tile = max(1, GEMM_TILE_BYTES // (4 * k))
         out = torch.empty(x.shape[0], n)
