@@ -17,7 +17,8 @@ from moechat.engine.kernels.codes import (
     GATING_SOFTMAX,
     GATING_SOFTMAX_SELECTED,
 )
-from moechat.engine.kernels.layer_halves import decode_attention, ffn_block, route_rows
+from moechat.engine.kernels.jit import njit
+from moechat.engine.kernels.layer_halves import decode_attention, exp_nonpositive, ffn_block, route_rows
 from moechat.engine.moe.routing import route
 from moechat.engine.nn.layers import LayerCache, Rope, attention
 from testkit.ggufgen import Q, quantized
@@ -26,17 +27,19 @@ from testkit.ggufgen import Q, quantized
 @pytest.mark.parametrize(
     ("n_head", "n_kv", "dim", "rope_dim", "neox", "window", "sink"),
     [(4, 4, 16, 16, True, 0, False), (8, 2, 32, 32, False, 0, False), (6, 3, 32, 16, True, 5, True),
-     (9, 3, 64, 64, False, 0, True)],
+     (9, 3, 64, 64, False, 0, True), (16, 4, 32, 32, True, 0, False), (10, 5, 64, 64, True, 11, True)],
 )  # fmt: skip
 def test_decode_attention_matches_the_torch_path(n_head: int, n_kv: int, dim: int, rope_dim: int, neox: bool,
                                                  window: int, sink: bool) -> None:  # fmt: skip
     torch.manual_seed(0)
-    n_ctx, scale = 32, dim**-0.5
+    n_ctx, scale = 48, dim**-0.5
     sinks = torch.randn(n_head) * 2 if sink else None  # gpt-oss's attention sinks
     rope = Rope(rope_dim, 10000.0, n_ctx, neox=neox)
     ref_cache = LayerCache(torch.zeros(n_ctx, n_kv, dim), torch.zeros(n_ctx, n_kv, dim))
     cache = LayerCache(torch.zeros(n_ctx, n_kv, dim), torch.zeros(n_ctx, n_kv, dim))
-    for pos in range(12):  # each position attends to all earlier ones (or the window's)
+    # Each position attends to all earlier ones (or the window's): counts of positions that are and are
+    # not a multiple of the kernel's four-position passes, with and without the window's start inside.
+    for pos in range(42):
         q, k, v = torch.randn(1, n_head, dim), torch.randn(1, n_kv, dim), torch.randn(1, n_kv, dim)
         p = torch.tensor([pos])
         ref = attention(rope(q, p), ref_cache, rope(k, p), v, pos, scale=scale, window=window, sinks=sinks)  # [1, H, D]
@@ -136,3 +139,20 @@ def test_attention_sinks_in_the_fused_attention_are_a_softmax_logit_without_a_va
             want = probs @ values[first : i + 1, h // group]
             torch.testing.assert_close(got[i, h], want, rtol=1e-5, atol=1e-6)
     assert got.shape == (t + 1, n_head, dim)
+
+
+@njit(fastmath={"reassoc", "contract"})  # the attention kernel's flags: they must not undo the split of ln 2
+def _exps(x: np.ndarray) -> np.ndarray:
+    out = np.empty_like(x)
+    for i in range(x.size):
+        out[i] = exp_nonpositive(x[i])
+    return out
+
+
+def test_the_softmax_exp_is_within_its_bound() -> None:
+    rng = np.random.default_rng(5)
+    x = -np.concatenate([np.linspace(0, 87, 400_001), rng.random(10_000) * 1e-3]).astype(np.float32)
+    got, ref = _exps(x).astype(np.float64), np.exp(x.astype(np.float64))
+    assert float((np.abs(got - ref) / ref).max()) <= 2e-7
+    low = np.array([-87.7, -88.0, -200.0, -np.inf], np.float32)  # below float32's normal range: 0, not garbage
+    np.testing.assert_array_equal(_exps(low), np.zeros(4, np.float32))

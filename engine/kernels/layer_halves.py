@@ -22,10 +22,11 @@ from typing import Any
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
+from llvmlite import ir
 
 from .codes import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_SELECTED
 from .cpu import ROWS, act
-from .jit import njit, prange
+from .jit import intrinsic, njit, prange, types
 from .qblocks import dot_row, quantize_rows
 
 FEW_ROWS = 8  # up to this many rows (decode), RMS norm and routing run as compiled calls
@@ -83,10 +84,48 @@ def _check_position(pos: int, k_cache: np.ndarray) -> None:
         raise IndexError(f"position {pos} is outside the KV cache of {k_cache.shape[0]} positions")
 
 
-# The heads run in parallel, and their sums may be reassociated: a dot product of q and a cached k
-# in one chain of dependent adds left the vector units idle, and attention over a long context took
-# as long as the layer's weights. The order is fixed by the compiled code, so every call (cache on
-# or off) gives the same bits.
+def _f32_from_bits_typing(typingctx: Any, bits: Any) -> Any:
+    def codegen(context: Any, builder: Any, sig: Any, args: Any) -> Any:
+        return builder.bitcast(args[0], ir.FloatType())
+
+    return types.float32(types.int32), codegen
+
+
+_f32_from_bits: Any = intrinsic(_f32_from_bits_typing)  # the float32 whose bit pattern is an int32's
+
+
+@njit(inline="always", fastmath={"reassoc", "contract"})
+def exp_nonpositive(x: float) -> float:
+    """exp(x) for x <= 0 (a softmax's shifted logits): within 2e-7 relative down to -87, 0 below -87.7
+    (exp leaves float32's normal range there).
+
+    libm's exp is a call per element, which keeps the loop around it scalar: over a long context the
+    softmax took as long as the dot products. Here exp(x) = 2^n exp(r), n = round(x / ln 2), r = x -
+    n ln 2 (ln 2 in two parts, so r keeps its bits), |r| <= ln 2 / 2, exp(r) by its Taylor series to
+    degree 7, and 2^n written into the exponent.
+    """
+    # Below -88 (and for NaN) as at -88: n = -127 there, the exponent's bits are 0, and so is the result.
+    xc = x if x > np.float32(-88.0) else np.float32(-88.0)
+    n = np.floor(xc * np.float32(1.4426950408889634) + np.float32(0.5))
+    r = xc - n * np.float32(0.693145751953125)
+    r = r - n * np.float32(1.4286068203094173e-06)
+    p = np.float32(1.0 / 5040)
+    p = p * r + np.float32(1.0 / 720)
+    p = p * r + np.float32(1.0 / 120)
+    p = p * r + np.float32(1.0 / 24)
+    p = p * r + np.float32(1.0 / 6)
+    p = p * r + np.float32(0.5)
+    p = p * r + np.float32(1.0)
+    p = p * r + np.float32(1.0)
+    return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
+
+
+# Work items are (KV head, its query heads): each cached k and v row is read once for the heads that
+# share it, and four positions go through each pass (four independent sums per q row: one sum per
+# position was one chain of dependent adds, with the vector units idle). With fewer than four KV heads
+# each query head is an item of its own, so two threads still share the work. The softmax's exp is
+# inlined (`exp_nonpositive`). The order of every sum is fixed by the compiled code, so every call
+# (cache on or off) gives the same bits.
 @njit(parallel=True, fastmath={"reassoc", "contract"})
 def _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, scale, sinks, out):
     """q [H, D], k [Hkv, D], v [Hkv, Dv] of the token at `pos` -> out [H, Dv]; writes the cache at pos.
@@ -95,28 +134,58 @@ def _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, scale, s
     _rotate(k, cis, pos, neox)
     k_cache[pos] = k
     v_cache[pos] = v
-    n_head, group = q.shape[0], q.shape[0] // k.shape[0]
+    n_head, n_kv, dim, dim_v = q.shape[0], k.shape[0], q.shape[1], out.shape[1]
+    group = n_head // n_kv
+    per = group if n_kv >= 4 else 1  # query heads per work item
     n = pos + 1 - start
-    for h in prange(n_head):
-        p = np.empty(n, np.float32)  # [n] this head's scores, then weights
-        kv = h // group
-        top = sinks[h] if sinks.size else np.float32(-np.inf)
-        for s in range(n):
-            dot = np.float32(0)
-            for d in range(q.shape[1]):
-                dot += q[h, d] * k_cache[start + s, kv, d]
-            p[s] = dot * scale
-            top = max(top, p[s])
-        total = np.exp(sinks[h] - top) if sinks.size else np.float32(0)
-        for s in range(n):
-            p[s] = np.exp(p[s] - top)
-            total += p[s]
-        for d in range(out.shape[1]):
-            out[h, d] = 0
-        for s in range(n):
-            w = p[s] / total
-            for d in range(out.shape[1]):
-                out[h, d] += w * v_cache[start + s, kv, d]
+    n4 = n - n % 4
+    for item in prange(n_head // per):
+        h0 = item * per
+        kv = h0 // group
+        p = np.empty((per, n), np.float32)  # [per, n] the heads' scores, then weights
+        for s in range(0, n4, 4):
+            a, b, c, e = start + s, start + s + 1, start + s + 2, start + s + 3
+            for j in range(per):
+                d0 = d1 = d2 = d3 = np.float32(0)
+                for d in range(dim):
+                    x = q[h0 + j, d]
+                    d0 += x * k_cache[a, kv, d]
+                    d1 += x * k_cache[b, kv, d]
+                    d2 += x * k_cache[c, kv, d]
+                    d3 += x * k_cache[e, kv, d]
+                p[j, s], p[j, s + 1], p[j, s + 2], p[j, s + 3] = d0 * scale, d1 * scale, d2 * scale, d3 * scale
+        for s in range(n4, n):
+            for j in range(per):
+                d0 = np.float32(0)
+                for d in range(dim):
+                    d0 += q[h0 + j, d] * k_cache[start + s, kv, d]
+                p[j, s] = d0 * scale
+        for j in range(per):
+            top = sinks[h0 + j] if sinks.size else np.float32(-np.inf)
+            for s in range(n):
+                top = max(top, p[j, s])
+            total = exp_nonpositive(sinks[h0 + j] - top) if sinks.size else np.float32(0)
+            for s in range(n):
+                w = exp_nonpositive(p[j, s] - top)
+                p[j, s] = w
+                total += w
+            inv = np.float32(1) / total
+            for s in range(n):
+                p[j, s] *= inv
+        acc = np.zeros((per, dim_v), np.float32)  # [per, Dv]
+        for s in range(0, n4, 4):
+            a, b, c, e = start + s, start + s + 1, start + s + 2, start + s + 3
+            for j in range(per):
+                w0, w1, w2, w3 = p[j, s], p[j, s + 1], p[j, s + 2], p[j, s + 3]
+                for d in range(dim_v):
+                    acc[j, d] += (w0 * v_cache[a, kv, d] + w1 * v_cache[b, kv, d] + w2 * v_cache[c, kv, d]
+                                  + w3 * v_cache[e, kv, d])  # fmt: skip
+        for s in range(n4, n):
+            for j in range(per):
+                w0 = p[j, s]
+                for d in range(dim_v):
+                    acc[j, d] += w0 * v_cache[start + s, kv, d]
+        out[h0 : h0 + per] = acc
 
 
 def decode_attention(
