@@ -6,6 +6,10 @@
     python bench/compare_llamacpp.py --f32-copy MODEL.gguf   # and an F32 copy of each
     python bench/compare_llamacpp.py --arch qwen35moe --agreement-only --f32-copy   # one family, no timing
 
+llama.cpp's AVX-512 build flags must match the CPU: where it has AVX512-VNNI but not AVX-VNNI (a
+Zen 4 EPYC), `-DGGML_AVX_VNNI=ON` made llama.cpp die with SIGILL on an MXFP4 file; build it OFF there
+(`grep -o 'avx_vnni' /proc/cpuinfo` prints nothing on such a CPU).
+
 Both engines get the same token ids (no tokenizer differences), all positions' logits are
 compared (top-1 agreement, mean KL(llama.cpp || moechat)), then prefill and decode speed are
 timed in alternating runs with the same thread count. Prints a table.
