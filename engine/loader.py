@@ -16,6 +16,7 @@ from .cache.stats import summary_lines
 from .config import ModelConfig
 from .errors import ParameterError
 from .gguf.reader import GGUFFile
+from .kernels.isa import activation_bits
 from .kernels.jit import compile_notes
 from .models import build_model, compile_ahead
 from .models.decoder import MoeDecoder
@@ -219,8 +220,7 @@ def load_model(
         if own_layers is not None:  # a stage's experts (and so its expert cache) are its own layers' only
             model.moe_layers = [i for i in model.moe_layers if i in own_layers]
         load_weights(model, gguf)
-        if cpu_kernels == "int8":
-            set_activation_bits(model, 8)
+        set_activation_bits(model, *activation_bits(cpu_kernels))
         if not on_cpu:
             model.to_device(torch.device(device))
         with compile_notes(progress):  # one token through every layer: the kernels compile here

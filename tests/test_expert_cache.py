@@ -128,7 +128,7 @@ def test_an_upload_ahead_runs_on_the_emulated_link_while_the_device_computes() -
     assert torch.equal(group.banks[0][0], lx.gate.raw[1])  # and the expert is in its slot
 
 
-@pytest.mark.parametrize("kernels", ["fast", "int8"])
+@pytest.mark.parametrize("kernels", ["fast", "int16", "int8"])
 def test_cached_logits_are_bit_identical_on_the_cpu_device(kernels: str, tmp_path: Path) -> None:
     path = tiny_moe(tmp_path / "m.gguf")
     plain = load_model(path, n_ctx=64, cpu_kernels=kernels)

@@ -47,7 +47,7 @@ def model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     arch, qtype, mix = request.param
     path = tiny_moe(tmp_path_factory.mktemp("m") / f"{arch}-{qtype.name}.gguf", arch=arch, expert_type=qtype,
                     **MIXES.get(mix, {}))  # fmt: skip
-    return load_model(path, n_ctx=256)
+    return load_model(path, n_ctx=256, cpu_kernels="int16")  # the tolerances below are int16's
 
 
 # The fast path (int16 activations, within 1e-4 per product) against the exact one, end to end: a

@@ -330,7 +330,7 @@ class ExpertCache:
             self.uploader.upload(group, lx, plan.uploads)
         if plan.n_uploads or plan.n_hits:
             run_fused(lx, group.host_banks, policy.slot_array(layer), self.host.act_code, xh, ih, wh,
-                      plan.device_array if plan.n_cpu else None, contrib, self.host.bits)  # fmt: skip
+                      plan.device_array if plan.n_cpu else None, contrib, self.host.bits_for(xh.shape[0]))  # fmt: skip
         return layer_output(contrib, ih)
 
     def _run_triton(

@@ -4,8 +4,10 @@ without loading the engine."""
 from __future__ import annotations
 
 KERNEL_MODES = {
-    "fast": "the default: kernels that read the file's quantized blocks in place, activations rounded to int16",
-    "int8": "the same kernels with int8 activations everywhere (llama.cpp's approximation): faster, less exact",
+    "fast": "the default: kernels that read the file's quantized blocks in place; a few tokens' activations "
+    "rounded to int8 where this CPU multiplies bytes faster (x86 with AVX2 or AVX-512), else int16; prompts int16",
+    "int16": "the same kernels with int16 activations everywhere: the closest to exact",
+    "int8": "the same kernels with int8 activations everywhere (llama.cpp's approximation)",
     "exact": "dequantize with torch, then multiply in float32: the slow reference path",
 }
 

@@ -92,6 +92,7 @@ def _no_experts(layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.T
 def compile_passes(path: Path, n_ctx: int, cpu_kernels: str) -> None:
     """The helper's work: the model built as `load_model` builds it on the CPU, then one token through it
     three times (attention and experts skipped, then attention skipped, then all), then the policy's."""
+    from ..kernels.isa import activation_bits
     from ..nn.layers import KVCache
     from ..nn.qlinear import set_activation_bits
     from ..nn.weights import load_weights
@@ -103,8 +104,7 @@ def compile_passes(path: Path, n_ctx: int, cpu_kernels: str) -> None:
     try:
         model = build_model(gguf, cfg, n_ctx, quantized=cpu_kernels != "exact", kernels=cpu_kernels)
         load_weights(model, gguf)
-        if cpu_kernels == "int8":
-            set_activation_bits(model, 8)
+        set_activation_bits(model, *activation_bits(cpu_kernels))
         experts = model.experts
         with torch.inference_mode():
             for skip_attention, skip_experts in ((True, True), (True, False), (False, False)):
@@ -128,7 +128,10 @@ def compile_passes(path: Path, n_ctx: int, cpu_kernels: str) -> None:
 def warm_expert_kernels(model: Any) -> None:
     """The experts' general kernels (selection, gate/up, down, the sum by token), which a prompt and the
     expert cache run: a load's one decode token takes the one-call path (kernels.moe_token) instead.
-    One call per distinct set of expert types, on one token with zero activations."""
+    One call per distinct set of expert types, on one token with zero activations (and on a prompt's
+    count where its activations' width differs)."""
+    from ..kernels.codes import GEMM_TOKENS
+
     host = getattr(model, "host_experts", None)
     if host is None or not host.layers:
         return
@@ -139,8 +142,10 @@ def warm_expert_kernels(model: Any) -> None:
         if kind in seen or not host.fused[layer]:
             continue
         seen.add(kind)
-        ids = torch.arange(k, dtype=torch.int64)[None]  # [1, k]
-        host(layer, torch.zeros(1, model.cfg.n_embd), ids, torch.full((1, k), 1 / k))
+        # A prompt's activations may be wider than a token's (kernels.isa.activation_bits): both kernels.
+        for n in (1, GEMM_TOKENS) if host.bits != host.prompt_bits else (1,):
+            ids = torch.arange(k, dtype=torch.int64)[None].expand(n, k).contiguous()  # [n, k]
+            host(layer, torch.zeros(n, model.cfg.n_embd), ids, torch.full((n, k), 1 / k))
 
 
 def warm_prompt_kernels(model: Any) -> None:
@@ -155,11 +160,11 @@ def warm_prompt_kernels(model: Any) -> None:
     seen = set()
     for m in model.modules():
         for w in vars(m).values():
-            if not isinstance(w, QLinear) or (w.qtype, w.bits, w.tiled) in seen:
+            if not isinstance(w, QLinear) or (w.qtype, w.prompt_bits, w.tiled) in seen:
                 continue
-            seen.add((w.qtype, w.bits, w.tiled))
+            seen.add((w.qtype, w.prompt_bits, w.tiled))
             if w.tiled:
-                cpu_kernels.dense(w.raw[:1], w.qtype, np.zeros((1, w.shape[1]), np.float32), w.bits)
+                cpu_kernels.dense(w.raw[:1], w.qtype, np.zeros((1, w.shape[1]), np.float32), w.prompt_bits)
             else:
                 cpu_kernels.dequantize_rows(w.raw[:1], w.qtype, w.shape[1])
 

@@ -20,6 +20,8 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ParameterError
+from ..kernels.codes import GEMM_TOKENS
+from ..kernels.isa import activation_bits
 from ..kernels.modes import KERNEL_MODES
 from ..nn.activations import Activation, activation_code
 from .expert_tensors import LayerExperts
@@ -89,7 +91,7 @@ class DequantCache:
 class HostExperts:
     """Expert execution straight from the host copy (the file's bytes).
 
-    `kernels="fast"` or `"int8"`: the layer's selected experts in three kernel calls that read the
+    `kernels="fast"`, `"int16"` or `"int8"`: the layer's selected experts in three kernel calls that read the
     quantized blocks in place (fused_moe); layers whose types or activation have no kernel, and
     `kernels="exact"`, dequantize each selected expert with torch and multiply in float32 (the
     reference path), optionally keeping up to `dequant_mib` of dequantized experts.
@@ -111,8 +113,13 @@ class HostExperts:
         code = activation_code(act)
         self.act_code = -1 if code is None else code
         self.fused = {i: kernels != "exact" and fusable(lx, act) for i, lx in layers.items()}
-        self.bits = 8 if kernels == "int8" else 16  # the fused kernels' activations
+        # The fused kernels' activations: `bits` for a few tokens (decode), `prompt_bits` for a prompt.
+        self.bits, self.prompt_bits = activation_bits(kernels)
         self._token_calls: dict[int, TokenCall] = {}
+
+    def bits_for(self, n_tokens: int) -> int:
+        """The activations' bits of a call on n_tokens rows (the same rule wherever the experts run)."""
+        return self.bits if n_tokens < GEMM_TOKENS else self.prompt_bits
 
     def token_call(self, layer: int) -> TokenCall | None:
         """What `kernels.moe_token` takes of this layer's experts (None: no fused kernels for it)."""
@@ -152,7 +159,18 @@ class HostExperts:
         contrib: np.ndarray,
     ) -> None:
         """Fused path: the contributions of `experts` (None: all selected), from the host copy, into their rows."""
-        run_fused(self.layers[layer], self.mats(layer), None, self.act_code, x, ids, w, experts, contrib, self.bits)
+        run_fused(
+            self.layers[layer],
+            self.mats(layer),
+            None,
+            self.act_code,
+            x,
+            ids,
+            w,
+            experts,
+            contrib,
+            self.bits_for(x.shape[0]),
+        )
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         if self.fused[layer]:

@@ -6,7 +6,7 @@ tokens (decode) go through `cpu_kernels.dense`, which reads each row once for al
 (prefill) too where its integer tiles read the type, else a float GEMM over the matrix decoded a
 tile of rows at a time.
 `linear` applies either kind of weight. A matrix's `bits` is what its activations are rounded to in
-the kernels: 16 by default, 8 with `--cpu-kernels int8` (see `cpu_kernels`).
+the kernels for a few tokens (decode), `prompt_bits` for many: see `kernels.isa.activation_bits`.
 """
 
 from __future__ import annotations
@@ -33,13 +33,14 @@ GEMM_TILE_BYTES = 16 << 20  # float32 bytes of one decoded tile
 class QLinear:
     """y = x @ W.T for a quantized matrix W [N, K] read from its bytes [N, row_bytes]."""
 
-    def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, bits: int = 16) -> None:
+    def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, bits: int = 16, prompt_bits: int = 16) -> None:
         if not has_kernel(qtype):
             raise ValueError(f"no CPU kernel for {qtype.name}")
         block, size = GGML_QUANT_SIZES[qtype]
         self.raw = np.ascontiguousarray(raw)  # a view of the file's map: no copy
         self.qtype = qtype
-        self.bits = bits
+        self.bits = bits  # a few tokens' activations (decode)
+        self.prompt_bits = prompt_bits  # GEMM_TOKENS or more
         self.shape = (int(raw.shape[0]), int(raw.shape[1]) // size * block)
         self.device = torch.device("cpu")
 
@@ -48,12 +49,14 @@ class QLinear:
         """Whether a prompt multiplies in the kernels' integer tiles (they read the type; faster than
         decoding to float for sgemm), else by a float GEMM over decoded tiles of rows. Asked at each
         call: `set_activation_bits` changes the bits after loading."""
-        return cpu_kernels.tiles_read(self.qtype, self.shape[1], self.bits)
+        return cpu_kernels.tiles_read(self.qtype, self.shape[1], self.prompt_bits)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         x = x.float().contiguous()
-        if x.shape[0] < GEMM_TOKENS or self.tiled:
+        if x.shape[0] < GEMM_TOKENS:
             return torch.from_numpy(cpu_kernels.dense(self.raw, self.qtype, x.numpy(), self.bits))
+        if self.tiled:
+            return torch.from_numpy(cpu_kernels.dense(self.raw, self.qtype, x.numpy(), self.prompt_bits))
         return self.gemm(x)
 
     def gemm(self, x: torch.Tensor) -> torch.Tensor:
@@ -152,9 +155,10 @@ def ffn_one_token(
     return torch.from_numpy(out)
 
 
-def set_activation_bits(model: torch.nn.Module, bits: int) -> None:
-    """Every quantized matrix of a model rounds its activations to `bits` (8 or 16) in the kernels."""
+def set_activation_bits(model: torch.nn.Module, bits: int, prompt_bits: int) -> None:
+    """Every quantized matrix of a model rounds its activations to `bits` (8 or 16) in the kernels
+    for a few tokens, to `prompt_bits` for a prompt."""
     for module in model.modules():
         for value in vars(module).values():
             if isinstance(value, QLinear):
-                value.bits = bits
+                value.bits, value.prompt_bits = bits, prompt_bits
