@@ -55,6 +55,16 @@ class LoadedModel:
 
         The old cache's slots are freed first, so a device only ever holds one bank of slots.
         """
+        # The CPU kernels' widths: the default's int8 decode only where nothing computes in float32
+        # beside it (kernels.isa.activation_bits).
+        beside_float = self.model.device.type != "cpu" or (
+            settings is not None and settings.mib > 0 and settings.device_kernels == "triton"
+        )
+        widths = activation_bits(self.cpu_kernels, beside_float)
+        set_activation_bits(self.model, *widths)
+        host = getattr(self.model, "host_experts", None)
+        if host is not None:
+            host.set_bits(*widths)
         if not self.config.is_moe or not self.model.host_experts.layers:  # (a stage without MoE layers)
             return None
         old, self.cache = self.cache, None
@@ -220,7 +230,6 @@ def load_model(
         if own_layers is not None:  # a stage's experts (and so its expert cache) are its own layers' only
             model.moe_layers = [i for i in model.moe_layers if i in own_layers]
         load_weights(model, gguf)
-        set_activation_bits(model, *activation_bits(cpu_kernels))
         if not on_cpu:
             model.to_device(torch.device(device))
         with compile_notes(progress):  # one token through every layer: the kernels compile here

@@ -104,9 +104,13 @@ def test_qlinear_agrees_below_and_above_the_gemm_switch(qtype: Q, monkeypatch: p
     # `--cpu-kernels int8` sets the bits after loading: its prompts take the float GEMM (no int8 tiles).
     holder, w8 = torch.nn.Module(), QLinear(raw, qtype)
     holder.w = w8
-    set_activation_bits(holder, 8)
+    set_activation_bits(holder, 8, 8)
     x = torch.randn(40, 512)
     assert w8.bits == 8 and not w8.tiled and torch.equal(w8(x), w8.gemm(x))
+    # The default's widths where the CPU has byte products: a few tokens int8, a prompt int16's tiles.
+    w816 = QLinear(raw, qtype, bits=8, prompt_bits=16)
+    assert w816.tiled == lin.tiled and torch.equal(w816(x), lin(x))
+    assert torch.equal(w816(x[:4]), w8(x[:4])) and not torch.equal(w816(x[:4]), lin(x[:4]))
     w = lin.dequantized().double()
     for t in (1, GEMM_TOKENS - 1, GEMM_TOKENS, 40):
         x = torch.randn(t, 512)

@@ -169,9 +169,12 @@ def _triton_model(path: Path, share: float, kernels: str = "triton", cpu_kernels
 @pytest.mark.parametrize(("arch", "qtype"), [("qwen3moe", Q.Q4_K), ("gpt-oss", Q.MXFP4)], ids=["qwen3moe", "gpt-oss"])
 def test_cache_on_triton_kernels_computes_what_the_cache_off_does(arch: str, qtype: Q, tmp_path: Path) -> None:
     path = tiny_moe(tmp_path / "m.gguf", arch=arch, expert_type=qtype, down_type=Q.Q6_K if qtype == Q.Q4_K else None)
-    plain = load_model(path, n_ctx=64)
+    # Cache off as on a GPU, where the host's experts keep int16 beside the device's float32
+    # (kernels.isa.activation_bits): on the CPU device the default would take int8.
+    plain = load_model(path, n_ctx=64, cpu_kernels="int16")
     lm = _triton_model(path, share=0.5)
     assert lm.cache is not None and all(lm.cache.triton.values())
+    assert lm.model.host_experts.bits == 16  # the default beside the device kernels
     ids = plain.tokenizer.encode(PROMPT)[:10]
     c1, c2 = plain.new_cache(), lm.new_cache()
     with torch.inference_mode():

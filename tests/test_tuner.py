@@ -577,7 +577,8 @@ def test_after_a_warm_start_min_starts_from_the_same_slots(tmp_path: Path) -> No
 
     path = tiny_moe(tmp_path / "m.gguf", n_layers=3, n_expert=16, n_expert_used=2)
     warm = tmp_path / "warm.json"
-    big = CacheSettings(mib=8.0, warm_start=warm)  # every expert fits: after a warm start, every lookup hits
+    # All 48 experts (about 10 MiB) fit: after a warm start, every lookup hits.
+    big = CacheSettings(mib=16.0, warm_start=warm)
     prompt = None
     for _ in range(2):  # the first session saves the use counts, the second starts from them
         lm = load_model(path, n_ctx=256, cache=big)

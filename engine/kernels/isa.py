@@ -56,11 +56,13 @@ VNNI = AVX512 and bool(_FEATURES.get("avx512vnni")) and bool(_FEATURES.get("avx5
 FAST_FEW_BITS = 8 if AVX2 else 16
 
 
-def activation_bits(mode: str) -> tuple[int, int]:
-    """A kernel mode's (few tokens', prompt's) activation bits: 8 or 16 each."""
+def activation_bits(mode: str, beside_float: bool = False) -> tuple[int, int]:
+    """A kernel mode's (few tokens', prompt's) activation bits: 8 or 16 each. `beside_float`: a
+    device computes the rest in float32 (a GPU, or the device kernels): the default then keeps int16,
+    so that the experts the CPU computes stay within the device's bound (cache on and off agree)."""
     if mode == "int8":
         return 8, 8
-    if mode == "fast":
+    if mode == "fast" and not beside_float:
         return FAST_FEW_BITS, 16
     return 16, 16
 

@@ -117,6 +117,11 @@ class HostExperts:
         self.bits, self.prompt_bits = activation_bits(kernels)
         self._token_calls: dict[int, TokenCall] = {}
 
+    def set_bits(self, bits: int, prompt_bits: int) -> None:
+        """The activations' bits for a few tokens and for a prompt (`kernels.isa.activation_bits`)."""
+        self.bits, self.prompt_bits = bits, prompt_bits
+        self._token_calls.clear()  # they hold the bits
+
     def bits_for(self, n_tokens: int) -> int:
         """The activations' bits of a call on n_tokens rows (the same rule wherever the experts run)."""
         return self.bits if n_tokens < GEMM_TOKENS else self.prompt_bits
@@ -135,7 +140,9 @@ class HostExperts:
 
     def with_layers(self, layers: dict[int, LayerExperts]) -> HostExperts:
         """The same execution options over other copies of the experts (pinned memory)."""
-        return HostExperts(layers, self.act, kernels=self.kernels, dequant_mib=self.dequant_mib)
+        other = HostExperts(layers, self.act, kernels=self.kernels, dequant_mib=self.dequant_mib)
+        other.set_bits(self.bits, self.prompt_bits)
+        return other
 
     def mats(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         lx = self.layers[layer]
