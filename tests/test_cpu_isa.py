@@ -2,8 +2,9 @@
 
 The default level (the CPU's own) runs in the rest of the suite; here each lower one runs in a
 process of its own, capped by MOECHAT_CPU_ISA, against gguf-py's dequantizer within the stated
-bounds of test_cpu_kernels: plain and super-block types, signed and unsigned integers, int16 and
-int8 activations, one token and five (the prompt tiles: the same bits as one at a time).
+bounds of test_cpu_kernels: plain and super-block types (MXFP4 four blocks at a time with
+AVX-512), signed and unsigned integers, int16 and int8 activations, one token and five (the
+prompt tiles: the same bits as one at a time).
 """
 
 from __future__ import annotations
@@ -25,10 +26,11 @@ from testkit.ggufgen import Q, quantized
 
 print(isa.LEVEL, isa.describe())
 rng = np.random.default_rng(0)
-for qtype in (Q.Q4_K, Q.Q6_K, Q.IQ4_XS, Q.Q4_0, Q.MXFP4):
-    raw = quantized((37, 512), qtype, rng)
-    w = dequantize(raw, qtype).reshape(37, 512).astype(np.float64)
-    x = rng.standard_normal((5, 512)).astype(np.float32)
+# MXFP4 also with 23 blocks a row: four at a time (AVX-512), then a pair, then one
+for qtype, k in ((Q.Q4_K, 512), (Q.Q6_K, 512), (Q.IQ4_XS, 512), (Q.Q4_0, 512), (Q.MXFP4, 512), (Q.MXFP4, 736)):
+    raw = quantized((37, k), qtype, rng)
+    w = dequantize(raw, qtype).reshape(37, k).astype(np.float64)
+    x = rng.standard_normal((5, k)).astype(np.float32)
     ref = x.astype(np.float64) @ w.T
     for bits, bound in ((16, 1e-4), (8, 1e-2)):
         got = cpu.dense(raw, qtype, x, bits)
@@ -49,7 +51,7 @@ def _run(level: str, cache: Path) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("level", ["generic", "avx2"])
+@pytest.mark.parametrize("level", ["generic", "avx2", "avx512-novnni"])
 def test_a_lower_level_computes_within_the_bounds(level: str, tmp_path: Path) -> None:
     out = _run(level, tmp_path / "kernels")
     ran = out[0].split()[0]
@@ -64,7 +66,8 @@ def test_a_bad_level_is_refused_in_one_line(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "moechat", "inspect", str(model)]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2
-    assert r.stderr.strip() == "moechat: error: MOECHAT_CPU_ISA must be one of generic, avx2, avx512, got 'sse9'"
+    levels = "generic, avx2, avx512-novnni, avx512"
+    assert r.stderr.strip() == f"moechat: error: MOECHAT_CPU_ISA must be one of {levels}, got 'sse9'"
 
 
 def test_inspect_says_which_instructions_the_kernels_use(tmp_path: Path) -> None:

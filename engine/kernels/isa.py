@@ -2,14 +2,16 @@
 
 The block layouts (`qblocks`) name a few x86 instructions outright where LLVM would not find them
 by itself (byte shuffles for the code books, byte and word products); everything else is plain
-vector code that LLVM compiles for the machine's CPU. Three levels:
+vector code that LLVM compiles for the machine's CPU. Four levels:
 
-- `avx512`: AVX-512BW's 64-byte products, two 32-weight chunks per instruction (and with
-  AVX512-VNNI, LLVM fuses the int16 products and their sums into vpdpwssd);
+- `avx512`: AVX-512BW's 64-byte products, two 32-weight chunks per instruction, and with
+  AVX512-VNNI where the CPU has it, byte products summed in fours in one instruction (vpdpbusd;
+  LLVM also fuses the int16 products and their sums into vpdpwssd);
+- `avx512-novnni`: the same without VNNI's instructions (what a CPU with AVX-512BW but not VNNI runs);
 - `avx2`: the 32-byte forms of the same instructions;
 - `generic`: no instruction named, for any CPU (ARM, older x86).
 
-MOECHAT_CPU_ISA=avx2 or =generic runs a lower level on a CPU that has a higher one: the tests run
+MOECHAT_CPU_ISA=avx512-novnni, =avx2 or =generic runs a lower level on a CPU that has a higher one: the tests run
 every level on whatever host they run, and a user can rule out a path. The level is part of the
 kernel cache's folder name (engine/kernels/jit.py), so kernels of one level never load for another.
 """
@@ -20,7 +22,7 @@ import os
 
 import llvmlite.binding as llvm
 
-LEVELS = ("generic", "avx2", "avx512")
+LEVELS = ("generic", "avx2", "avx512-novnni", "avx512")
 ENV = "MOECHAT_CPU_ISA"
 
 
@@ -43,10 +45,10 @@ def _level() -> str:
 
 LEVEL = _level()
 X86 = llvm.get_process_triple().startswith(("x86_64", "amd64")) and LEVEL != "generic"
-AVX2 = LEVEL in ("avx2", "avx512")
-AVX512 = LEVEL == "avx512"
+AVX2 = LEVEL in ("avx2", "avx512-novnni", "avx512")
+AVX512 = LEVEL in ("avx512-novnni", "avx512")
 _FEATURES = llvm.get_host_cpu_features()
-VNNI = AVX512 and bool(_FEATURES.get("avx512vnni")) and bool(_FEATURES.get("avx512vl"))
+VNNI = LEVEL == "avx512" and bool(_FEATURES.get("avx512vnni")) and bool(_FEATURES.get("avx512vl"))
 
 # The activations' width the default mode ("fast") gives a few tokens (decode): int8 where the CPU
 # multiplies bytes in one instruction (pmaddubsw; x86 with AVX2 or AVX-512), which reads the blocks
@@ -70,7 +72,7 @@ def activation_bits(mode: str, beside_float: bool = False) -> tuple[int, int]:
 def describe() -> str:
     """The level in words, for `moechat inspect` and the benches."""
     capped = f", capped by {ENV}" if _cpu_level() != LEVEL else ""
-    fast = f"; decode int{FAST_FEW_BITS} by default"
+    fast = f"; decode int{FAST_FEW_BITS} by default (int16 beside a GPU)" if FAST_FEW_BITS == 8 else "; decode int16"
     if AVX512:
         int8 = "vpdpbusd and pmaddubsw" if VNNI else "pmaddubsw"
         return f"AVX-512 ({'VNNI vpdpwssd' if VNNI else 'pmaddwd'} for int16, {int8} for int8){capped}{fast}"

@@ -15,7 +15,10 @@ inlined where they are called, so LLVM sees the whole loop and vectorizes it for
   scale per 256: a block's integer form (`IntBlock`: each weight's integer and its integer
   sub-scale) keeps the whole block in int32 (int16: the integer times its sub-scale, then
   pmaddwd, fused into vpdpwssd with VNNI; int8: pmaddubsw, then pmaddwd with the sub-scales, as
-  llama.cpp does), and one float multiply-add per 256 weights instead of per 32. The weights'
+  llama.cpp does), and one float multiply-add per 256 weights instead of per 32. MXFP4 with int8 on
+  AVX-512 goes four blocks a pass (`QuadBlock`): unsigned weights (the code book plus an offset that
+  returns as a bias), the four blocks' products in two 64-byte instructions, one conversion and one
+  multiply-add for the four. The weights'
   integers are unpacked once for the four tokens; each token's operations are the same whatever
   the number of tokens, so how many tokens share a row never changes a token's result.
 - `decode_row`: a row's weights as float32 (the tiles a float GEMM multiplies in prefill).
@@ -233,17 +236,55 @@ def _iq4_nl(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
     return Block([Chunk(v.table(v.nibbles(p, 2), _IQ4_NL), True, _scaled(v, v.f16(p, 0), dxp))], None)
 
 
-def _mxfp4(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
-    # E8M0 scale 2^(e - 127), halved for the doubled code book: looked up in a table of the 256 values
-    # (one load, where computing it with its two subnormal cases took seven instructions a block).
+def _e8m0_half(v: _B, p: ir.Value) -> ir.Value:
+    """MXFP4's E8M0 scale at p, 2^(e - 127), halved for the doubled code book: looked up in a table of the
+    256 values (one load, where computing it with its two subnormal cases took seven instructions)."""
     b = v.b
     e = b.zext(v.scalar(p, 0, I8), I32)
     try:
         tab = b.module.get_global(_E8M0_NAME)  # one table per compiled function
     except KeyError:
         tab = cgutils.global_constant(b.module, _E8M0_NAME, ir.Constant(ir.ArrayType(F32, 256), _E8M0_HALF))
-    d = b.load(b.gep(tab, [ir.Constant(I32, 0), e]), align=4)
-    return Block([Chunk(v.table(v.nibbles(p, 1), _MXFP4), True, _scaled(v, d, dxp))], None)
+    return b.load(b.gep(tab, [ir.Constant(I32, 0), e]), align=4)
+
+
+def _mxfp4(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+    return Block([Chunk(v.table(v.nibbles(p, 1), _MXFP4), True, _scaled(v, _e8m0_half(v, p), dxp))], None)
+
+
+class QuadBlock(NamedTuple):
+    """Four 32-weight blocks of a 4-bit type in 64-byte vectors, for AVX-512's byte products: each
+    block's weights 0..15 (its low nibbles) in `lo`, 16 lanes a block, weights 16..31 in `hi`, as
+    unsigned integers (the weight's integer plus `offset`), and the four blocks' scales."""
+
+    lo: ir.Value  # <64 x i8>
+    hi: ir.Value  # <64 x i8>
+    scales: ir.Value  # <4 x float32>
+    offset: int
+
+
+def _mxfp4_quad(v: _B, ps: list[ir.Value]) -> QuadBlock:
+    # The code book plus 12 is 0..24: an unsigned byte times an activation is one instruction, where a
+    # signed one took three (abs, sign, product); the offset comes back as a bias, as for Q4_0.
+    b = v.b
+    nib = [v.load(p, 1, I8, 16) for p in ps]
+
+    def cat(x: ir.Value, y: ir.Value) -> ir.Value:
+        n = 2 * x.type.count
+        return b.shuffle_vector(x, y, ir.Constant(_vec(I32, n), list(range(n))))
+
+    q = cat(cat(nib[0], nib[1]), cat(nib[2], nib[3]))  # <64 x i8>: 16 bytes a block
+    tab = ir.Constant(_vec(I8, 64), [c + 12 for c in _MXFP4] * 4)
+
+    def look(idx: ir.Value) -> ir.Value:
+        return _call(b, "llvm.x86.avx512.pshuf.b.512", _vec(I8, 64), [tab, idx])
+
+    lo = look(b.and_(q, ir.Constant(_vec(I8, 64), [15] * 64)))
+    hi = look(b.lshr(q, ir.Constant(_vec(I8, 64), [4] * 64)))
+    scales = ir.Constant(_vec(F32, 4), None)
+    for j, p in enumerate(ps):
+        scales = b.insert_element(scales, _e8m0_half(v, p), ir.Constant(I32, j))
+    return QuadBlock(lo, hi, scales, 12)
 
 
 # -- 256-weight super-blocks: eight chunks each --------------------------------------------------
@@ -392,11 +433,13 @@ class Layout:
     # A super-block's integers with integer scales (see IntBlock): with the activations' one scale per
     # 256, its dot products stay integers over the whole block (int16 activations)
     ints: Callable[[_B, ir.Value], IntBlock] | None = None
+    # Four 32-weight blocks at once in 64-byte vectors (int8 activations, AVX-512), where a type has it
+    quad: Callable[[_B, list[ir.Value]], QuadBlock] | None = None
 
 
 def _layout(qtype: Q, chunks: Chunks) -> Layout:
     weights, size = GGML_QUANT_SIZES[qtype]
-    return Layout(weights, size, chunks, _INTS.get(qtype))
+    return Layout(weights, size, chunks, _INTS.get(qtype), _QUADS.get(qtype))
 
 
 _CHUNKS: dict[Q, Chunks] = {
@@ -406,6 +449,7 @@ _CHUNKS: dict[Q, Chunks] = {
 _INTS: dict[Q, Callable[[_B, ir.Value], IntBlock]] = {
     Q.Q4_K: _q4_k_ints, Q.Q5_K: _q5_k_ints, Q.Q6_K: _q6_k_ints, Q.IQ4_XS: _iq4_xs_ints,
 }  # fmt: skip
+_QUADS: dict[Q, Callable[[_B, list[ir.Value]], QuadBlock]] = {Q.MXFP4: _mxfp4_quad}
 # One entry per quant type the registry (gguf.quant_types) gives the CPU kernels: its whole block layout.
 # A type claimed there without its chunks here fails at import.
 LAYOUTS: dict[Q, Layout] = {t: _layout(t, _CHUNKS[t]) for t in sorted(types_for(CPU))}
@@ -600,6 +644,8 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
     the same result."""
     act = I8 if bits == 8 else I16
     ints = layout.ints
+    # Four blocks a pass in 64-byte vectors: a quarter of the per-block float work, and unsigned weights
+    quads = layout.quad if _AVX512 and bits == 8 else None
 
     @intrinsic
     def dot(typingctx, w, w_off, n_blocks, xq, dx, bs, rows):
@@ -621,6 +667,7 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
             ]
             accb = [cgutils.alloca_once_value(b, ir.Constant(V8_F32, None)) for _ in range(nt)]
             accs = [cgutils.alloca_once_value(b, ir.Constant(F32, None)) for _ in range(nt)]
+            accq = [cgutils.alloca_once_value(b, ir.Constant(_vec(F32, 4), None)) for _ in range(nt)]
             used: set[str] = set()
 
             def block_dots(index: ir.Value, par: int) -> None:
@@ -674,15 +721,54 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
                                 b.store(_fma1(b, block.bias, bsum, b.load(accs[t])), accs[t])
                                 used.add("s")
 
+            def quad_dots(index: ir.Value, four: Callable[[_B, list[ir.Value]], QuadBlock]) -> None:
+                """Blocks index..index+3 (`four`: their quad) into acc16[t][0], their offsets' bias into accq[t]."""
+                size = ir.Constant(I64, layout.size)
+                quad = four(v, [v.at(wp, b.mul(b.add(index, ir.Constant(I64, j)), size)) for j in range(4)])
+                first = b.mul(index, ir.Constant(I64, LANES))  # the first block's first weight
+                bias = b.fmul(quad.scales, ir.Constant(_vec(F32, 4), [-float(quad.offset)] * 4))
+                v16 = _vec(I32, 16)
+                # activations 0..15 of each of the four blocks, then 16..31: the order of lo and hi
+                halves = [[32 * j + h + i for j in range(4) for i in range(16)] for h in (0, 16)]
+                for t in range(nt):
+                    xa = v.load(xps[t], first, I8, 64)
+                    xb = v.load(xps[t], b.add(first, ir.Constant(I64, 64)), I8, 64)
+                    xs = [b.shuffle_vector(xa, xb, ir.Constant(_vec(I32, 64), h)) for h in halves]
+                    if _VNNI:
+                        sums = ir.Constant(v16, None)
+                        for w, x in zip((quad.lo, quad.hi), xs, strict=True):
+                            sums = _call(b, "llvm.x86.avx512.vpdpbusd.512", v16,
+                                         [sums, b.bitcast(w, v16), b.bitcast(x, v16)])  # fmt: skip
+                    else:  # |pair| <= 2 * 24 * 127 each, the two halves' sum < 2^15: exact in int16
+                        p16 = [_call(b, "llvm.x86.avx512.pmaddubs.w.512", _vec(I16, 32), [w, x])
+                               for w, x in zip((quad.lo, quad.hi), xs, strict=True)]  # fmt: skip
+                        ones = ir.Constant(_vec(I16, 32), [1] * 32)
+                        sums = _call(b, "llvm.x86.avx512.pmaddw.d.512", v16, [b.add(*p16), ones])
+                    # lanes 4j..4j+3: block j's sums
+                    scale = b.fmul(quad.scales, v.load(dps[t], index, F32, 4, align=4))
+                    scale = b.shuffle_vector(scale, scale, ir.Constant(v16, [j // 4 for j in range(16)]))
+                    acc = acc16[t][0]
+                    b.store(v.fma(b.sitofp(sums, _vec(F32, 16)), scale, b.load(acc)), acc)
+                    bsum = v.load(bps[t], index, F32, 4, align=4)
+                    b.store(v.fma(bias, bsum, b.load(accq[t])), accq[t])
+                used.update(("16", "q"))
+
             n_blocks = args[2]
             if layout.weights == LANES:
+                start: ir.Value = ir.Constant(I64, 0)
+                if quads is not None:
+                    n_quads = b.udiv(n_blocks, ir.Constant(I64, 4))
+                    with cgutils.for_range(b, n_quads) as loop:
+                        quad_dots(b.mul(loop.index, ir.Constant(I64, 4)), quads)
+                    start = b.mul(n_quads, ir.Constant(I64, 4))
+                rest = b.sub(n_blocks, start)
                 # One chunk per block: two blocks a pass, on two chains of FMAs, so that the next block's
                 # FMA does not wait for the last one's (its latency, not the bytes, bounded the loop).
-                with cgutils.for_range(b, b.udiv(n_blocks, ir.Constant(I64, 2))) as loop:
-                    even = b.mul(loop.index, ir.Constant(I64, 2))
+                with cgutils.for_range(b, b.udiv(rest, ir.Constant(I64, 2))) as loop:
+                    even = b.add(start, b.mul(loop.index, ir.Constant(I64, 2)))
                     block_dots(even, 0)
                     block_dots(b.add(even, ir.Constant(I64, 1)), 1)
-                with b.if_then(b.trunc(n_blocks, ir.IntType(1))):  # an odd count's last block
+                with b.if_then(b.trunc(rest, ir.IntType(1))):  # an odd count's last block
                     block_dots(b.sub(n_blocks, ir.Constant(I64, 1)), 0)
             else:  # eight chunks a block: they alternate between the chains
                 with cgutils.for_range(b, n_blocks) as loop:
@@ -696,6 +782,8 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
                     parts.append(_hsum(b, b.load(accb[t])))
                 if "s" in used:
                     parts.append(b.load(accs[t]))
+                if "q" in used:
+                    parts.append(_hsum(b, b.load(accq[t])))
                 total = parts[0]
                 for part in parts[1:]:
                     total = b.fadd(total, part)
