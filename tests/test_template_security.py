@@ -93,12 +93,20 @@ def test_real_templates_still_render() -> None:
     # A big but honest conversation renders quickly under the time limit.
     many = [{"role": "user" if i % 2 == 0 else "assistant", "content": f"turn {i} " * 50} for i in range(400)]
     unit = baseline_seconds()
-    took = []
-    for _ in range(3):  # the best of three: one stall of a shared machine (60 units once) is not the render's
-        start = time.monotonic()
-        assert t.render(many).count("<|im_start|>") == 401
-        took.append(time.monotonic() - start)
-    assert min(took) < 50 * unit  # about 1.5 units here
+
+    def best_of_three(messages: list[dict[str, str]], turns: int) -> float:
+        # the best of three: one stall of a shared machine (60 units once) is not the render's
+        took = []
+        for _ in range(3):
+            start = time.monotonic()
+            assert t.render(messages).count("<|im_start|>") == turns + 1
+            took.append(time.monotonic() - start)
+        return min(took)
+
+    # A render forks: in a process that has grown (the whole suite's models and kernels loaded) the
+    # fork alone took 0.6 s, so the bound is on what the big conversation adds to a small one's render.
+    small = best_of_three(list(MESSAGES), len(MESSAGES))
+    assert best_of_three(many, 400) - small < 50 * unit  # about 1.5 units here
 
 
 def test_a_template_that_fails_later_switches_the_session_to_plain(tmp_path: object) -> None:
