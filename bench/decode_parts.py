@@ -10,6 +10,11 @@ selected) and so its GB/s. The machine's read bandwidth is measured in the same 
 sum over 1 GiB, on the same threads), so the parts can be read as a share of it. Prints the CPU
 and the kernels' instruction path. With --context the cache first holds that many positions: the
 attention then also reads them (not counted in its bytes).
+
+The parts are timed on the per-part path (a layer's attention block, FFN norm, experts and residual
+add each a call of their own). Tokens alternate with the default path, where a layer of attention
+and routed experts is two compiled calls (models.decoder.Block.decode_layer): its step time is
+printed beside the per-part one.
 """
 
 from __future__ import annotations
@@ -94,7 +99,7 @@ def main() -> None:
     n_threads = set_threads(args.threads)
     print(f"CPU: {cpu_name()}; {n_threads} threads; kernels {args.kernels}; load average {os.getloadavg()[0]:.2f}")
     bw = read_bandwidth(n_threads)
-    lm = load_model(args.model, n_ctx=max(args.context, 80) + args.tokens + 16, cpu_kernels=args.kernels)
+    lm = load_model(args.model, n_ctx=max(args.context, 80) + 2 * args.tokens + 16, cpu_kernels=args.kernels)
     model = lm.model
     kv = lm.new_cache()
     ids = lm.tokenizer.encode(PROMPT)
@@ -110,8 +115,12 @@ def main() -> None:
 
     depth: dict[str, int] = defaultdict(int)
 
+    timing = [False]  # the parts are counted on the per-part path's tokens only
+
     def wrap(name: str, f: Callable[..., Any], nbytes: Callable[..., int]) -> Callable[..., Any]:
         def call(*a: Any, **kw: Any) -> Any:
+            if not timing[0]:
+                return f(*a, **kw)
             depth[name] += 1  # a part's method may call another of its wrapped methods: count the outer one
             t = time.perf_counter()
             try:
@@ -146,16 +155,22 @@ def main() -> None:
     head_bytes = _nbytes(model.output) + _nbytes(model.norm)
     model.head = wrap("output head", model.head, lambda *a: head_bytes)
 
-    steps = []
+    steps: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.tokens):
-        t = time.perf_counter()
-        tok = int(decode_one(model, tok, kv).argmax())
-        steps.append(time.perf_counter() - t)
+        for whole in (True, False):
+            for block in model.blocks:
+                block.whole_layer_calls = whole
+            timing[0] = not whole
+            t = time.perf_counter()
+            tok = int(decode_one(model, tok, kv).argmax())
+            steps[whole].append(time.perf_counter() - t)
     lm.close()
     n = args.tokens
-    step = statistics.mean(steps)  # the parts are means too: "the rest" is what they leave
-    print(f"machine read bandwidth: {bw:.1f} GB/s; decode {1 / step:.1f} t/s (mean step {step * 1e3:.2f} ms) "
-          f"at positions {len(ids) + 16}-{len(ids) + 16 + n}\n")  # fmt: skip
+    step = statistics.mean(steps[False])  # the parts are means too: "the rest" is what they leave
+    whole_step = statistics.mean(steps[True])
+    print(f"machine read bandwidth: {bw:.1f} GB/s; decode {1 / step:.1f} t/s per part (mean step {step * 1e3:.2f} "
+          f"ms), {1 / whole_step:.1f} t/s in two calls per layer ({whole_step * 1e3:.2f} ms), alternating tokens at "
+          f"positions {len(ids) + 16}-{len(ids) + 16 + 2 * n}\n")  # fmt: skip
     print("| part | MB read per token | ms per token | GB/s | of the read bandwidth |")
     print("|---|---:|---:|---:|---:|")
     for name in ("attention", "MoE layers", "dense FFNs", "output head"):

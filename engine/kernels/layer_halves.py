@@ -67,7 +67,8 @@ def _rms(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
 
 
 @njit
-def _rms_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+def rms_compiled(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
+    """rms_rows in compiled code (the one function every compiled caller uses: the same bits everywhere)."""
     out = np.empty_like(x)
     _rms(x, w, eps, out)
     return out
@@ -75,7 +76,7 @@ def _rms_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 def rms_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     """RMS norm of each row of x [R, D] (float32) times w [D]: one compiled call, for a few rows."""
-    return _rms_rows(x, w, np.float32(eps))
+    return rms_compiled(x, w, np.float32(eps))
 
 
 def _check_position(pos: int, k_cache: np.ndarray) -> None:
@@ -259,30 +260,51 @@ def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q, bits: int) -> Any:
 _NONE = np.zeros(0, np.float32)
 
 
+class AttentionBlockCall:
+    """A layer's `attention_block` with everything but the token and its KV cache bound once.
+
+    norm, eps: the pre-attention RMS norm; ws: (raw bytes, type) of q, k, v and output; biases: of
+    q, k, v, output (None: none; q, k and v have them all or none); q_norm/k_norm: per-head weights
+    [head_dim]; post_norm: the norm after the output projection; shape: (heads, KV heads,
+    head_dim); cis and neox: as for decode_attention; window: 0, or the sliding window's length;
+    bits: the activations' integers in the products (8 or 16); sinks: as for decode_attention.
+    Called with (x [1, E], k_cache, v_cache, pos) -> x + the attention of its normed self at pos.
+    """
+
+    def __init__(
+        self, norm: np.ndarray, eps: float, ws: tuple[tuple[np.ndarray, Q], ...],
+        biases: tuple[np.ndarray | None, ...], q_norm: np.ndarray | None, k_norm: np.ndarray | None,
+        post_norm: np.ndarray | None, shape: tuple[int, int, int], cis: np.ndarray, neox: bool, window: int,
+        scale: float, bits: int = 16, sinks: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
+        (wq, tq), (wk, tk), (wv, tv), (wo, to) = ws
+        bq, bk, bv, bo = (_NONE if b is None else b for b in biases)
+        self.window = window
+        self.kernel = _block_kernel(tq, tk, tv, to, bits)
+        self.head = (norm, np.float32(eps), wq, wk, wv, wo, bq, bk, bv, bo, _NONE if q_norm is None else q_norm,
+                     _NONE if k_norm is None else k_norm, _NONE if post_norm is None else post_norm, *shape, cis,
+                     neox)  # fmt: skip
+        self.tail = (np.float32(scale), _NONE if sinks is None else sinks)
+
+    def __call__(self, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos: int) -> np.ndarray:
+        _check_position(pos, k_cache)
+        start = max(0, pos - self.window + 1) if self.window else 0
+        out = np.empty_like(x)
+        self.kernel(x, *self.head, k_cache, v_cache, pos, start, *self.tail, out)
+        return out
+
+
 def attention_block(
     x: np.ndarray, norm: np.ndarray, eps: float, ws: tuple[tuple[np.ndarray, Q], ...],
     biases: tuple[np.ndarray | None, ...], q_norm: np.ndarray | None, k_norm: np.ndarray | None,
     post_norm: np.ndarray | None, shape: tuple[int, int, int], cis: np.ndarray, neox: bool, k_cache: np.ndarray,
     v_cache: np.ndarray, pos: int, window: int, scale: float, bits: int = 16, sinks: np.ndarray | None = None,
 ) -> np.ndarray:  # fmt: skip
-    """x [1, E] + the attention of its normed self at `pos` (see the module's doc) -> [1, E].
-
-    ws: (raw bytes, type) of q, k, v and output; biases: of q, k, v, output (None: none; q, k
-    and v have them all or none); q_norm/k_norm: per-head weights [head_dim]; post_norm: the
-    norm after the output projection; shape: (heads, KV heads, head_dim); bits: the activations'
-    integers in the products (8 or 16); sinks: as for decode_attention.
-    """
-    _check_position(pos, k_cache)
-    (wq, tq), (wk, tk), (wv, tv), (wo, to) = ws
-    bq, bk, bv, bo = (_NONE if b is None else b for b in biases)
-    start = max(0, pos - window + 1) if window else 0
-    out = np.empty_like(x)
-    _block_kernel(tq, tk, tv, to, bits)(
-        x, norm, np.float32(eps), wq, wk, wv, wo, bq, bk, bv, bo, _NONE if q_norm is None else q_norm,
-        _NONE if k_norm is None else k_norm, _NONE if post_norm is None else post_norm, *shape, cis, neox, k_cache,
-        v_cache, pos, start, np.float32(scale), _NONE if sinks is None else sinks, out,
-    )  # fmt: skip
-    return out
+    """x [1, E] + the attention of its normed self at `pos` (see the module's doc) -> [1, E]; the
+    arguments are `AttentionBlockCall`'s, k_cache and v_cache the layer's cache [n_ctx, Hkv, D]."""
+    call = AttentionBlockCall(norm, eps, ws, biases, q_norm, k_norm, post_norm, shape, cis, neox, window, scale, bits,
+                              sinks)  # fmt: skip
+    return call(x, k_cache, v_cache, pos)
 
 
 @njit(inline="always")

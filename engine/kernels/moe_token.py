@@ -8,6 +8,12 @@ intermediate rows, runs down times the routing weights (a second region), and su
 ascending expert order. Every step is the one the general path takes, value for value, so the
 result is bit-identical to it: with the expert cache on (the general path) or off (here), the
 model computes the same.
+
+`MoeTokenCall` binds everything but the token once; a decode layer's call also takes the FFN's norm
+and the residual add (the same compiled norm a separate call runs, the same float add), so a layer
+is two calls (`layer_halves.AttentionBlockCall`, then this) and next to no Python: after each call
+has streamed megabytes of weights through the caches, every line of Python between calls runs from
+cold caches, at up to tens of microseconds a call.
 """
 
 from __future__ import annotations
@@ -20,11 +26,12 @@ from gguf import GGMLQuantizationType as Q
 
 from .cpu import ROWS, act
 from .jit import njit, prange
-from .layer_halves import route_compiled
+from .layer_halves import rms_compiled, route_compiled
 from .qblocks import dot_row, quantize_rows
 
 _NO_BIAS = np.zeros((0, 0), np.float32)
 _NO_ROUTER_BIAS = np.zeros(0, np.float32)
+_NO_NORM = np.zeros(0, np.float32)
 
 
 @functools.cache
@@ -32,8 +39,10 @@ def _moe_kernel(tg: Q, tu: Q, td: Q, bits: int) -> Any:
     cg, cu, cd = int(tg), int(tu), int(td)
 
     @njit(parallel=True, fastmath=False)
-    def moe(h, router, router_bias, gating, k, weights_norm, scale, gate, up, down, bias_g, bias_u, bias_d, act_code,
-            ids_out, w_out, y):  # fmt: skip
+    def moe(x, norm, eps, residual, router, router_bias, gating, k, weights_norm, scale, gate, up, down, bias_g, bias_u,
+            bias_d, act_code, ids_out, w_out, y):  # fmt: skip
+        # h: x, or its RMS norm by the compiled function rms_rows calls (its own float flags: the same bits)
+        h = rms_compiled(x, norm, eps) if norm.size else x
         ids, w = route_compiled(h, router, router_bias, gating, k, weights_norm, scale)  # [1, k] each
         ids_out[:] = ids
         w_out[:] = w
@@ -65,8 +74,41 @@ def _moe_kernel(tg: Q, tu: Q, td: Q, bits: int) -> Any:
         y[0, :] = 0
         for j in np.argsort(ids[0], kind="mergesort"):
             y[0, :] += contrib[j]
+        if residual:
+            for r in range(n_embd):
+                y[0, r] = x[0, r] + y[0, r]
 
     return moe
+
+
+class MoeTokenCall:
+    """A MoE layer's routing and routed experts for one token, everything but the token bound once.
+
+    Called on x [1, E] (float32): (ids int64 [1, k], weights float32 [1, k], y [1, E]) with y the
+    experts' weighted sum, or with `norm` x + that sum of rms_norm(x) (a decode layer's FFN half).
+    mats: the layer's stacked (gate, up, down) [n_expert, rows, row_bytes]; biases: per expert
+    [n_expert, rows] or None; act_code: `codes.ACT_*`; bits: the activations'.
+    """
+
+    def __init__(
+        self, router: np.ndarray, router_bias: np.ndarray | None, gating: int, k: int, weights_norm: bool,
+        scale: float, mats: tuple[np.ndarray, np.ndarray, np.ndarray], types: tuple[Q, Q, Q],
+        biases: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None], act_code: int, bits: int = 16,
+        norm: np.ndarray | None = None, eps: float = 0.0,
+    ) -> None:  # fmt: skip
+        bg, bu, bd = (_NO_BIAS if b is None else b for b in biases)
+        self.k = k
+        self.kernel = _moe_kernel(*types, bits)
+        self.head = (_NO_NORM if norm is None else norm, np.float32(eps), norm is not None)
+        self.tail = (router, _NO_ROUTER_BIAS if router_bias is None else router_bias, gating, k, weights_norm,
+                     np.float32(scale), *mats, bg, bu, bd, act_code)  # fmt: skip
+
+    def __call__(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        # Every output is the caller's array: the kernel returns nothing. Arrays returned from it were once
+        # boxed with a NULL dtype after other variants of it had run in the process (NRT_adapt_ndarray_to_python).
+        ids, w, y = np.empty((1, self.k), np.int64), np.empty((1, self.k), np.float32), np.empty_like(x)
+        self.kernel(x, *self.head, *self.tail, ids, w, y)
+        return ids, w, y
 
 
 def moe_token(
@@ -76,14 +118,5 @@ def moe_token(
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
     """The routed experts' weighted sum for one normed token h [1, E] (float32): (ids int64 [1, k],
     weights float32 [1, k], y [1, E]), as `route_rows` and `moe.kernel_calls.run_fused` then
-    `layer_output` give them. mats: the layer's stacked (gate, up, down) [n_expert, rows, row_bytes];
-    biases: per expert [n_expert, rows] or None; act_code: `codes.ACT_*`; bits: the activations'."""
-    gate, up, down = mats
-    bg, bu, bd = (_NO_BIAS if b is None else b for b in biases)
-    # Every output is the caller's array: the kernel returns nothing. Arrays returned from it were once
-    # boxed with a NULL dtype after other variants of it had run in the process (NRT_adapt_ndarray_to_python).
-    ids, w, y = np.empty((1, k), np.int64), np.empty((1, k), np.float32), np.empty_like(h)
-    bias = _NO_ROUTER_BIAS if router_bias is None else router_bias
-    _moe_kernel(*types, bits)(h, router, bias, gating, k, weights_norm, np.float32(scale), gate, up, down, bg, bu, bd,
-                              act_code, ids, w, y)  # fmt: skip
-    return ids, w, y
+    `layer_output` give them. The arguments are `MoeTokenCall`'s."""
+    return MoeTokenCall(router, router_bias, gating, k, weights_norm, scale, mats, types, biases, act_code, bits)(h)

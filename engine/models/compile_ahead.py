@@ -110,6 +110,7 @@ def compile_passes(path: Path, n_ctx: int, cpu_kernels: str) -> None:
             for skip_attention, skip_experts in ((True, True), (True, False), (False, False)):
                 for block in model.blocks:
                     attn: Any = cast(Any, block).attn
+                    cast(Any, block).whole_layer_calls = not skip_attention  # they would run the attention
                     if skip_attention:
                         attn.decode_block = _skip_attention
                     else:

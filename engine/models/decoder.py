@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 import torch
 from torch import nn
@@ -16,8 +16,8 @@ from torch.nn import functional as F
 
 from ..config import ModelConfig
 from ..gguf.sources import Layout, Source
-from ..kernels.layer_halves import FEW_ROWS, attention_block, decode_attention, route_rows
-from ..kernels.moe_token import moe_token
+from ..kernels.layer_halves import FEW_ROWS, AttentionBlockCall, decode_attention, route_rows
+from ..kernels.moe_token import MoeTokenCall, moe_token
 from ..moe.expert_tensors import load_layer_experts
 from ..moe.host_experts import ExpertExecutor, HostExperts
 from ..moe.routing import route
@@ -82,22 +82,28 @@ class Attention(nn.Module):
         one_kind = all(isinstance(w, QLinear) for w in ws) and len({getattr(w, "bits", 0) for w in ws}) == 1
         return one_kind and norms_fit and biases_fit and self._cpu_decode(cache)
 
-    def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
-                     cache: LayerCache, rope: Rope) -> torch.Tensor | None:  # fmt: skip
-        """x + post_norm(attention(rms_norm(x))) for one token in one compiled call; None where it cannot."""
-        if x.shape[0] != 1 or not self._compiled(cache):
+    def block_call(self, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, cache: LayerCache,
+                   rope: Rope) -> AttentionBlockCall | None:  # fmt: skip
+        """This layer's one-token compiled call on `cache` (`kernels.layer_halves`); None where there is none."""
+        if not self._compiled(cache):
             return None
         cfg = self.cfg
         ws = tuple((w.raw, w.qtype) for w in (self.wq, self.wk, self.wv, self.wo) if isinstance(w, QLinear))
         biases = tuple(None if b is None else b.numpy() for b in (self.bq, self.bk, self.bv, self.bo))
-        out = attention_block(
-            host_rows(x), norm.numpy(), eps, ws, biases,
-            None if self.q_norm is None else self.q_norm.numpy(), None if self.k_norm is None else self.k_norm.numpy(),
-            None if post_norm is None else post_norm.numpy(), (cfg.n_head, cfg.n_head_kv[self.i], cfg.head_dim),
-            rope.parts(), rope.neox, cache.k.numpy(), cache.v.numpy(), pos0, self.window, cfg.head_dim**-0.5,
-            getattr(self.wq, "bits", 16), None if self.sinks is None else self.sinks.numpy(),
+        return AttentionBlockCall(
+            norm.numpy(), eps, ws, biases, None if self.q_norm is None else self.q_norm.numpy(),
+            None if self.k_norm is None else self.k_norm.numpy(), None if post_norm is None else post_norm.numpy(),
+            (cfg.n_head, cfg.n_head_kv[self.i], cfg.head_dim), rope.parts(), rope.neox, self.window,
+            cfg.head_dim**-0.5, getattr(self.wq, "bits", 16), None if self.sinks is None else self.sinks.numpy(),
         )  # fmt: skip
-        return torch.from_numpy(out)
+
+    def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
+                     cache: LayerCache, rope: Rope) -> torch.Tensor | None:  # fmt: skip
+        """x + post_norm(attention(rms_norm(x))) for one token in one compiled call; None where it cannot."""
+        call = self.block_call(norm, eps, post_norm, cache, rope) if x.shape[0] == 1 else None
+        if call is None:
+            return None
+        return torch.from_numpy(call(host_rows(x), cache.k.numpy(), cache.v.numpy(), pos0))
 
     def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
         q, k, v = linears(h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))  # [T, H*D], [T, Hkv*D] x2
@@ -204,10 +210,39 @@ class DecoderBase(nn.Module):
     def run_blocks(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
         """Blocks first..end-1 on x [T, E] at positions pos0..; they append to their layers of `cache`.
         A pipeline's stage runs its own range (engine.distributed)."""
+        if x.shape[0] == 1:
+            out = self._two_call_layers(x, pos0, cache, first, end)
+            if out is not None:
+                return out
         for i in range(first, end):
             x = self.blocks[i](x, pos0, cache.layers[i], self.rope, self.experts)
             self.prefetch_next(i, x)
         return x
+
+    def _two_call_layers(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor | None:
+        """One token x [1, E] through blocks first..end-1, two compiled calls a layer (`Block.decode_layer`) in
+        one tight loop, where every one of them has the calls (else None). Each call streams megabytes of
+        weights through the caches, so the Python between calls runs from cold caches: per layer, the
+        block's own plumbing cost more than a tenth of a millisecond. The calls are checked first,
+        then run back to back, then the routing is recorded."""
+        rope = getattr(self, "rope", None)
+        if not isinstance(rope, Rope):  # (Gemma's two ropes: its blocks are its own)
+            return None
+        calls, ffns = [], []
+        for i in range(first, end):
+            block = self.blocks[i]
+            c = block.layer_calls(cache.layers[i], rope, self.experts) if isinstance(block, Block) else None
+            if c is None or c.attention is None or c.ffn is None:
+                return None
+            calls.append((c.attention, c.ffn, c.k, c.v))
+            ffns.append(cast(MoeFFN, block.ffn))
+        h, chosen = host_rows(x), []
+        for attend, experts, k, v in calls:
+            ids, _, h = experts(attend(h, k, v, pos0))
+            chosen.append(ids)
+        for moe, ids in zip(ffns, chosen, strict=True):
+            moe.last_ids = torch.from_numpy(ids)  # read by routing(): the experts of the latest step
+        return torch.from_numpy(h)
 
     def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """tokens [T] at positions pos0.. -> logits [T, V]; appends to `cache`."""
@@ -272,6 +307,20 @@ class MoeFFN(Routed):
         self.last_ids = torch.from_numpy(ids)
         return torch.from_numpy(y)
 
+    def layer_call(self, experts: ExpertExecutor, norm: torch.Tensor, eps: float) -> MoeTokenCall | None:
+        """A decode layer's FFN half in one compiled call: x + the routed experts of rms_norm(x), from the
+        host copy (cache off); None where the layer has shared experts or routing with no compiled form."""
+        cfg = self.cfg
+        if (self.sh_gate is not None or self.choice_bias is not None or cfg.expert_groups != 1
+                or not isinstance(experts, HostExperts)):  # fmt: skip
+            return None
+        call = experts.token_call(self.i)
+        if call is None:
+            return None
+        return MoeTokenCall(self.router.numpy(), None if self.router_bias is None else self.router_bias.numpy(),
+                            cfg.expert_gating, cfg.n_expert_used, cfg.expert_weights_norm, cfg.expert_weights_scale,
+                            *call, norm=norm.numpy(), eps=eps)  # fmt: skip
+
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
         y = self.routed_token(h, experts)
         if y is None:
@@ -324,7 +373,25 @@ class NoExperts:
         raise RuntimeError("a dense model has no experts")
 
 
+@dataclass(frozen=True)
+class LayerCalls:
+    """A decode layer's two compiled calls (None: the layer has none) and what they were built for."""
+
+    key: tuple[Any, ...]  # compared by identity: the executor, its experts' call, the cache, the rope, the bits
+    attention: AttentionBlockCall | None
+    ffn: MoeTokenCall | None
+    k: Any  # the cache's numpy views
+    v: Any
+
+    def built_for(self, key: tuple[Any, ...]) -> bool:
+        return all(a is b for a, b in zip(self.key, key, strict=True))
+
+
 class Block(nn.Module):
+    # A decode token through a layer of attention and routed experts (cache off) takes two compiled calls
+    # with next to no Python between them (`decode_layer`); False: the per-part path (bench/decode_parts).
+    whole_layer_calls = True
+
     def __init__(self, layout: Layout, cfg: ModelConfig, i: int, family: Family, quantized: bool) -> None:
         super().__init__()
         self.attn_norm = want(layout, f"blk.{i}.attn_norm.weight")
@@ -332,10 +399,47 @@ class Block(nn.Module):
         self.attn = (family.attention or Attention)(layout, cfg, i, quantized)
         self.ffn = ffn_for(layout, cfg, i, family.act, quantized)
         self.eps = cfg.norm_eps
+        self._calls: LayerCalls | None = None
+
+    def layer_calls(self, cache: LayerCache, rope: Rope, experts: ExpertExecutor) -> LayerCalls | None:
+        """The layer's two compiled decode calls on this cache and executor (see `decode_layer`); None when
+        switched off (`whole_layer_calls`)."""
+        if not self.whole_layer_calls:
+            return None
+        # What the calls bind can change between tokens only with one of these objects: another executor
+        # (the expert cache switched), other activation bits (a new experts' call), another cache or rope.
+        token_call = experts.token_call(self.ffn.i) if isinstance(experts, HostExperts) and isinstance(
+            self.ffn, MoeFFN) else None  # fmt: skip
+        key = (experts, token_call, cache.k, rope.cis, getattr(getattr(self.attn, "wq", None), "bits", None))
+        calls = self._calls
+        if calls is None or not calls.built_for(key):
+            attention = ffn = None
+            if token_call is not None and isinstance(self.ffn, MoeFFN) and isinstance(self.attn, Attention):
+                ffn = self.ffn.layer_call(experts, self.ffn_norm, self.eps)
+                attention = self.attn.block_call(self.attn_norm, self.eps, None, cache, rope) if ffn else None
+            calls = self._calls = LayerCalls(key, attention, ffn, cache.k.numpy(), cache.v.numpy())
+        return calls
+
+    def decode_layer(self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope,
+                     experts: ExpertExecutor) -> torch.Tensor | None:  # fmt: skip
+        """One token x [1, E] through the layer in two compiled calls (the attention block; the FFN norm,
+        the routed experts and the residual), bit-identical to the per-part path; None where the layer
+        or the executor has no such calls."""
+        calls = self.layer_calls(cache, rope, experts)
+        if calls is None or calls.attention is None or calls.ffn is None:
+            return None
+        a = calls.attention(host_rows(x), calls.k, calls.v, pos0)  # [1, E]
+        ids, _, out = calls.ffn(a)
+        self.ffn.last_ids = torch.from_numpy(ids)  # read by routing(): the experts of the latest step
+        return torch.from_numpy(out)
 
     def forward(
         self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope, experts: ExpertExecutor
     ) -> torch.Tensor:
+        if x.shape[0] == 1:
+            out = self.decode_layer(x, pos0, cache, rope, experts)
+            if out is not None:
+                return out
         fast = self.attn.decode_block(x, self.attn_norm, self.eps, None, pos0, cache, rope)
         x = fast if fast is not None else x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos0, cache, rope)
         fast = self.ffn.decode_block(x, self.ffn_norm, self.eps) if isinstance(self.ffn, DenseFFN) else None
