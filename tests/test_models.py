@@ -315,3 +315,21 @@ def test_linear_attention_reads_files_with_the_joint_qkvz_matrix(tmp_path: Path)
         a = split.model(torch.tensor(ids), 0, split.new_cache())
         b = joint.model(torch.tensor(ids), 0, joint.new_cache())
     assert float((a - b).abs().max()) <= 1e-5 * float(a.abs().max())
+
+
+@pytest.mark.parametrize("qtype", [Q.Q4_K, Q.Q6_K, Q.Q8_0, Q.Q5_0, Q.BF16], ids=lambda t: t.name)
+def test_embedding_rows_are_the_dequantizers(qtype: Q, tmp_path: Path) -> None:
+    """A token's embedding row, looked up in the file's bytes (one compiled call where the kernels read
+    the type, the dequantizer's ops where they do not: BF16), has the exact dequantizer's bits."""
+    from moechat.engine.gguf.dequant import dequantize
+
+    lm = load_model(tiny_moe(tmp_path / "m.gguf", ends_type=qtype), n_ctx=16)
+    embed = lm.model.embed
+    assert isinstance(embed, QuantRows)
+    ids = torch.tensor([0, 7, 3, 1000, 7])
+    got = embed[ids]
+    want = dequantize(embed.raw[ids], qtype)
+    assert got.shape == (5, lm.config.n_embd)
+    assert torch.equal(got.view(torch.int32), want.view(torch.int32))
+    assert not torch.equal(got[1], got[2])
+    lm.close()

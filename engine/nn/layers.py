@@ -9,11 +9,14 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import torch.nn.functional as F
+from gguf import GGML_QUANT_SIZES
 
 from ..config import ModelConfig
 from ..gguf.dequant import dequantize
 from ..gguf.reader import GGUFError
+from ..kernels.cpu import dequantize_rows
 from ..kernels.layer_halves import FEW_ROWS, rms_rows
+from ..kernels.qblocks import has_kernel
 
 if TYPE_CHECKING:
     from ..gguf.sources import Source
@@ -38,6 +41,12 @@ class QuantRows:
         self.device = torch.device("cpu")
 
     def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        if self.device.type == "cpu" and has_kernel(self.qtype):
+            # One compiled call (the kernels' decoder gives the dequantizer's bits): the dequantizer's torch
+            # ops took 0.2-0.4 ms a token on a Q4_K embedding of 2048 columns.
+            raw = self.raw.numpy()[rows.numpy()]  # [T, row bytes]
+            block, size = GGML_QUANT_SIZES[self.qtype]
+            return torch.from_numpy(dequantize_rows(raw, self.qtype, raw.shape[1] // size * block))
         return dequantize(self.raw[rows], self.qtype)  # [T, cols]
 
     def moved_to(self, device: torch.device) -> QuantRows:
