@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from moechat.engine.cache.settings import CacheSettings
@@ -109,4 +110,26 @@ def test_a_dense_lead_layer_leaves_the_moe_layers_their_two_calls(tmp_path: Path
     parts, part_routes = _steps(lm, False)
     assert all(torch.equal(a, b) for a, b in zip(whole, parts, strict=True))
     assert whole_routes == part_routes
+    lm.close()
+
+
+def test_the_calls_keep_no_kv_cache_alive(tmp_path: Path) -> None:
+    """The blocks keep their calls between tokens but bind no KV cache memory (a finished chat's cache
+    must be freed), and the next cache gets its own positions (the per-part path's logits on it)."""
+    lm = load_model(tiny_moe(tmp_path / "q.gguf", expert_type=Q.Q4_K, dense_type=Q.Q8_0), n_ctx=64)
+    kv = lm.new_cache()
+    tok = int(prefill(lm.model, [1, 5, 9], kv).argmax())
+    decode_one(lm.model, tok, kv)
+    assert _taken(lm) == len(lm.model.blocks)
+    cache_arrays = [a.numpy() for layer in kv.layers for a in (layer.k, layer.v)]
+    for block in lm.model.blocks:
+        calls = block._calls
+        assert calls is not None and calls.attention is not None and calls.ffn is not None
+        bound = [*calls.attention.head, *calls.attention.tail, *calls.ffn.head, *calls.ffn.tail, *vars(calls).values()]
+        held = [a for a in bound if isinstance(a, np.ndarray)]
+        assert held  # (the weights are bound)
+        assert not any(np.shares_memory(a, c) for a in held for c in cache_arrays)
+    whole, _ = _steps(lm, True, 3)
+    parts, _ = _steps(lm, False, 3)
+    assert all(torch.equal(a, b) for a, b in zip(whole, parts, strict=True))
     lm.close()

@@ -6,6 +6,7 @@ router bias) and by the config (sliding-window layers, gating), never by the mod
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
@@ -231,10 +232,11 @@ class DecoderBase(nn.Module):
         calls, ffns = [], []
         for i in range(first, end):
             block = self.blocks[i]
-            c = block.layer_calls(cache.layers[i], rope, self.experts) if isinstance(block, Block) else None
+            layer = cache.layers[i]
+            c = block.layer_calls(layer, rope, self.experts) if isinstance(block, Block) else None
             if c is None or c.attention is None or c.ffn is None:
                 return None
-            calls.append((c.attention, c.ffn, c.k, c.v))
+            calls.append((c.attention, c.ffn, layer.k.numpy(), layer.v.numpy()))
             ffns.append(cast(MoeFFN, block.ffn))
         h, chosen = host_rows(x), []
         for attend, experts, k, v in calls:
@@ -375,16 +377,18 @@ class NoExperts:
 
 @dataclass(frozen=True)
 class LayerCalls:
-    """A decode layer's two compiled calls (None: the layer has none) and what they were built for."""
+    """A decode layer's two compiled calls (None: the layer has none) and what they were built for.
 
-    key: tuple[Any, ...]  # compared by identity: the executor, its experts' call, the cache, the rope, the bits
+    The executor is held weakly and no KV cache at all: a block keeps its calls between tokens, and must
+    not keep a closed expert cache's or a finished chat's memory alive."""
+
+    executor: weakref.ref[Any]
+    key: tuple[Any, ...]  # compared by identity: the experts' call, the rope's table, the bits, the cache's kind
     attention: AttentionBlockCall | None
     ffn: MoeTokenCall | None
-    k: Any  # the cache's numpy views
-    v: Any
 
-    def built_for(self, key: tuple[Any, ...]) -> bool:
-        return all(a is b for a, b in zip(self.key, key, strict=True))
+    def built_for(self, executor: Any, key: tuple[Any, ...]) -> bool:
+        return self.executor() is executor and all(a is b for a, b in zip(self.key, key, strict=True))
 
 
 class Block(nn.Module):
@@ -406,18 +410,19 @@ class Block(nn.Module):
         switched off (`whole_layer_calls`)."""
         if not self.whole_layer_calls:
             return None
-        # What the calls bind can change between tokens only with one of these objects: another executor
-        # (the expert cache switched), other activation bits (a new experts' call), another cache or rope.
+        # What the calls bind can change between tokens only with one of these: another executor (the expert
+        # cache switched), other activation bits (a new experts' call), another rope, a cache of another kind.
         token_call = experts.token_call(self.ffn.i) if isinstance(experts, HostExperts) and isinstance(
             self.ffn, MoeFFN) else None  # fmt: skip
-        key = (experts, token_call, cache.k, rope.cis, getattr(getattr(self.attn, "wq", None), "bits", None))
+        bits = getattr(getattr(self.attn, "wq", None), "bits", None)
+        key = (token_call, rope.cis, bits, cache.k.dtype, cache.k.is_cpu)
         calls = self._calls
-        if calls is None or not calls.built_for(key):
+        if calls is None or not calls.built_for(experts, key):
             attention = ffn = None
             if token_call is not None and isinstance(self.ffn, MoeFFN) and isinstance(self.attn, Attention):
                 ffn = self.ffn.layer_call(experts, self.ffn_norm, self.eps)
                 attention = self.attn.block_call(self.attn_norm, self.eps, None, cache, rope) if ffn else None
-            calls = self._calls = LayerCalls(key, attention, ffn, cache.k.numpy(), cache.v.numpy())
+            calls = self._calls = LayerCalls(weakref.ref(experts), key, attention, ffn)
         return calls
 
     def decode_layer(self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope,
@@ -428,7 +433,7 @@ class Block(nn.Module):
         calls = self.layer_calls(cache, rope, experts)
         if calls is None or calls.attention is None or calls.ffn is None:
             return None
-        a = calls.attention(host_rows(x), calls.k, calls.v, pos0)  # [1, E]
+        a = calls.attention(host_rows(x), cache.k.numpy(), cache.v.numpy(), pos0)  # [1, E]
         ids, _, out = calls.ffn(a)
         self.ffn.last_ids = torch.from_numpy(ids)  # read by routing(): the experts of the latest step
         return torch.from_numpy(out)
