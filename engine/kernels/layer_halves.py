@@ -1,7 +1,7 @@
 """A layer's halves for one new token on the CPU, each in one compiled call.
 
 At one token a layer is dozens of tiny eager torch ops, each costing more than its work. Here
-each half is one numba call. `attention_block` takes the residual stream x and returns x plus
+each half is one numba call. `AttentionBlockCall` takes the residual stream x and returns x plus
 the attention's output: RMS norm, the q, k and v projections (from the file's blocks, one
 parallel region), biases and per-head q/k norms where the model has them, rotary embedding, the
 KV cache write, attention over the cached positions (grouped-query, optionally a sliding window),
@@ -261,7 +261,7 @@ _NONE = np.zeros(0, np.float32)
 
 
 class AttentionBlockCall:
-    """A layer's `attention_block` with everything but the token and its KV cache bound once.
+    """A layer's attention block for one token, everything but the token and its KV cache bound once.
 
     norm, eps: the pre-attention RMS norm; ws: (raw bytes, type) of q, k, v and output; biases: of
     q, k, v, output (None: none; q, k and v have them all or none); q_norm/k_norm: per-head weights
@@ -292,19 +292,6 @@ class AttentionBlockCall:
         out = np.empty_like(x)
         self.kernel(x, *self.head, k_cache, v_cache, pos, start, *self.tail, out)
         return out
-
-
-def attention_block(
-    x: np.ndarray, norm: np.ndarray, eps: float, ws: tuple[tuple[np.ndarray, Q], ...],
-    biases: tuple[np.ndarray | None, ...], q_norm: np.ndarray | None, k_norm: np.ndarray | None,
-    post_norm: np.ndarray | None, shape: tuple[int, int, int], cis: np.ndarray, neox: bool, k_cache: np.ndarray,
-    v_cache: np.ndarray, pos: int, window: int, scale: float, bits: int = 16, sinks: np.ndarray | None = None,
-) -> np.ndarray:  # fmt: skip
-    """x [1, E] + the attention of its normed self at `pos` (see the module's doc) -> [1, E]; the
-    arguments are `AttentionBlockCall`'s, k_cache and v_cache the layer's cache [n_ctx, Hkv, D]."""
-    call = AttentionBlockCall(norm, eps, ws, biases, q_norm, k_norm, post_norm, shape, cis, neox, window, scale, bits,
-                              sinks)  # fmt: skip
-    return call(x, k_cache, v_cache, pos)
 
 
 @njit(inline="always")
@@ -352,7 +339,7 @@ def ffn_block(
 ) -> np.ndarray:  # fmt: skip
     """x [1, E] (+ if residual) post_norm(down @ act(gate @ h, up @ h)), h = rms_norm(x) (x itself if
     norm is None) -> [1, E]. ws: (raw bytes, type) of gate, up and down; code: `cpu_kernels.ACT_*`;
-    bits: as for attention_block."""
+    bits: as for AttentionBlockCall."""
     (gate, tg), (up, tu), (down, td) = ws
     out = np.empty_like(x)
     _ffn_kernel(tg, tu, td, bits)(x, _NONE if norm is None else norm, np.float32(eps), gate, up, down, code,

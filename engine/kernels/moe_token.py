@@ -30,8 +30,7 @@ from .layer_halves import rms_compiled, route_compiled
 from .qblocks import dot_row, quantize_rows
 
 _NO_BIAS = np.zeros((0, 0), np.float32)
-_NO_ROUTER_BIAS = np.zeros(0, np.float32)
-_NO_NORM = np.zeros(0, np.float32)
+_NONE = np.zeros(0, np.float32)  # an absent vector: no router bias, no norm
 
 
 @functools.cache
@@ -99,8 +98,8 @@ class MoeTokenCall:
         bg, bu, bd = (_NO_BIAS if b is None else b for b in biases)
         self.k = k
         self.kernel = _moe_kernel(*types, bits)
-        self.head = (_NO_NORM if norm is None else norm, np.float32(eps), norm is not None)
-        self.tail = (router, _NO_ROUTER_BIAS if router_bias is None else router_bias, gating, k, weights_norm,
+        self.head = (_NONE if norm is None else norm, np.float32(eps), norm is not None)
+        self.tail = (router, _NONE if router_bias is None else router_bias, gating, k, weights_norm,
                      np.float32(scale), *mats, bg, bu, bd, act_code)  # fmt: skip
 
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -109,14 +108,3 @@ class MoeTokenCall:
         ids, w, y = np.empty((1, self.k), np.int64), np.empty((1, self.k), np.float32), np.empty_like(x)
         self.kernel(x, *self.head, *self.tail, ids, w, y)
         return ids, w, y
-
-
-def moe_token(
-    h: np.ndarray, router: np.ndarray, router_bias: np.ndarray | None, gating: int, k: int, weights_norm: bool,
-    scale: float, mats: tuple[np.ndarray, np.ndarray, np.ndarray], types: tuple[Q, Q, Q],
-    biases: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None], act_code: int, bits: int = 16,
-) -> tuple[np.ndarray, np.ndarray, np.ndarray]:  # fmt: skip
-    """The routed experts' weighted sum for one normed token h [1, E] (float32): (ids int64 [1, k],
-    weights float32 [1, k], y [1, E]), as `route_rows` and `moe.kernel_calls.run_fused` then
-    `layer_output` give them. The arguments are `MoeTokenCall`'s."""
-    return MoeTokenCall(router, router_bias, gating, k, weights_norm, scale, mats, types, biases, act_code, bits)(h)

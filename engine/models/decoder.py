@@ -18,7 +18,7 @@ from torch.nn import functional as F
 from ..config import ModelConfig
 from ..gguf.sources import Layout, Source
 from ..kernels.layer_halves import FEW_ROWS, AttentionBlockCall, decode_attention, route_rows
-from ..kernels.moe_token import MoeTokenCall, moe_token
+from ..kernels.moe_token import MoeTokenCall
 from ..moe.expert_tensors import load_layer_experts
 from ..moe.host_experts import ExpertExecutor, HostExperts
 from ..moe.routing import route
@@ -291,37 +291,41 @@ class MoeFFN(Routed):
     def _compiled_routing(self, h: torch.Tensor, rows: int) -> bool:
         """Whether up to `rows` rows of h route in compiled code (`route_rows`): float32 on the CPU, and
         no choice bias or expert groups (DeepSeek's grouped choice has no compiled form)."""
-        return (self.choice_bias is None and self.cfg.expert_groups == 1 and h.shape[0] <= rows
-                and h.device.type == "cpu" and h.dtype == torch.float32)  # fmt: skip
+        return (self._routing_compiles() and h.shape[0] <= rows and h.device.type == "cpu"
+                and h.dtype == torch.float32)  # fmt: skip
 
-    def routed_token(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor | None:
-        """One token's routed experts from the host copy in one compiled call (cache off), bit-identical
-        to select() then experts(); None where that call cannot run it."""
-        cfg = self.cfg
-        if not (isinstance(experts, HostExperts) and h.shape[0] == 1 and self._compiled_routing(h, 1)):
+    def _routing_compiles(self) -> bool:
+        return self.choice_bias is None and self.cfg.expert_groups == 1
+
+    def one_token_call(self, experts: ExpertExecutor, norm: torch.Tensor | None = None,
+                       eps: float = 0.0) -> MoeTokenCall | None:  # fmt: skip
+        """One token's routing and routed experts from the host copy in one compiled call (cache off), with
+        `norm` also the FFN's norm before and the residual add after (`kernels.moe_token`); None where the
+        executor is not the host copy or the routing has no compiled form."""
+        if not (self._routing_compiles() and isinstance(experts, HostExperts)):
             return None
         call = experts.token_call(self.i)
         if call is None:
             return None
-        ids, _, y = moe_token(host_rows(h), self.router.numpy(), None if self.router_bias is None else
-                              self.router_bias.numpy(), cfg.expert_gating, cfg.n_expert_used, cfg.expert_weights_norm,
-                              cfg.expert_weights_scale, *call)  # fmt: skip
+        cfg = self.cfg
+        return MoeTokenCall(self.router.numpy(), None if self.router_bias is None else self.router_bias.numpy(),
+                            cfg.expert_gating, cfg.n_expert_used, cfg.expert_weights_norm, cfg.expert_weights_scale,
+                            *call, norm=None if norm is None else norm.numpy(), eps=eps)  # fmt: skip
+
+    def routed_token(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor | None:
+        """One token's routed experts from the host copy in one compiled call (cache off), bit-identical
+        to select() then experts(); None where that call cannot run it."""
+        call = self.one_token_call(experts) if h.shape[0] == 1 and self._compiled_routing(h, 1) else None
+        if call is None:
+            return None
+        ids, _, y = call(host_rows(h))
         self.last_ids = torch.from_numpy(ids)
         return torch.from_numpy(y)
 
     def layer_call(self, experts: ExpertExecutor, norm: torch.Tensor, eps: float) -> MoeTokenCall | None:
         """A decode layer's FFN half in one compiled call: x + the routed experts of rms_norm(x), from the
         host copy (cache off); None where the layer has shared experts or routing with no compiled form."""
-        cfg = self.cfg
-        if (self.sh_gate is not None or self.choice_bias is not None or cfg.expert_groups != 1
-                or not isinstance(experts, HostExperts)):  # fmt: skip
-            return None
-        call = experts.token_call(self.i)
-        if call is None:
-            return None
-        return MoeTokenCall(self.router.numpy(), None if self.router_bias is None else self.router_bias.numpy(),
-                            cfg.expert_gating, cfg.n_expert_used, cfg.expert_weights_norm, cfg.expert_weights_scale,
-                            *call, norm=norm.numpy(), eps=eps)  # fmt: skip
+        return None if self.sh_gate is not None else self.one_token_call(experts, norm, eps)
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
         y = self.routed_token(h, experts)

@@ -9,7 +9,6 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 import torch.nn.functional as F
-from gguf import GGML_QUANT_SIZES
 
 from ..config import ModelConfig
 from ..gguf.dequant import dequantize
@@ -45,8 +44,7 @@ class QuantRows:
             # One compiled call (the kernels' decoder gives the dequantizer's bits): the dequantizer's torch
             # ops took 0.2-0.4 ms a token on a Q4_K embedding of 2048 columns.
             raw = self.raw.numpy()[rows.numpy()]  # [T, row bytes]
-            block, size = GGML_QUANT_SIZES[self.qtype]
-            return torch.from_numpy(dequantize_rows(raw, self.qtype, raw.shape[1] // size * block))
+            return torch.from_numpy(dequantize_rows(raw, self.qtype, self.shape[1]))
         return dequantize(self.raw[rows], self.qtype)  # [T, cols]
 
     def moved_to(self, device: torch.device) -> QuantRows:
