@@ -108,7 +108,7 @@ def measure_moe(qtype: Q, mib: int, rng: np.random.Generator, bits: int) -> floa
         lx = layers[i]
         ids = rng.choice(n_expert, k, replace=False).astype(np.int64)[None]
         run_fused(lx, (lx.gate.raw.numpy(), lx.up.raw.numpy(), lx.down.raw.numpy()), None, 0, x, ids, w,
-                  sorted(ids[0].tolist()), contrib, bits)  # fmt: skip
+                  sorted(ids[0].tolist()), contrib, (bits, bits))  # fmt: skip
         cpu_kernels.sum_by_token(contrib, ids)
 
     return timed(step, len(layers), layers[0].bytes_per_expert * k)

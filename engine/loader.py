@@ -55,16 +55,7 @@ class LoadedModel:
 
         The old cache's slots are freed first, so a device only ever holds one bank of slots.
         """
-        # The CPU kernels' widths: the default's int8 decode only where nothing computes in float32
-        # beside it (kernels.isa.activation_bits).
-        beside_float = self.model.device.type != "cpu" or (
-            settings is not None and settings.mib > 0 and settings.device_kernels == "triton"
-        )
-        widths = activation_bits(self.cpu_kernels, beside_float)
-        set_activation_bits(self.model, *widths)
-        host = getattr(self.model, "host_experts", None)
-        if host is not None:
-            host.set_bits(*widths)
+        apply_widths(self.model, self.cpu_kernels, settings)
         if not self.config.is_moe or not self.model.host_experts.layers:  # (a stage without MoE layers)
             return None
         old, self.cache = self.cache, None
@@ -179,6 +170,19 @@ def check_fit(gguf: GGUFFile, cfg: ModelConfig, model: MoeDecoder | Gemma3, tok:
         raise ValueError(f"{gguf.path}: the output gives {logits.shape[-1]} logits for {tok.n_vocab} tokens")
 
 
+def apply_widths(model: MoeDecoder | Gemma3, cpu_kernels: str, settings: CacheSettings | None) -> None:
+    """The CPU kernels' activation widths for a model run with these cache settings: the default's
+    int8 only where nothing computes in float32 beside it (kernels.isa.activation_bits)."""
+    beside_float = model.device.type != "cpu" or (
+        settings is not None and settings.mib > 0 and settings.device_kernels == "triton"
+    )
+    widths = activation_bits(cpu_kernels, beside_float)
+    set_activation_bits(model, widths.few, widths.prompt)
+    host = getattr(model, "host_experts", None)
+    if host is not None:
+        host.set_bits(*widths)
+
+
 def load_model(
     path: str | os.PathLike[str],
     *,
@@ -232,6 +236,7 @@ def load_model(
         load_weights(model, gguf)
         if not on_cpu:
             model.to_device(torch.device(device))
+        apply_widths(model, cpu_kernels, cache)  # the widths it will run with: the kernels compiled next are those
         with compile_notes(progress):  # one token through every layer: the kernels compile here
             check_fit(gguf, cfg, model, tok, own_layers)
             if on_cpu:

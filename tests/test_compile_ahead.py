@@ -103,11 +103,14 @@ print(notes)
 def test_a_load_compiles_the_experts_kernels_a_first_prompt_needs(tmp_path: Path) -> None:
     """The load's one token takes the one-call MoE path and the compiled layer halves; a prompt's
     experts run the general kernels and its dense matrices the tiles (Q4_K attention: a kernel the
-    experts' Q6_K down does not compile), which the load compiles too: a first reply does not wait."""
+    experts' Q6_K down does not compile), which the load compiles too, with the activation widths
+    the model then runs: a first reply waits for no compile."""
     path = tiny_moe(tmp_path / "m.gguf", expert_type=Q.Q4_K, dense_type=Q.Q4_K, down_type=Q.Q6_K)
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "kernels"), "MOECHAT_COMPILE_AHEAD": "0"}
     r = subprocess.run([sys.executable, "-c", FIRST_PROMPT, str(path)], env=env, capture_output=True, text=True,
                        timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
     late = r.stdout.strip()
-    assert not any(name in late for name in ("gate_up", "matmul", "_selection", "_sum_by_token")), late
+    # nothing compiles late: the load warmed the kernels with the widths it runs (the attention block
+    # once compiled again here, warmed with int16 before the default's int8 was set)
+    assert late == "[]", late

@@ -18,8 +18,10 @@ import torch
 from gguf import GGML_QUANT_SIZES
 from gguf.quants import dequantize as gguf_dequantize
 from moechat.engine.kernels import cpu as cpu_kernels
+from moechat.engine.kernels import isa
 from moechat.engine.kernels.codes import GEMM_TOKENS
 from moechat.engine.kernels.qblocks import LAYOUTS
+from moechat.engine.kernels.qtiles import TILE_TOKENS
 from moechat.engine.models.gemma3 import gelu_gate
 from moechat.engine.models.gpt_oss import oai_swiglu
 from moechat.engine.moe.expert_tensors import ExpertTensor, LayerExperts
@@ -32,6 +34,7 @@ from testkit.ggufgen import Q, quantized
 BOUND = {16: 1e-4, 8: 1e-2}  # by the activations' bits
 OUTLIER_BOUND = {16: 2e-4, 8: 4e-2}  # every 97th activation 50 times the rest: the rounding of its group grows
 MOE_BOUND = {16: 2e-4, 8: 4e-2}
+TILES8_BOUND = 1e-5  # int8 tiles against the rows' int8 dot products (kernels.qtiles8)
 TYPES = sorted(LAYOUTS, key=lambda t: t.name)
 
 
@@ -59,9 +62,13 @@ def test_dense_kernel_matches_gguf_py(qtype: Q, bits: int) -> None:
         got = cpu_kernels.dense(raw, qtype, x, bits)
         assert got.shape == (t, n)
         assert _rel(got, x.astype(np.float64) @ w.T) <= BOUND[bits], t
-        # Four tokens share each pass over a row, the rest go one by one: a token's result is the same.
+        # Four tokens share each pass over a row, the rest go one by one: a token's result is the same
+        # (int8's tiles, with VNNI: the same integers, float sums in another order).
         alone = np.concatenate([cpu_kernels.dense(raw, qtype, x[i : i + 1], bits) for i in range(t)])
-        np.testing.assert_array_equal(got, alone)
+        if t >= TILE_TOKENS and cpu_kernels.tiles_read(qtype, k, bits) and bits == 8:
+            assert _rel(got, alone) <= TILES8_BOUND, t
+        else:
+            np.testing.assert_array_equal(got, alone)
     if bits == 8:
         return
     decoded = cpu_kernels.dequantize_rows(raw, qtype, k)
@@ -102,12 +109,17 @@ def test_qlinear_agrees_below_and_above_the_gemm_switch(qtype: Q, monkeypatch: p
     lin = QLinear(raw, qtype)
     lin_tiles = QLinear(raw, qtype)  # another matrix object over the same bytes
     assert lin.tiled == (qtype == Q.Q4_K)
-    # `--cpu-kernels int8` sets the bits after loading: its prompts take the float GEMM (no int8 tiles).
+    # `--cpu-kernels int8` sets the bits after loading: its prompts take int8 tiles where the CPU has
+    # VNNI and they read the type, else the float GEMM.
     holder, w8 = torch.nn.Module(), QLinear(raw, qtype)
     holder.w = w8
     set_activation_bits(holder, 8, 8)
     x = torch.randn(40, 512)
-    assert w8.bits == 8 and not w8.tiled and torch.equal(w8(x), w8.gemm(x))
+    assert w8.bits == 8 and w8.tiled == (qtype == Q.Q4_K and isa.VNNI)
+    if w8.tiled:
+        assert _rel(w8(x).numpy(), w8.gemm(x).double().numpy()) <= BOUND[8]
+    else:
+        assert torch.equal(w8(x), w8.gemm(x))
     # The default's widths where the CPU has byte products: a few tokens int8, a prompt int16's tiles.
     w816 = QLinear(raw, qtype, bits=8, prompt_bits=16)
     assert w816.tiled == lin.tiled and torch.equal(w816(x), lin(x))
@@ -162,7 +174,7 @@ def test_fused_moe_matches_the_exact_path(qtypes: tuple[Q, Q, Q], act: object, c
         ref = sum_parts(x, run_experts(lx, x, ids, w, act, ids.unique().tolist()))
         contrib = np.full((t * k, e), np.nan, np.float32)
         chosen = sorted(set(ids.flatten().tolist()))
-        run_fused(lx, mats, None, code, x.numpy(), ids.numpy(), w.numpy(), chosen, contrib, bits)
+        run_fused(lx, mats, None, code, x.numpy(), ids.numpy(), w.numpy(), chosen, contrib, (bits, bits))
         assert not np.isnan(contrib).any()
         got = cpu_kernels.sum_by_token(contrib, ids.numpy())
         assert _rel(got, ref.double().numpy()) <= MOE_BOUND[bits], t

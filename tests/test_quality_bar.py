@@ -45,20 +45,26 @@ def test_int16_and_int8_meet_the_quality_bar(which: str, request: pytest.Fixture
 
 
 def test_the_default_mode_is_made_of_the_measured_widths(tmp_path: Path) -> None:
-    """`fast`: a few tokens with this CPU's width (int8 where it multiplies bytes), a prompt with int16:
-    each the same bits as the mode of that width alone."""
+    """`fast`: a few tokens with this CPU's width (int8 where it multiplies bytes), a prompt's matrices
+    that the tiles read with int8 where the CPU has VNNI (else int16), its other experts with the few
+    tokens' width: each the same bits as the mode of that width alone."""
     from testkit.ggufgen import Q, tiny_moe
 
-    few, prompt = isa.activation_bits("fast")
-    assert (few, prompt) == (8 if isa.AVX2 else 16, 16)
+    widths = isa.activation_bits("fast")
+    few = 8 if isa.AVX2 else 16
+    tiles = 8 if isa.VNNI else 16  # int8 tiles need VNNI's byte products
+    assert widths == (few, tiles, few)
     path = tiny_moe(tmp_path / "m.gguf", expert_type=Q.Q4_K, dense_type=Q.Q4_K)
     fast, alone = (load_model(path, n_ctx=64, cpu_kernels=m) for m in ("fast", f"int{few}"))
     int16 = load_model(path, n_ctx=64, cpu_kernels="int16")
     ids = fast.tokenizer.encode("the quick brown fox jumps over the lazy dog " * 4)[:20]
     with torch.inference_mode():
-        # a prompt: int16's tiles
-        assert torch.equal(fast.model(torch.tensor(ids), 0, fast.new_cache()),
-                           int16.model(torch.tensor(ids), 0, int16.new_cache()))  # fmt: skip
+        # a prompt: the tiles' width
+        prompt = {m: lm.model(torch.tensor(ids), 0, lm.new_cache()) for m, lm in (("fast", fast), (f"int{few}", alone),
+                                                                                  ("int16", int16))}  # fmt: skip
+        assert torch.equal(prompt["fast"], prompt[f"int{tiles}"])
+        if tiles == 8:
+            assert not torch.equal(prompt["fast"], prompt["int16"])
         # one token at a time: the CPU's width
         models = (fast, alone, int16)
         caches = [lm.new_cache() for lm in models]
@@ -67,5 +73,17 @@ def test_the_default_mode_is_made_of_the_measured_widths(tmp_path: Path) -> None
             assert torch.equal(d_fast, d_alone)
             if few == 8:  # and the widths differ where they should
                 assert not torch.equal(d_fast, d_16)
+    for lm in (fast, alone, int16):
+        lm.close()
+
+    # Experts of 32-weight blocks (no tiles) in a prompt: the few tokens' width (the dense Q8_0
+    # matrices decode to floats in every mode)
+    path = tiny_moe(tmp_path / "q8.gguf", expert_type=Q.Q8_0, dense_type=Q.Q8_0)
+    fast, alone, int16 = (load_model(path, n_ctx=64, cpu_kernels=m) for m in ("fast", f"int{few}", "int16"))
+    with torch.inference_mode():
+        rows = [lm.model(torch.tensor(ids), 0, lm.new_cache()) for lm in (fast, alone, int16)]
+    assert torch.equal(rows[0], rows[1])
+    if few == 8:
+        assert not torch.equal(rows[0], rows[2])
     for lm in (fast, alone, int16):
         lm.close()

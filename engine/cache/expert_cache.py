@@ -329,8 +329,9 @@ class ExpertCache:
         if plan.n_uploads:
             self.uploader.upload(group, lx, plan.uploads)
         if plan.n_uploads or plan.n_hits:
+            bits = self.host.bits_for(xh.shape[0], layer)
             run_fused(lx, group.host_banks, policy.slot_array(layer), self.host.act_code, xh, ih, wh,
-                      plan.device_array if plan.n_cpu else None, contrib, self.host.bits_for(xh.shape[0]))  # fmt: skip
+                      plan.device_array if plan.n_cpu else None, contrib, bits)  # fmt: skip
         return layer_output(contrib, ih)
 
     def _run_triton(

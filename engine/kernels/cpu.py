@@ -4,10 +4,12 @@ A kernel first quantizes the activation rows it reads (`qblocks.quantize_rows`, 
 256 or per 32) to int16, or to int8 where the caller asks for `bits=8`, then reads each row of a
 quantized matrix once for all the tokens that need it, four at a time (`qblocks.dot_row`: integer
 products per super-block or per 32 weights, float32 accumulation). Where a matrix of a super-block
-type meets four tokens or more with int16 activations (a prompt), its rows are unpacked once and
-multiplied in tiles of two rows by four tokens (`qtiles`), with the same results. A token's result
-never depends on how many tokens share the call. Results are within 1e-4 (int16) or 1e-2 (int8) of the exact
-product (dequantize, then matmul), relative to the largest output; the tests hold that.
+type meets four tokens or more (a prompt), its rows are unpacked once and multiplied in tiles of two
+rows by four tokens: int16 activations (`qtiles`: the same results as the rows' dot products, so a
+token's result never depends on how many tokens share the call), or int8 on a CPU with AVX512-VNNI
+(`qtiles8`: the same integers, float sums in another order, within 1e-5 of the largest). Results are
+within 1e-4 (int16) or 1e-2 (int8) of the exact product (dequantize, then matmul), relative to the
+largest output; the tests hold that.
 
 The MoE kernels take a layer's stacked expert matrices `[S, rows, row_bytes]` (the file's
 experts, or a cache's slots holding the same bytes) and a selection in CSR form: for each
@@ -31,8 +33,9 @@ from gguf import GGMLQuantizationType as Q
 
 from .codes import ACT_GELU_TANH, ACT_SILU, SWIGLU_ALPHA, SWIGLU_LIMIT
 from .jit import njit, prange
-from .qblocks import SUPER, TOKENS, decode_row, dot_row, quantize_rows
+from .qblocks import SUPER, TOKENS, decode_row, dot_row, quantize_many
 from .qtiles import TILE_ROWS, TILE_TOKENS, scratch, tile_dots, tiled, unpack_row
+from .qtiles8 import ordered, scratch8, tile_dots8, tiled8, unpack_row8
 
 ROWS = 16  # rows per work item: enough items to balance the threads, few enough to amortize them
 TOKEN_BLOCK = 64  # a prompt's tokens per pass over a work item's unpacked rows (int16: 128 bytes per weight)
@@ -98,6 +101,28 @@ def tile_products(code: int, w: np.ndarray, m: int, r: int, k: int, q: Any, a_in
 
 
 @njit(inline="always")
+def tile_products8(code: int, w: np.ndarray, m: int, r: int, k: int, q: Any, xp: np.ndarray, a_in: np.ndarray,
+                   c0: int, nc: int, sc: Any, acc: np.ndarray) -> None:  # fmt: skip
+    """`tile_products` with int8 activations (`qtiles8`: xp the activations `ordered`): within float32
+    rounding of `dots`' int8 results."""
+    _, dx, bs = q
+    for i in range(TILE_ROWS):
+        unpack_row8(code, w, _row(w, m, r + i), k, sc, i)
+    tile_dots8(code, sc, k, xp, dx, bs, a_in, c0, nc, acc)
+
+
+_NO_ORDER = np.zeros((0, 0), np.uint8)
+
+
+@njit(inline="always")
+def _ordered(q: Any, rows: np.ndarray, k: int, eight: bool) -> np.ndarray:
+    """The int8 tiles' activations (qtiles8.ordered) where they run, else an empty array."""
+    if eight:
+        return ordered(q[0], rows, k)
+    return _NO_ORDER
+
+
+@njit(inline="always")
 def _gate_up_out(g: np.ndarray, v: np.ndarray, r0: int, u: int, eid: np.ndarray, a_out: np.ndarray, c0: int,
                  bias_g: np.ndarray, bias_u: np.ndarray, act_code: int, out: np.ndarray) -> None:  # fmt: skip
     """Gate and up products g, v [n, width] of the assignments c0.. and rows r0.. -> out, through the
@@ -126,14 +151,17 @@ def _gate_up_kernel(gate_type: Q, up_type: Q, bits: int) -> Any:
     # The kernels close over type codes (ints): numba compiles them as constants, and caches each
     # type's kernel on disk apart (a closure over a compiled function would defeat that cache).
     code_g, code_u = int(gate_type), int(up_type)
-    # A prompt's experts meet many tokens each: their rows unpacked once, then multiplied in tiles.
-    tiles = bits == 16 and tiled(gate_type) and tiled(up_type)
+    # A prompt's experts meet many tokens each: their rows unpacked once, then multiplied in tiles
+    # (int16, or int8 where the CPU has VNNI).
+    eight = bits == 8 and tiled8(gate_type) and tiled8(up_type)
+    tiles = (bits == 16 and tiled(gate_type) and tiled(up_type)) or eight
 
     @njit(parallel=True, fastmath=False)
     def gate_up(gate, up, x, x_rows, sel, eid, ptr, a_in, a_out, bias_g, bias_u, act_code, out):
         n_rows, k = gate.shape[1], x.shape[1]
         n_tiles = (n_rows + ROWS - 1) // ROWS
-        q = quantize_rows(x, x_rows, bits)
+        q = quantize_many(x, x_rows, bits)
+        xp = _ordered(q, x_rows, k, eight and k % SUPER == 0)
         for job in prange(sel.shape[0] * n_tiles):
             u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
             if not _staged(nc):
@@ -150,7 +178,22 @@ def _gate_up_kernel(gate_type: Q, up_type: Q, bits: int) -> Any:
             tb = min(nc, TOKEN_BLOCK)
             rg, ru = np.empty((tb, ROWS), np.float32), np.empty((tb, ROWS), np.float32)  # [tokens, rows]
             done = r0  # rows done in tiles
-            if tiles:  # noqa: SIM102 - a constant: numba drops the branch (and its typing) for other types
+            if eight:
+                if k % SUPER == 0:
+                    sg8, su8 = scratch8(k), scratch8(k)
+                    n_tiled = (r1 - r0) // TILE_ROWS * TILE_ROWS
+                    for j0 in range(0, nc, TOKEN_BLOCK):
+                        j, n = _token_block(j0, nc)
+                        for r in range(r0, r0 + n_tiled, TILE_ROWS):
+                            c = r - r0
+                            tile_products8(
+                                code_g, gate, m, r, k, q, xp, a_in, c0 + j, n, sg8, rg[:n, c : c + TILE_ROWS]
+                            )
+                            tile_products8(code_u, up, m, r, k, q, xp, a_in, c0 + j, n, su8, ru[:n, c : c + TILE_ROWS])
+                        _gate_up_out(rg[:n, :n_tiled], ru[:n, :n_tiled], r0, u, eid, a_out, c0 + j, bias_g, bias_u,
+                                     act_code, out)  # fmt: skip
+                    done += n_tiled
+            elif tiles:  # noqa: SIM102 - as above
                 if k % SUPER == 0:
                     sg, su = scratch(k), scratch(k)
                     n_tiled = (r1 - r0) // TILE_ROWS * TILE_ROWS
@@ -201,13 +244,15 @@ def _matmul_out(res: np.ndarray, r0: int, u: int, eid: np.ndarray, a_out: np.nda
 @functools.cache
 def _matmul_kernel(qtype: Q, bits: int) -> Any:
     code = int(qtype)
-    tiles = bits == 16 and tiled(qtype)
+    eight = bits == 8 and tiled8(qtype)
+    tiles = (bits == 16 and tiled(qtype)) or eight
 
     @njit(parallel=True, fastmath=False)
     def matmul(w, x, x_rows, sel, eid, ptr, a_in, a_out, bias, scale, out):
         n_rows, k = w.shape[1], x.shape[1]
         n_tiles = (n_rows + ROWS - 1) // ROWS
-        q = quantize_rows(x, x_rows, bits)
+        q = quantize_many(x, x_rows, bits)
+        xp = _ordered(q, x_rows, k, eight and k % SUPER == 0)
         for job in prange(sel.shape[0] * n_tiles):
             u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
             if not _staged(nc):
@@ -219,7 +264,18 @@ def _matmul_kernel(qtype: Q, bits: int) -> Any:
             tb = min(nc, TOKEN_BLOCK)  # as in gate_up
             res = np.empty((tb, ROWS), np.float32)  # [tokens, rows]
             done = r0
-            if tiles:  # noqa: SIM102 - a constant: numba drops the branch (and its typing) for other types
+            if eight:
+                if k % SUPER == 0:
+                    sc8 = scratch8(k)
+                    n_tiled = (r1 - r0) // TILE_ROWS * TILE_ROWS
+                    for j0 in range(0, nc, TOKEN_BLOCK):
+                        j, n = _token_block(j0, nc)
+                        for r in range(r0, r0 + n_tiled, TILE_ROWS):
+                            c = r - r0
+                            tile_products8(code, w, m, r, k, q, xp, a_in, c0 + j, n, sc8, res[:n, c : c + TILE_ROWS])
+                        _matmul_out(res[:n, :n_tiled], r0, u, eid, a_out, c0 + j, bias, scale, out)
+                    done += n_tiled
+            elif tiles:  # noqa: SIM102 - as above
                 if k % SUPER == 0:
                     sc = scratch(k)
                     n_tiled = (r1 - r0) // TILE_ROWS * TILE_ROWS
@@ -250,7 +306,7 @@ def _dense_many_kernel(qtype: Q, bits: int) -> Any:
     def dense_many(ws, x, rows, first_tile, outs):
         """outs[m] = x @ ws[m].T for every matrix m of the tuple ws: one parallel region, x quantized once."""
         k = x.shape[1]
-        q = quantize_rows(x, rows, bits)
+        q = quantize_many(x, rows, bits)
         nc = rows.shape[0]
         for job in prange(first_tile[-1]):
             m = np.searchsorted(first_tile, job, side="right") - 1
@@ -372,8 +428,9 @@ def matmul(
 
 def tiles_read(qtype: Q, k: int, bits: int) -> bool:
     """Whether a prompt's products with rows of this type and width, activations of `bits`, run in
-    the integer tiles (the kernels' own condition: int16, a super-block type, whole super-blocks)."""
-    return bits == 16 and tiled(qtype) and k % SUPER == 0
+    the integer tiles (the kernels' own condition: a super-block type, whole super-blocks, int16 or,
+    on a CPU with AVX512-VNNI, int8)."""
+    return ((bits == 16 and tiled(qtype)) or (bits == 8 and tiled8(qtype))) and k % SUPER == 0
 
 
 @functools.cache

@@ -19,6 +19,7 @@ kernel cache's folder name (engine/kernels/jit.py), so kernels of one level neve
 from __future__ import annotations
 
 import os
+from typing import NamedTuple
 
 import llvmlite.binding as llvm
 
@@ -53,26 +54,42 @@ VNNI = LEVEL == "avx512" and bool(_FEATURES.get("avx512vnni")) and bool(_FEATURE
 # The activations' width the default mode ("fast") gives a few tokens (decode): int8 where the CPU
 # multiplies bytes in one instruction (pmaddubsw; x86 with AVX2 or AVX-512), which reads the blocks
 # 1.1 to 1.5x faster than int16 on the hosts measured; the generic code has no byte products and keeps
-# int16. Both widths meet the quality bar on real weights (tests/test_quality_bar.py). Prompts keep
-# int16: there the integer tiles (int16 only) beat decoding to floats.
+# int16. Both widths meet the quality bar on real weights (tests/test_quality_bar.py). A prompt's
+# matrices of the super-block types run in integer tiles: int8 ones where the CPU has AVX512-VNNI
+# (kernels/qtiles8.py; 1.2-1.6x the int16 tiles there), else int16 ones, which beat decoding to
+# floats. A prompt's experts of the other types (MXFP4, Q8_0, ...: read a row at a time, four
+# tokens a pass) take the few tokens' width: 1.7x faster in int8 than in int16 on MXFP4.
 FAST_FEW_BITS = 8 if AVX2 else 16
+FAST_PROMPT_BITS = 8 if VNNI else 16
 
 
-def activation_bits(mode: str, beside_float: bool = False) -> tuple[int, int]:
-    """A kernel mode's (few tokens', prompt's) activation bits: 8 or 16 each. `beside_float`: a
-    device computes the rest in float32 (a GPU, or the device kernels): the default then keeps int16,
-    so that the experts the CPU computes stay within the device's bound (cache on and off agree)."""
+class Widths(NamedTuple):
+    """A kernel mode's activation bits (8 or 16) for each kind of call."""
+
+    few: int  # a few tokens (decode)
+    prompt: int  # a prompt's matrices that the integer tiles read (the super-block types)
+    prompt_rows: int  # a prompt's experts of the other types (dense matrices of those decode to floats)
+
+
+def activation_bits(mode: str, beside_float: bool = False) -> Widths:
+    """A kernel mode's widths. `beside_float`: a device computes the rest in float32 (a GPU, or the
+    device kernels): the default then keeps int16, so that the experts the CPU computes stay within
+    the device's bound (cache on and off agree)."""
     if mode == "int8":
-        return 8, 8
+        return Widths(8, 8, 8)
     if mode == "fast" and not beside_float:
-        return FAST_FEW_BITS, 16
-    return 16, 16
+        return Widths(FAST_FEW_BITS, FAST_PROMPT_BITS, FAST_FEW_BITS)
+    return Widths(16, 16, 16)
 
 
 def describe() -> str:
     """The level in words, for `moechat inspect` and the benches."""
     capped = f", capped by {ENV}" if _cpu_level() != LEVEL else ""
-    fast = f"; decode int{FAST_FEW_BITS} by default (int16 beside a GPU)" if FAST_FEW_BITS == 8 else "; decode int16"
+    if FAST_FEW_BITS == 8:
+        tiles = "; a prompt's tiles int8 too" if FAST_PROMPT_BITS == 8 else "; a prompt's tiles int16"
+        fast = f"; by default decode, and a prompt's other experts, int8{tiles} (int16 beside a GPU)"
+    else:
+        fast = "; int16 activations"
     if AVX512:
         int8 = "vpdpbusd and pmaddubsw" if VNNI else "pmaddubsw"
         return f"AVX-512 ({'VNNI vpdpwssd' if VNNI else 'pmaddwd'} for int16, {int8} for int8){capped}{fast}"

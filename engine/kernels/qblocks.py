@@ -46,7 +46,7 @@ from numba.core import cgutils
 from ..gguf.codebooks import IQ4_NL_VALUES, MXFP4_VALUES
 from ..gguf.quant_types import CPU, types_for
 from . import isa
-from .jit import intrinsic, njit, overload, types
+from .jit import intrinsic, njit, overload, prange, types
 
 LANES = 32  # weights per vector chunk
 SUPER = 256  # weights per super-block (the K-quants, IQ4_XS)
@@ -462,6 +462,7 @@ def has_kernel(qtype: Q) -> bool:
 # -- activations as the dot products read them ---------------------------------------------------
 
 ACTIVATION_BITS = (8, 16)
+PARALLEL_ROWS = 16  # from this many rows (a prompt) activations are quantized over the kernel's threads
 ACT16 = 32767  # int16: the rounding is at most 1.5e-5 of the largest activation of its 256 (or 32)
 ACT8 = 127  # int8: at most 0.4%
 
@@ -503,6 +504,22 @@ def quantize_rows(x: np.ndarray, rows: np.ndarray, bits: int) -> tuple[np.ndarra
 
 @overload(quantize_rows, inline="always")
 def _quantize_rows(x, rows, bits):
+    return _quantize_impl(bits, parallel=False)
+
+
+def quantize_many(x: np.ndarray, rows: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """`quantize_rows`, with the rows split over a parallel kernel's threads from PARALLEL_ROWS rows on
+    (a prompt). Only the kernels that take prompts use it: the parallel loop costs every kernel that
+    holds it compile time, and the decode blocks quantize one row. Compiled code only."""
+    raise NotImplementedError("quantize_many runs in compiled code")
+
+
+@overload(quantize_many, inline="always")
+def _quantize_many(x, rows, bits):
+    return _quantize_impl(bits, parallel=True)
+
+
+def _quantize_impl(bits: Any, parallel: bool) -> Any:
     if not isinstance(bits, types.IntegerLiteral):
         return None
     if bits.literal_value not in ACTIVATION_BITS:
@@ -517,8 +534,16 @@ def _quantize_rows(x, rows, bits):
         xq = np.empty((n, width), dtype)
         dx = np.empty((n, width // LANES), np.float32)
         bs = np.empty((n, width // LANES), np.float32)
+        group = SUPER if supers and not int8 else LANES
+        if parallel:  # noqa: SIM102 - a constant: numba drops the branch where it is False
+            if rows.shape[0] >= PARALLEL_ROWS:
+                for i in prange(rows.shape[0]):
+                    _quantize_row(x, rows[i], xq, dx, bs, top, group, 0)
+                    if int8 and supers:
+                        _quantize_row(x, rows[i], xq, dx, bs, top, SUPER, k)
+                return xq, dx, bs
         for i in range(rows.shape[0]):
-            _quantize_row(x, rows[i], xq, dx, bs, top, SUPER if supers and not int8 else LANES, 0)
+            _quantize_row(x, rows[i], xq, dx, bs, top, group, 0)
             if int8 and supers:
                 _quantize_row(x, rows[i], xq, dx, bs, top, SUPER, k)
         return xq, dx, bs

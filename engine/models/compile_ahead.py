@@ -104,7 +104,8 @@ def compile_passes(path: Path, n_ctx: int, cpu_kernels: str) -> None:
     try:
         model = build_model(gguf, cfg, n_ctx, quantized=cpu_kernels != "exact", kernels=cpu_kernels)
         load_weights(model, gguf)
-        set_activation_bits(model, *activation_bits(cpu_kernels))
+        widths = activation_bits(cpu_kernels)
+        set_activation_bits(model, widths.few, widths.prompt)
         experts = model.experts
         with torch.inference_mode():
             for skip_attention, skip_experts in ((True, True), (True, False), (False, False)):
@@ -144,7 +145,7 @@ def warm_expert_kernels(model: Any) -> None:
             continue
         seen.add(kind)
         # A prompt's activations may be wider than a token's (kernels.isa.activation_bits): both kernels.
-        for n in (1, GEMM_TOKENS) if host.bits != host.prompt_bits else (1,):
+        for n in (1, GEMM_TOKENS) if host.bits_for(1, layer) != host.bits_for(GEMM_TOKENS, layer) else (1,):
             ids = torch.arange(k, dtype=torch.int64)[None].expand(n, k).contiguous()  # [n, k]
             host(layer, torch.zeros(n, model.cfg.n_embd), ids, torch.full((n, k), 1 / k))
 

@@ -20,11 +20,12 @@ import torch
 import torch.nn.functional as F
 
 from ..errors import ParameterError
+from ..kernels import cpu as cpu_kernels
 from ..kernels.codes import GEMM_TOKENS
 from ..kernels.isa import activation_bits
 from ..kernels.modes import KERNEL_MODES
 from ..nn.activations import Activation, activation_code
-from .expert_tensors import LayerExperts
+from .expert_tensors import ExpertTensor, LayerExperts
 from .kernel_calls import TokenCall, bias_rows, fusable, host_arrays, layer_output, run_fused
 
 
@@ -113,18 +114,30 @@ class HostExperts:
         code = activation_code(act)
         self.act_code = -1 if code is None else code
         self.fused = {i: kernels != "exact" and fusable(lx, act) for i, lx in layers.items()}
-        # The fused kernels' activations: `bits` for a few tokens (decode), `prompt_bits` for a prompt.
-        self.bits, self.prompt_bits = activation_bits(kernels)
+        # The fused kernels' activations: `bits` for a few tokens (decode); for a prompt, `prompt_bits`
+        # where the integer tiles read a matrix, else `prompt_rows_bits` (kernels.isa.Widths).
+        self.bits, self.prompt_bits, self.prompt_rows_bits = activation_bits(kernels)
         self._token_calls: dict[int, TokenCall] = {}
 
-    def set_bits(self, bits: int, prompt_bits: int) -> None:
-        """The activations' bits for a few tokens and for a prompt (`kernels.isa.activation_bits`)."""
+    def set_bits(self, bits: int, prompt_bits: int, prompt_rows_bits: int | None = None) -> None:
+        """The activations' bits for a few tokens and for a prompt (`kernels.isa.activation_bits`;
+        `prompt_rows_bits` defaults to `prompt_bits`)."""
         self.bits, self.prompt_bits = bits, prompt_bits
+        self.prompt_rows_bits = prompt_bits if prompt_rows_bits is None else prompt_rows_bits
         self._token_calls.clear()  # they hold the bits
 
-    def bits_for(self, n_tokens: int) -> int:
-        """The activations' bits of a call on n_tokens rows (the same rule wherever the experts run)."""
-        return self.bits if n_tokens < GEMM_TOKENS else self.prompt_bits
+    def bits_for(self, n_tokens: int, layer: int) -> tuple[int, int]:
+        """The activations' bits of a call on n_tokens rows of a layer, (gate and up, down): the same
+        rule wherever the experts run."""
+        if n_tokens < GEMM_TOKENS:
+            return self.bits, self.bits
+        lx = self.layers[layer]
+        return self._prompt_width(lx.gate, lx.up), self._prompt_width(lx.down)
+
+    def _prompt_width(self, *ts: ExpertTensor) -> int:
+        """A prompt's bits for matrices run in one kernel: the tiles' where they read all of them."""
+        tiles = all(cpu_kernels.tiles_read(t.qtype, t.cols, self.prompt_bits) for t in ts)
+        return self.prompt_bits if tiles else self.prompt_rows_bits
 
     def token_call(self, layer: int) -> TokenCall | None:
         """What `kernels.moe_token` takes of this layer's experts (None: no fused kernels for it)."""
@@ -141,7 +154,7 @@ class HostExperts:
     def with_layers(self, layers: dict[int, LayerExperts]) -> HostExperts:
         """The same execution options over other copies of the experts (pinned memory)."""
         other = HostExperts(layers, self.act, kernels=self.kernels, dequant_mib=self.dequant_mib)
-        other.set_bits(self.bits, self.prompt_bits)
+        other.set_bits(self.bits, self.prompt_bits, self.prompt_rows_bits)
         return other
 
     def mats(self, layer: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -176,7 +189,7 @@ class HostExperts:
             w,
             experts,
             contrib,
-            self.bits_for(x.shape[0]),
+            self.bits_for(x.shape[0], layer),
         )
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:

@@ -49,14 +49,14 @@ def run_fused(
     weights: np.ndarray,
     experts: Sequence[int] | np.ndarray | None,
     contrib: np.ndarray,
-    bits: int = 16,
+    bits: tuple[int, int] = (16, 16),
 ) -> None:
     """Fill contrib[t*k + j] = weights[t, j] * expert_{ids[t, j]}(x[t]) for the pairs whose expert is in `experts`
     (None: every pair).
 
     mats: (gate, up, down) stacked [S, rows, row_bytes]: the layer's experts (slot_of None) or a
     cache's slots (slot_of[e]: expert e's slot). x [T, E] float32; ids int64 and weights float32 [T, k];
-    bits: the activations' integers in the kernels (8 or 16).
+    bits: the activations' integers in the kernels (8 or 16): gate and up's, down's.
     """
     chosen = _ALL if experts is None else np.asarray(experts, dtype=np.int64)
     a, eids, ptr, tokens, x_rows = cpu_kernels.selection(ids, chosen)
@@ -66,9 +66,9 @@ def run_fused(
     gate, up, down = mats
     h = np.empty((ids.size, gate.shape[1]), np.float32)  # [T*k, F]; only the rows in `a` are set
     cpu_kernels.gate_up(gate, lx.gate.qtype, up, lx.up.qtype, x, x_rows, sel, eids, ptr, tokens, a, h, act,
-                        bias_rows(lx.gate.bias), bias_rows(lx.up.bias), bits)  # fmt: skip
+                        bias_rows(lx.gate.bias), bias_rows(lx.up.bias), bits[0])  # fmt: skip
     cpu_kernels.matmul(down, lx.down.qtype, h, a, sel, eids, ptr, a, a, contrib, weights.reshape(-1),
-                       bias_rows(lx.down.bias), bits)  # fmt: skip
+                       bias_rows(lx.down.bias), bits[1])  # fmt: skip
 
 
 _ALL = np.zeros(0, np.int64)
