@@ -35,20 +35,27 @@ def _reference_logits(gguf: Path, cache: Path, ids: list[int]) -> torch.Tensor:
 
 @pytest.mark.slow
 def test_dense_gemma3_matches_transformers(gemma_gguf: Path, test_cache: Path) -> None:
-    lm = load_model(gemma_gguf, n_ctx=128)
+    lm = load_model(gemma_gguf, n_ctx=128, cpu_kernels="int16")
     ids = lm.tokenizer.encode(PROMPT)[:32]
     assert ids[0] == 2 and len(ids) >= 20
     ref = _reference_logits(gemma_gguf, test_cache, ids)
     exact = load_model(gemma_gguf, n_ctx=128, cpu_kernels="exact")
+    default = load_model(gemma_gguf, n_ctx=128)
     with torch.inference_mode():
         ours = lm.model(torch.tensor(ids), 0, lm.new_cache())
         ours_exact = exact.model(torch.tensor(ids), 0, exact.new_cache())
+        ours_default = default.model(torch.tensor(ids), 0, default.new_cache())
     rel = float((ours_exact - ref).abs().max() / ref.abs().max())
     assert rel <= 1e-4, rel
-    # The default path multiplies a prompt's activations rounded to int16 (within 1e-4 per product).
+    # int16 activations in the kernels: within 1e-4 per product.
     rel = float((ours - ref).abs().max() / ref.abs().max())
     assert rel <= 1e-3, rel
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    # The default rounds a prompt to int8 where the CPU has VNNI (the integer tiles; the same integers
+    # as int8 decode, whose quality test_quality_bar holds): int8 takes the other side of near-ties
+    # (its top-1 agreement with the exact path over 2048 tokens of prose: 96%), here 2 of 25 positions.
+    agree = float((ours_default.argmax(-1) == ref.argmax(-1)).double().mean())
+    assert agree >= 0.85, agree
 
 
 @pytest.mark.slow
