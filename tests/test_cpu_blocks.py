@@ -20,14 +20,15 @@ from moechat.engine.kernels.codes import (
 from moechat.engine.kernels.jit import njit
 from moechat.engine.kernels.layer_halves import decode_attention, exp_nonpositive, ffn_block, route_rows
 from moechat.engine.moe.routing import route
-from moechat.engine.nn.layers import LayerCache, Rope, attention
+from moechat.engine.nn.layers import LayerCache, Rope, attention, head_major, host_heads
 from testkit.ggufgen import Q, quantized
 
 
 @pytest.mark.parametrize(
     ("n_head", "n_kv", "dim", "rope_dim", "neox", "window", "sink"),
     [(4, 4, 16, 16, True, 0, False), (8, 2, 32, 32, False, 0, False), (6, 3, 32, 16, True, 5, True),
-     (9, 3, 64, 64, False, 0, True), (16, 4, 32, 32, True, 0, False), (10, 5, 64, 64, True, 11, True)],
+     (9, 3, 64, 64, False, 0, True), (16, 4, 32, 32, True, 0, False), (10, 5, 64, 64, True, 11, True),
+     (32, 4, 64, 64, True, 0, False), (24, 4, 32, 32, False, 20, True), (8, 4, 36, 36, True, 0, False)],
 )  # fmt: skip
 def test_decode_attention_matches_the_torch_path(n_head: int, n_kv: int, dim: int, rope_dim: int, neox: bool,
                                                  window: int, sink: bool) -> None:  # fmt: skip
@@ -35,20 +36,36 @@ def test_decode_attention_matches_the_torch_path(n_head: int, n_kv: int, dim: in
     n_ctx, scale = 48, dim**-0.5
     sinks = torch.randn(n_head) * 2 if sink else None  # gpt-oss's attention sinks
     rope = Rope(rope_dim, 10000.0, n_ctx, neox=neox)
-    ref_cache = LayerCache(torch.zeros(n_ctx, n_kv, dim), torch.zeros(n_ctx, n_kv, dim))
-    cache = LayerCache(torch.zeros(n_ctx, n_kv, dim), torch.zeros(n_ctx, n_kv, dim))
+    ref_cache = LayerCache(head_major(n_ctx, n_kv, dim), head_major(n_ctx, n_kv, dim))
+    cache = LayerCache(head_major(n_ctx, n_kv, dim), head_major(n_ctx, n_kv, dim))
     # Each position attends to all earlier ones (or the window's): counts of positions that are and are
-    # not a multiple of the kernel's four-position passes, with and without the window's start inside.
+    # not a multiple of the vector loops' LANES (fewer than LANES: the plain loops), with and without the
+    # window's start inside; query heads per KV head 8, 4 to 7 and 1 to 3 (the value loops' three forms),
+    # and a head dim of 36 (not whole vectors: the plain loops).
     for pos in range(42):
         q, k, v = torch.randn(1, n_head, dim), torch.randn(1, n_kv, dim), torch.randn(1, n_kv, dim)
         p = torch.tensor([pos])
         ref = attention(rope(q, p), ref_cache, rope(k, p), v, pos, scale=scale, window=window, sinks=sinks)  # [1, H, D]
         got = decode_attention(q[0].numpy().copy(), k[0].numpy().copy(), v[0].numpy().copy(), rope.parts(), neox,
-                               cache.k.numpy(), cache.v.numpy(), pos, window, scale,
+                               *host_heads(cache), pos, window, scale,
                                None if sinks is None else sinks.numpy())  # fmt: skip
         torch.testing.assert_close(torch.from_numpy(got), ref[0], rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(cache.k[: pos + 1], ref_cache.k[: pos + 1], rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(cache.v[: pos + 1], ref_cache.v[: pos + 1])
+
+
+def test_a_model_cache_takes_the_vector_loops() -> None:
+    """The KV cache a model makes is read by `attention_core`'s loops, not the plain ones, for the usual
+    head dims: a layout that lost its row-contiguity would fall back silently (and run slower)."""
+    from moechat.engine.kernels.attention_core import LANES, fits
+
+    for dim in (64, 128, 256):
+        k, v = host_heads(LayerCache(head_major(40, 4, dim), head_major(40, 4, dim)))
+        q = np.zeros((8, dim), np.float32)
+        assert k.flags.c_contiguous and v.flags.c_contiguous
+        assert fits(q, k, v, LANES) and not fits(q, k, v, LANES - 1)
+    k, v = host_heads(LayerCache(head_major(40, 4, 36), head_major(40, 4, 36)))
+    assert not fits(np.zeros((8, 36), np.float32), k, v, 32)
 
 
 @pytest.mark.parametrize(("act_code", "residual"), [(ACT_SILU, True), (ACT_GELU_TANH, False)])
@@ -90,10 +107,10 @@ def test_compiled_routing_matches_route(gating: int, norm: bool) -> None:
 
 def test_decode_attention_refuses_a_position_past_the_cache() -> None:
     rope = Rope(16, 10000.0, 8, neox=True)
-    cache = LayerCache(torch.zeros(8, 2, 16), torch.zeros(8, 2, 16))
+    cache = LayerCache(head_major(8, 2, 16), head_major(8, 2, 16))
     q, kv = np.zeros((2, 16), np.float32), np.zeros((2, 16), np.float32)
     with pytest.raises(IndexError, match="outside the KV cache"):
-        decode_attention(q, kv, kv.copy(), rope.parts(), True, cache.k.numpy(), cache.v.numpy(), 8, 0, 0.25)
+        decode_attention(q, kv, kv.copy(), rope.parts(), True, *host_heads(cache), 8, 0, 0.25)
 
 
 @pytest.mark.parametrize(("n_tok", "n_head", "dk", "dv"), [(1, 4, 16, 16), (7, 3, 32, 24), (40, 2, 8, 64)])
@@ -122,7 +139,7 @@ def test_attention_sinks_in_the_fused_attention_are_a_softmax_logit_without_a_va
     torch.manual_seed(0)
     n_head, n_kv, dim, t = 6, 2, 16, 9
     sinks = torch.randn(n_head) * 2
-    cache = LayerCache(torch.zeros(32, n_kv, dim), torch.zeros(32, n_kv, dim))
+    cache = LayerCache(head_major(32, n_kv, dim), head_major(32, n_kv, dim))
     keys, values = torch.randn(t + 1, n_kv, dim), torch.randn(t + 1, n_kv, dim)
     queries = torch.randn(t + 1, n_head, dim)
 

@@ -24,6 +24,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from llvmlite import ir
 
+from .attention_core import fits, key_scores, weighted_values
 from .codes import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_SELECTED
 from .cpu import ROWS, act
 from .jit import intrinsic, njit, prange, types
@@ -81,8 +82,8 @@ def rms_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
 
 def _check_position(pos: int, k_cache: np.ndarray) -> None:
     # Compiled code does not check bounds: a position past the cache would write outside it.
-    if not 0 <= pos < k_cache.shape[0]:
-        raise IndexError(f"position {pos} is outside the KV cache of {k_cache.shape[0]} positions")
+    if not 0 <= pos < k_cache.shape[1]:
+        raise IndexError(f"position {pos} is outside the KV cache of {k_cache.shape[1]} positions")
 
 
 def _f32_from_bits_typing(typingctx: Any, bits: Any) -> Any:
@@ -121,9 +122,51 @@ def exp_nonpositive(x: float) -> float:
     return p * _f32_from_bits((np.int32(n) + np.int32(127)) << np.int32(23))
 
 
+@njit(inline="always", fastmath={"reassoc", "contract"})
+def _key_scores_loops(q, k_cache, kv, h0, per, start, n, scale, p):
+    """attention_core.key_scores for any shape: four positions a pass (four independent sums per q row)."""
+    dim, n4 = q.shape[1], n - n % 4
+    for s in range(0, n4, 4):
+        a, b, c, e = start + s, start + s + 1, start + s + 2, start + s + 3
+        for j in range(per):
+            d0 = d1 = d2 = d3 = np.float32(0)
+            for d in range(dim):
+                x = q[h0 + j, d]
+                d0 += x * k_cache[kv, a, d]
+                d1 += x * k_cache[kv, b, d]
+                d2 += x * k_cache[kv, c, d]
+                d3 += x * k_cache[kv, e, d]
+            p[j, s], p[j, s + 1], p[j, s + 2], p[j, s + 3] = d0 * scale, d1 * scale, d2 * scale, d3 * scale
+    for s in range(n4, n):
+        for j in range(per):
+            d0 = np.float32(0)
+            for d in range(dim):
+                d0 += q[h0 + j, d] * k_cache[kv, start + s, d]
+            p[j, s] = d0 * scale
+
+
+@njit(inline="always", fastmath={"reassoc", "contract"})
+def _weighted_values_loops(p, v_cache, kv, h0, per, start, n, out):
+    """attention_core.weighted_values for any shape."""
+    dim_v, n4 = v_cache.shape[2], n - n % 4
+    acc = np.zeros((per, dim_v), np.float32)  # [per, Dv]
+    for s in range(0, n4, 4):
+        a, b, c, e = start + s, start + s + 1, start + s + 2, start + s + 3
+        for j in range(per):
+            w0, w1, w2, w3 = p[j, s], p[j, s + 1], p[j, s + 2], p[j, s + 3]
+            for d in range(dim_v):
+                acc[j, d] += (w0 * v_cache[kv, a, d] + w1 * v_cache[kv, b, d] + w2 * v_cache[kv, c, d]
+                              + w3 * v_cache[kv, e, d])  # fmt: skip
+    for s in range(n4, n):
+        for j in range(per):
+            w0 = p[j, s]
+            for d in range(dim_v):
+                acc[j, d] += w0 * v_cache[kv, start + s, d]
+    out[h0 : h0 + per] = acc
+
+
 # Work items are (KV head, its query heads): each cached k and v row is read once for the heads that
-# share it, and four positions go through each pass (four independent sums per q row: one sum per
-# position was one chain of dependent adds, with the vector units idle). With fewer than four KV heads
+# share it (`attention_core`; loops for the shapes it does not take). With fewer than four KV heads
 # each query head is an item of its own, so two threads still share the work. The softmax's exp is
 # inlined (`exp_nonpositive`). The order of every sum is fixed by the compiled code, so every call
 # (cache on or off) gives the same bits.
@@ -133,34 +176,21 @@ def _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, scale, s
     sinks [H] (or empty): each head's logit that takes part in the softmax and has no value."""
     _rotate(q, cis, pos, neox)
     _rotate(k, cis, pos, neox)
-    k_cache[pos] = k
-    v_cache[pos] = v
-    n_head, n_kv, dim, dim_v = q.shape[0], k.shape[0], q.shape[1], out.shape[1]
+    k_cache[:, pos] = k
+    v_cache[:, pos] = v
+    n_head, n_kv = q.shape[0], k.shape[0]
     group = n_head // n_kv
     per = group if n_kv >= 4 else 1  # query heads per work item
     n = pos + 1 - start
-    n4 = n - n % 4
+    vector = fits(q, k_cache, v_cache, n)
     for item in prange(n_head // per):
         h0 = item * per
         kv = h0 // group
         p = np.empty((per, n), np.float32)  # [per, n] the heads' scores, then weights
-        for s in range(0, n4, 4):
-            a, b, c, e = start + s, start + s + 1, start + s + 2, start + s + 3
-            for j in range(per):
-                d0 = d1 = d2 = d3 = np.float32(0)
-                for d in range(dim):
-                    x = q[h0 + j, d]
-                    d0 += x * k_cache[a, kv, d]
-                    d1 += x * k_cache[b, kv, d]
-                    d2 += x * k_cache[c, kv, d]
-                    d3 += x * k_cache[e, kv, d]
-                p[j, s], p[j, s + 1], p[j, s + 2], p[j, s + 3] = d0 * scale, d1 * scale, d2 * scale, d3 * scale
-        for s in range(n4, n):
-            for j in range(per):
-                d0 = np.float32(0)
-                for d in range(dim):
-                    d0 += q[h0 + j, d] * k_cache[start + s, kv, d]
-                p[j, s] = d0 * scale
+        if vector:
+            key_scores(q, k_cache, kv, h0, per, start, n, scale, p)
+        else:
+            _key_scores_loops(q, k_cache, kv, h0, per, start, n, scale, p)
         for j in range(per):
             top = sinks[h0 + j] if sinks.size else np.float32(-np.inf)
             for s in range(n):
@@ -173,20 +203,10 @@ def _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, scale, s
             inv = np.float32(1) / total
             for s in range(n):
                 p[j, s] *= inv
-        acc = np.zeros((per, dim_v), np.float32)  # [per, Dv]
-        for s in range(0, n4, 4):
-            a, b, c, e = start + s, start + s + 1, start + s + 2, start + s + 3
-            for j in range(per):
-                w0, w1, w2, w3 = p[j, s], p[j, s + 1], p[j, s + 2], p[j, s + 3]
-                for d in range(dim_v):
-                    acc[j, d] += (w0 * v_cache[a, kv, d] + w1 * v_cache[b, kv, d] + w2 * v_cache[c, kv, d]
-                                  + w3 * v_cache[e, kv, d])  # fmt: skip
-        for s in range(n4, n):
-            for j in range(per):
-                w0 = p[j, s]
-                for d in range(dim_v):
-                    acc[j, d] += w0 * v_cache[start + s, kv, d]
-        out[h0 : h0 + per] = acc
+        if vector:
+            weighted_values(p, v_cache, kv, h0, per, start, n, out)
+        else:
+            _weighted_values_loops(p, v_cache, kv, h0, per, start, n, out)
 
 
 def decode_attention(
@@ -195,9 +215,9 @@ def decode_attention(
 ) -> np.ndarray:  # fmt: skip
     """One token's attention: q [H, D], k [Hkv, D], v [Hkv, Dv] (rotated here, in place) -> [H, Dv].
 
-    cis [n_ctx, rope_dim / 2, 2]: cos and sin per position; k_cache/v_cache [n_ctx, Hkv, D]: the
-    layer's cache, written at `pos`; window: 0, or the sliding window's length; sinks [H]: the
-    heads' attention sinks (gpt-oss), or None.
+    cis [n_ctx, rope_dim / 2, 2]: cos and sin per position; k_cache/v_cache [Hkv, n_ctx, D]: the
+    layer's cache (`nn.layers.host_heads`), written at `pos`; window: 0, or the sliding window's length;
+    sinks [H]: the heads' attention sinks (gpt-oss), or None.
     """
     _check_position(pos, k_cache)
     start = max(0, pos - window + 1) if window else 0
@@ -347,25 +367,43 @@ def ffn_block(
     return out
 
 
-@njit
-def route_compiled(h, router, router_bias, gating, k, weights_norm, scale):
-    """route_rows in compiled code: ids int64 [T, k], weights float32 [T, k]."""
-    t_n, n = h.shape[0], router.shape[0]
-    ids = np.empty((t_n, k), np.int64)
-    weights = np.empty((t_n, k), np.float32)
-    for t in range(t_n):
-        logits = np.empty(n, np.float32)
-        for e in range(n):
+# The logits over the kernel's threads: a router's float32 rows are a megabyte a layer (Qwen3-30B's
+# 128 x 2048), which one thread read while the other waited. One compiled function serves every
+# caller (route_rows, the one-call MoE layer): the same code, the same bits (the same loop inlined
+# into another parallel kernel compiled to other bits).
+@njit(parallel=True, fastmath=False)
+def router_logits(h, router, router_bias):
+    """Router logits [T, n_expert] of h [T, E] and router [n_expert, E] (+ router_bias, or an empty one)."""
+    logits = np.empty((h.shape[0], router.shape[0]), np.float32)
+    for e in prange(router.shape[0]):
+        for t in range(h.shape[0]):
             acc = np.float32(0)
             for d in range(h.shape[1]):
                 acc += h[t, d] * router[e, d]
-            logits[e] = acc + (router_bias[e] if router_bias.size else np.float32(0))
-        probs = logits.copy()
+            logits[t, e] = acc + (router_bias[e] if router_bias.size else np.float32(0))
+    return logits
+
+
+@njit
+def route_compiled(h, router, router_bias, gating, k, weights_norm, scale):
+    """route_rows in compiled code: ids int64 [T, k], weights float32 [T, k]."""
+    return select_compiled(router_logits(h, router, router_bias), gating, k, weights_norm, scale)
+
+
+@njit
+def select_compiled(logits, gating, k, weights_norm, scale):
+    """The k experts of each row of router logits [T, n_expert] and their weights: ids int64 [T, k],
+    weights float32 [T, k]."""
+    t_n, n = logits.shape
+    ids = np.empty((t_n, k), np.int64)
+    weights = np.empty((t_n, k), np.float32)
+    for t in range(t_n):
+        probs = logits[t].copy()
         if gating == GATING_SOFTMAX:
-            probs = np.exp(logits - logits.max())
+            probs = np.exp(logits[t] - logits[t].max())
             probs /= probs.sum()
         elif gating == GATING_SIGMOID:
-            probs = np.float32(1) / (np.float32(1) + np.exp(-logits))
+            probs = np.float32(1) / (np.float32(1) + np.exp(-logits[t]))
         taken = np.zeros(n, np.bool_)
         for j in range(k):  # the k largest, descending; a tie goes to the lower id
             best = -1

@@ -70,6 +70,12 @@ def hsums(b: ir.IRBuilder, vs: list[ir.Value]) -> list[ir.Value]:
     """Each vector's `qblocks._hsum`, bit for bit (the same lanes added in the same tree), with the
     vectors reduced side by side: two half-reduced vectors share one add, so n sums of 16 lanes take
     about 3n instructions instead of 8n."""
+    return [b.extract_element(v, ir.Constant(I32, j)) for v, m in lane_sums(b, vs) for j in range(m)]
+
+
+def lane_sums(b: ir.IRBuilder, vs: list[ir.Value]) -> list[tuple[ir.Value, int]]:
+    """`hsums` left in vectors: (vector, m) pairs whose lanes are the sums of m of vs each, in vs' order
+    (n vectors of n lanes, n a power of two: one vector holding all n sums)."""
     width = vs[0].type.count
     phys = [(v, 1) for v in vs]  # (vector, how many equal parts it holds, each of `width` lanes)
     while width > 1:
@@ -86,7 +92,7 @@ def hsums(b: ir.IRBuilder, vs: list[ir.Value]) -> list[ir.Value]:
             merged.append((b.fadd(b.shuffle_vector(x, y, mask[0]), b.shuffle_vector(x, y, mask[1])), n * m))
             i += n
         phys, width = merged, half
-    return [b.extract_element(v, ir.Constant(I32, j)) for v, m in phys for j in range(m)]
+    return phys
 
 
 def _unpack_intrinsic(layout: Layout) -> Any:

@@ -23,7 +23,7 @@ from ..moe.expert_tensors import load_layer_experts
 from ..moe.host_experts import ExpertExecutor, HostExperts
 from ..moe.routing import route
 from ..nn.activations import Activation, swiglu
-from ..nn.layers import KVCache, LayerCache, QuantRows, Rope, attention, host_rows, move_tensors, rms_norm
+from ..nn.layers import KVCache, LayerCache, QuantRows, Rope, attention, host_heads, host_rows, move_tensors, rms_norm
 from ..nn.qlinear import QLinear, Weight, ffn_one_token, gated, linear, linears
 from ..nn.weights import DENSE, LINEAR, ROWS, linear_form, maybe, want
 
@@ -104,7 +104,7 @@ class Attention(nn.Module):
         call = self.block_call(norm, eps, post_norm, cache, rope) if x.shape[0] == 1 else None
         if call is None:
             return None
-        return torch.from_numpy(call(host_rows(x), cache.k.numpy(), cache.v.numpy(), pos0))
+        return torch.from_numpy(call(host_rows(x), *host_heads(cache), pos0))
 
     def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
         q, k, v = linears(h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))  # [T, H*D], [T, Hkv*D] x2
@@ -129,8 +129,8 @@ class Attention(nn.Module):
         if t == 1 and self._cpu_decode(cache):
             # One token on the CPU: rotary, cache write and attention in one compiled call.
             a = torch.from_numpy(decode_attention(
-                host_rows(q[0]), host_rows(k[0]), host_rows(v[0]), rope.parts(), rope.neox, cache.k.numpy(),
-                cache.v.numpy(), pos0, self.window, cfg.head_dim**-0.5,
+                host_rows(q[0]), host_rows(k[0]), host_rows(v[0]), rope.parts(), rope.neox, *host_heads(cache),
+                pos0, self.window, cfg.head_dim**-0.5,
                 None if self.sinks is None else self.sinks.numpy()))  # fmt: skip
             return a.view(1, cfg.n_head, cfg.head_dim_v)
         pos = torch.arange(pos0, pos0 + t, device=q.device)
@@ -236,7 +236,7 @@ class DecoderBase(nn.Module):
             c = block.layer_calls(layer, rope, self.experts) if isinstance(block, Block) else None
             if c is None or c.attention is None or c.ffn is None:
                 return None
-            calls.append((c.attention, c.ffn, layer.k.numpy(), layer.v.numpy()))
+            calls.append((c.attention, c.ffn, *host_heads(layer)))
             ffns.append(cast(MoeFFN, block.ffn))
         h, chosen = host_rows(x), []
         for attend, experts, k, v in calls:
@@ -437,7 +437,7 @@ class Block(nn.Module):
         calls = self.layer_calls(cache, rope, experts)
         if calls is None or calls.attention is None or calls.ffn is None:
             return None
-        a = calls.attention(host_rows(x), cache.k.numpy(), cache.v.numpy(), pos0)  # [1, E]
+        a = calls.attention(host_rows(x), *host_heads(cache), pos0)  # [1, E]
         ids, _, out = calls.ffn(a)
         self.ffn.last_ids = torch.from_numpy(ids)  # read by routing(): the experts of the latest step
         return torch.from_numpy(out)

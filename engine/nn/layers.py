@@ -185,10 +185,26 @@ def _layer_cache(cfg: ModelConfig, i: int, n_ctx: int, dtype: torch.dtype, devic
         head_v = cfg.ssm_inner // cfg.ssm_v_heads
         state = torch.zeros(cfg.ssm_v_heads, cfg.ssm_state, head_v, dtype=dtype, device=device)
         return LayerCache(none, none, conv, state)
-    k = torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim, dtype=dtype, device=device)
+    k = head_major(n_ctx, cfg.n_head_kv[i], cfg.head_dim, dtype, device)
     if cfg.kv_lora_rank:  # MLA: the value is the latent, the key's first kv_lora_rank numbers
         return LayerCache(k, k[..., : cfg.kv_lora_rank])
-    return LayerCache(k, torch.zeros(n_ctx, cfg.n_head_kv[i], cfg.head_dim_v, dtype=dtype, device=device))
+    return LayerCache(k, head_major(n_ctx, cfg.n_head_kv[i], cfg.head_dim_v, dtype, device))
+
+
+def head_major(n_ctx: int, n_kv: int, dim: int, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> torch.Tensor:  # fmt: skip
+    """Zeros [n_ctx, n_kv, dim] whose memory holds each KV head's positions together ([n_kv, n_ctx, dim]).
+
+    One token's attention reads a KV head's keys and values position after position: one stream per
+    head. Laid out by position first, a head's rows lay n_kv rows apart, and from memory (where the
+    weights leave them) the reads took twice as long. Fused attention takes [n_kv, S, dim] too.
+    """
+    return torch.zeros(n_kv, n_ctx, dim, dtype=dtype, device=device).transpose(0, 1)
+
+
+def host_heads(layer: LayerCache) -> tuple[np.ndarray, np.ndarray]:
+    """A CPU layer cache's keys and values as the compiled attention reads them: [n_kv, n_ctx, dim] each."""
+    return layer.k.transpose(0, 1).numpy(), layer.v.transpose(0, 1).numpy()
 
 
 class KVCache:
