@@ -120,8 +120,8 @@ def speed(engine: str, path: Path, n_pos: int, n_decode: int, threads: int) -> t
         pp = time.perf_counter() - t
         tok = int(logits.argmax())
         t = time.perf_counter()
-        for _ in range(n_decode):
-            tok = int(decode_one(ours.model, tok, cache).argmax())
+        for _ in range(n_decode):  # the greedy pick as the sampler makes it (numpy's argmax, as llama.cpp's side)
+            tok = int(decode_one(ours.model, tok, cache).numpy().argmax())
         tg = time.perf_counter() - t
     ours.close()
     return pp, tg

@@ -17,6 +17,7 @@ import torch
 from .events import GREEDY, DoneEvent, Event, SamplingParams, TokenEvent
 from .kernels import threads
 from .nn.layers import KVCache
+from .sampling import sample
 from .text.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -105,32 +106,6 @@ def one_torch_thread(when: bool) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(n)
-
-
-def sample(logits: torch.Tensor, p: SamplingParams, history: Sequence[int], gen: torch.Generator) -> int:
-    """One token id from logits [V] under the sampling parameters (greedy at temperature 0).
-
-    Sampling runs where the logits are, with `gen` on that device: only the chosen id crosses to the host.
-    """
-    logits = logits.float().clone()
-    if p.repeat_penalty != 1.0 and history:
-        recent = torch.tensor(sorted(set(history[-p.repeat_last_n :])), dtype=torch.long, device=logits.device)
-        vals = logits[recent]
-        logits[recent] = torch.where(vals > 0, vals / p.repeat_penalty, vals * p.repeat_penalty)
-    if p.temperature <= 0:
-        return int(logits.argmax())
-    if p.top_k > 0:
-        kth = torch.topk(logits, min(p.top_k, logits.numel())).values[-1]
-        logits[logits < kth] = float("-inf")
-    probs = torch.softmax(logits / p.temperature, dim=-1)
-    if p.min_p > 0:
-        probs[probs < p.min_p * probs.max()] = 0
-    if p.top_p < 1:
-        sorted_p, order = torch.sort(probs, descending=True)
-        cum = sorted_p.cumsum(0)
-        drop = cum - sorted_p > p.top_p  # keep the smallest prefix reaching top_p
-        probs[order[drop]] = 0
-    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
 
 
 def generate(

@@ -9,6 +9,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from gguf.quants import dequantize as gguf_dequantize
+from moechat.engine.kernels.attention_core import LANES, rows_fit
 from moechat.engine.kernels.codes import (
     ACT_GELU_TANH,
     ACT_SILU,
@@ -18,7 +19,13 @@ from moechat.engine.kernels.codes import (
     GATING_SOFTMAX_SELECTED,
 )
 from moechat.engine.kernels.jit import njit
-from moechat.engine.kernels.layer_halves import decode_attention, exp_nonpositive, ffn_block, route_rows
+from moechat.engine.kernels.layer_halves import (
+    decode_attention,
+    exp_nonpositive,
+    ffn_block,
+    route_rows,
+    router_logits,
+)
 from moechat.engine.moe.routing import route
 from moechat.engine.nn.layers import LayerCache, Rope, attention, head_major, host_heads
 from testkit.ggufgen import Q, quantized
@@ -103,6 +110,24 @@ def test_compiled_routing_matches_route(gating: int, norm: bool) -> None:
     got_ids, got_w = route_rows(h.numpy(), router.numpy(), bias.numpy(), gating, 4, norm, 2.5)
     np.testing.assert_array_equal(got_ids, ids.numpy())
     np.testing.assert_allclose(got_w, weights.numpy(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("rows", "n_expert", "dim"), [(1, 128, 2048), (3, 24, 64), (8, 130, 128), (2, 10, 64), (1, 32, 72)]
+)
+def test_router_logits_in_vectors_and_loops(rows: int, n_expert: int, dim: int) -> None:
+    """The router's logits against float64, in whole vectors (a last block of experts overlapping the one
+    before) and in the loops (fewer experts than a vector's lanes on AVX-512, or dims not in whole vectors)."""
+    rng = np.random.default_rng(n_expert * dim + rows)
+    h = rng.standard_normal((rows, dim)).astype(np.float32)
+    router = rng.standard_normal((n_expert, dim)).astype(np.float32)
+    bias = rng.standard_normal(n_expert).astype(np.float32)
+    assert rows_fit(h, router) == (dim % LANES == 0 and n_expert >= LANES)  # AVX-512: 10 experts or 72 dims loop
+    want = h.astype(np.float64) @ router.T.astype(np.float64) + bias
+    for b in (bias, np.zeros(0, np.float32)):
+        got = router_logits(h, router, b)
+        ref = want if b.size else want - bias
+        assert np.abs(got - ref).max() <= 1e-5 * np.abs(h).sum(axis=1).max() * np.abs(router).max()
 
 
 def test_decode_attention_refuses_a_position_past_the_cache() -> None:

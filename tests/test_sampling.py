@@ -5,11 +5,13 @@ from __future__ import annotations
 import threading
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from moechat.engine.events import DoneEvent, SamplingParams, TokenEvent
-from moechat.engine.generate import generate, sample
+from moechat.engine.generate import generate
 from moechat.engine.loader import load_model
+from moechat.engine.sampling import BLOCK, sample, top_ids
 from testkit.ggufgen import tiny_moe
 
 
@@ -39,6 +41,53 @@ def test_top_k_min_p_top_p_restrict_the_support() -> None:
     assert set(_draws(logits, SamplingParams(**{**base, "min_p": 0.2}))) == {0, 1, 2}  # 0.05 < 0.2*0.5
     assert set(_draws(logits, SamplingParams(**{**base, "top_p": 0.7}))) == {0, 1}
     assert set(_draws(logits, SamplingParams(**base))) == {0, 1, 2, 3}
+
+
+@pytest.mark.parametrize("n", [7, BLOCK * 3, BLOCK * 40 + 17, 151936])
+@pytest.mark.parametrize("k", [1, 5, 40, 200])
+def test_top_ids_are_a_stable_sorts_first_k(n: int, k: int) -> None:
+    """Ties (integer logits) go to the lower id, as a stable sort orders them; sizes off the block grid too."""
+    rng = np.random.default_rng(n * 1000 + k)
+    for x in (rng.standard_normal(n).astype(np.float32), rng.integers(-5, 5, n).astype(np.float32)):
+        want = np.argsort(-x, kind="stable")[:k]
+        np.testing.assert_array_equal(top_ids(x, k), want)
+    np.testing.assert_array_equal(top_ids(x, 0), np.argsort(-x, kind="stable"))
+
+
+def _reference(logits: torch.Tensor, p: SamplingParams) -> np.ndarray:
+    """Each id's probability under the parameters, over the whole vocabulary (float64)."""
+    x = logits.double() / p.temperature
+    keep = torch.zeros_like(x, dtype=torch.bool)
+    order = torch.argsort(x, descending=True, stable=True)
+    keep[order[: p.top_k if p.top_k > 0 else x.numel()]] = True
+    probs = torch.where(keep, torch.softmax(torch.where(keep, x, -torch.inf), 0), 0)
+    probs[probs < p.min_p * probs.max()] = 0
+    sorted_p = probs[order]
+    drop = sorted_p.cumsum(0) - sorted_p > p.top_p
+    probs[order[drop]] = 0
+    return (probs / probs.sum()).numpy()
+
+
+@pytest.mark.parametrize(
+    "p",
+    [
+        SamplingParams(),
+        SamplingParams(temperature=1.3, top_k=0, top_p=0.9, min_p=0.0),
+        SamplingParams(temperature=0.5, top_k=12, top_p=1.0, min_p=0.1),
+    ],
+)
+def test_draws_follow_the_whole_vocabulary_distribution(p: SamplingParams) -> None:
+    """Drawing among the top-k candidates gives the distribution the whole-vocabulary arithmetic defines:
+    the same support, and frequencies within five standard errors of each probability."""
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(3000, generator=gen) * 2.5
+    want = _reference(logits, p)
+    n = 6000
+    draws = np.array(_draws(logits, p, n=n, seed=2))
+    got = np.bincount(draws, minlength=want.shape[0]) / n
+    assert set(np.flatnonzero(got)) <= set(np.flatnonzero(want))
+    assert np.all(np.abs(got - want) <= 5 * np.sqrt(want * (1 - want) / n) + 1e-9)
+    assert len(set(draws.tolist())) > 3  # really samples
 
 
 def test_repeat_penalty_moves_greedy_off_a_repeated_token() -> None:

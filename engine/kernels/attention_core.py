@@ -52,7 +52,8 @@ def _i64(x: int) -> ir.Constant:
 def _key_scores_typing(typingctx, q, k_cache, kv, h0, per, first, col0, n_blocks, scale, p):
     """For each of n_blocks blocks of LANES cached positions from `first` (cache [KV head, position,
     dim]) and query heads h0..h0+per-1 (q [H, D]): p[j, col0 + block * LANES + i] = scale * q[h0 + j] .
-    k_cache[kv, first + block * LANES + i]. D a multiple of LANES."""
+    k_cache[kv, first + block * LANES + i]. D a multiple of LANES. A matrix [row, dim] in place of the
+    cache is read as one head's rows (kv unused)."""
     sig = types.void(q, k_cache, types.int64, types.int64, types.int64, types.int64, types.int64, types.int64,
                      types.float32, p)  # fmt: skip
 
@@ -63,7 +64,10 @@ def _key_scores_typing(typingctx, q, k_cache, kv, h0, per, first, col0, n_blocks
         pd, _, pst = _array(context, b, sig.args[9], args[9])
         kv, h0, per, first, col0, n_blocks, scale = args[2:9]
         n_chunks = b.udiv(qshape[1], _i64(LANES))
-        head = b.gep(kd, [b.mul(kv, kst[0])])
+        if sig.args[1].ndim == 2:  # a matrix: its rows
+            head, kst = kd, [None, kst[0]]
+        else:
+            head = b.gep(kd, [b.mul(kv, kst[0])])
         scales = v.splat(scale, LANES)
         acc = [cgutils.alloca_once(b, VF) for _ in range(LANES)]  # one per position: [LANES] x [LANES]
         with cgutils.for_range(b, n_blocks) as block:
@@ -175,3 +179,18 @@ def weighted_values(p, v_cache, kv, h0, per, start, n, out):
         _VALUES_4(p, v_cache, kv, h0, per, start, n, out)
     else:
         _VALUES_1(p, v_cache, kv, h0, per, start, n, out)
+
+
+@njit(inline="always")
+def rows_fit(x: np.ndarray, m: np.ndarray) -> bool:
+    """Whether x [T, D] . each row of m [N, D] takes `row_scores`: D in whole vectors, at least LANES
+    rows, each row's elements together."""
+    return x.shape[1] % LANES == 0 and m.shape[0] >= LANES and x.strides[1] == 4 and m.strides[1] == 4
+
+
+@njit(inline="always")
+def row_scores(x, m, block, out):
+    """out[t, r] = x[t] . m[r] for the LANES rows r of block `block` of m [N, D] (the last block ends at
+    N, overlapping the one before: it writes the same values again) and every row t of x [T, D]."""
+    r0 = min(block * LANES, m.shape[0] - LANES)
+    _key_scores(x, m, 0, 0, x.shape[0], r0, r0, 1, np.float32(1), out)

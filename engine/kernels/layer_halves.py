@@ -24,7 +24,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 from llvmlite import ir
 
-from .attention_core import fits, key_scores, weighted_values
+from .attention_core import LANES, fits, key_scores, row_scores, rows_fit, weighted_values
 from .codes import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_SELECTED
 from .cpu import ROWS, act
 from .jit import intrinsic, njit, prange, types
@@ -368,19 +368,30 @@ def ffn_block(
 
 
 # The logits over the kernel's threads: a router's float32 rows are a megabyte a layer (Qwen3-30B's
-# 128 x 2048), which one thread read while the other waited. One compiled function serves every
-# caller (route_rows, the one-call MoE layer): the same code, the same bits (the same loop inlined
-# into another parallel kernel compiled to other bits).
+# 128 x 2048). Each logit is a dot product of E numbers: summed in order, one dependent add after
+# another, it waited on the adder's latency (0.15 ms a layer, more than the megabyte's read). In
+# whole vectors the rows take `attention_core.row_scores` (LANES rows a block, a vector accumulator
+# per row, their order fixed by the code); other shapes keep the loop. One compiled function serves
+# every caller (route_rows, the one-call MoE layer): the same code, the same bits.
 @njit(parallel=True, fastmath=False)
 def router_logits(h, router, router_bias):
     """Router logits [T, n_expert] of h [T, E] and router [n_expert, E] (+ router_bias, or an empty one)."""
-    logits = np.empty((h.shape[0], router.shape[0]), np.float32)
-    for e in prange(router.shape[0]):
+    n = router.shape[0]
+    logits = np.empty((h.shape[0], n), np.float32)
+    if rows_fit(h, router):
+        for block in prange((n + LANES - 1) // LANES):
+            row_scores(h, router, block, logits)
+    else:
+        for e in prange(n):
+            for t in range(h.shape[0]):
+                acc = np.float32(0)
+                for d in range(h.shape[1]):
+                    acc += h[t, d] * router[e, d]
+                logits[t, e] = acc
+    if router_bias.size:
         for t in range(h.shape[0]):
-            acc = np.float32(0)
-            for d in range(h.shape[1]):
-                acc += h[t, d] * router[e, d]
-            logits[t, e] = acc + (router_bias[e] if router_bias.size else np.float32(0))
+            for e in range(n):
+                logits[t, e] += router_bias[e]
     return logits
 
 

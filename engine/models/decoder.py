@@ -146,6 +146,11 @@ class Routed(nn.Module):
 
     last_ids: torch.Tensor | None = None  # [T, k]
 
+    def remember(self, ids: torch.Tensor) -> None:
+        """Record the experts of the latest call (read by `routing()`). A plain attribute: nn.Module's own
+        setattr looks through its parameters, buffers and modules first, microseconds a layer a token."""
+        object.__setattr__(self, "last_ids", ids)
+
 
 class DecoderBase(nn.Module):
     """What every decoder offers generation: its device, and the routing of the last step."""
@@ -243,7 +248,7 @@ class DecoderBase(nn.Module):
             ids, _, h = experts(attend(h, k, v, pos0))
             chosen.append(ids)
         for moe, ids in zip(ffns, chosen, strict=True):
-            moe.last_ids = torch.from_numpy(ids)  # read by routing(): the experts of the latest step
+            moe.remember(torch.from_numpy(ids))
         return torch.from_numpy(h)
 
     def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache, last_only: bool = False) -> torch.Tensor:
@@ -319,7 +324,7 @@ class MoeFFN(Routed):
         if call is None:
             return None
         ids, _, y = call(host_rows(h))
-        self.last_ids = torch.from_numpy(ids)
+        self.remember(torch.from_numpy(ids))
         return torch.from_numpy(y)
 
     def layer_call(self, experts: ExpertExecutor, norm: torch.Tensor, eps: float) -> MoeTokenCall | None:
@@ -331,7 +336,7 @@ class MoeFFN(Routed):
         y = self.routed_token(h, experts)
         if y is None:
             ids, weights = self.select(h)
-            self.last_ids = ids  # read by routing(): the experts of the latest step
+            self.remember(ids)
             y = experts(self.i, h, ids, weights)
         if self.sh_gate is not None and self.sh_up is not None and self.sh_down is not None:
             shared = ffn_one_token(h, self.sh_gate, self.sh_up, self.sh_down, self.act)
@@ -439,7 +444,7 @@ class Block(nn.Module):
             return None
         a = calls.attention(host_rows(x), *host_heads(cache), pos0)  # [1, E]
         ids, _, out = calls.ffn(a)
-        self.ffn.last_ids = torch.from_numpy(ids)  # read by routing(): the experts of the latest step
+        cast(MoeFFN, self.ffn).remember(torch.from_numpy(ids))  # calls.ffn: a MoeFFN
         return torch.from_numpy(out)
 
     def forward(

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
@@ -152,6 +152,8 @@ class LayerCache:
     # Linear attention: the conv's last inputs and the recurrent state, both of a fixed size.
     conv: torch.Tensor | None = None  # [conv_kernel - 1, q|k|v channels]
     state: torch.Tensor | None = None  # [v_heads, ssm_state, head_v]
+    # host_heads' views, with the tensors they view: built once, not at every layer of every token
+    _heads: tuple[Any, ...] = field(default=(), repr=False, compare=False)
 
 
 def layer_state_bytes(cfg: ModelConfig, i: int, n_ctx: int, itemsize: int = 4) -> int:
@@ -204,7 +206,10 @@ def head_major(n_ctx: int, n_kv: int, dim: int, dtype: torch.dtype = torch.float
 
 def host_heads(layer: LayerCache) -> tuple[np.ndarray, np.ndarray]:
     """A CPU layer cache's keys and values as the compiled attention reads them: [n_kv, n_ctx, dim] each."""
-    return layer.k.transpose(0, 1).numpy(), layer.v.transpose(0, 1).numpy()
+    held = layer._heads
+    if not held or held[0] is not layer.k or held[1] is not layer.v:
+        held = layer._heads = (layer.k, layer.v, layer.k.transpose(0, 1).numpy(), layer.v.transpose(0, 1).numpy())
+    return held[2], held[3]
 
 
 class KVCache:
