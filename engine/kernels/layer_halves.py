@@ -28,7 +28,7 @@ from .attention_core import LANES, fits, key_scores, row_scores, rows_fit, weigh
 from .codes import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_SELECTED
 from .cpu import ROWS, act
 from .jit import intrinsic, njit, prange, types
-from .qblocks import dot_row, quantize_rows
+from .qblocks import dot_row, quantize_rows, sum_squares
 
 FEW_ROWS = 8  # up to this many rows (decode), RMS norm and routing run as compiled calls
 
@@ -59,9 +59,7 @@ def _project(code: int, w: np.ndarray, q: Any, k: int, one: np.ndarray, r0: int,
 def _rms(x: np.ndarray, w: np.ndarray, eps: float, out: np.ndarray) -> None:
     """out = x / rms(x) * w over the last axis of x [R, D] (w [D])."""
     for r in range(x.shape[0]):
-        ss = np.float32(0)
-        for d in range(x.shape[1]):
-            ss += x[r, d] * x[r, d]
+        ss = sum_squares(x, r, x.shape[1])
         inv = np.float32(1) / np.sqrt(ss / np.float32(x.shape[1]) + np.float32(eps))
         for d in range(x.shape[1]):
             out[r, d] = x[r, d] * inv * w[d]

@@ -473,7 +473,7 @@ def _quantize_row(x: np.ndarray, row: int, xq: np.ndarray, dx: np.ndarray, bs: n
     """Row `row` of x [R, K] (float32, K a multiple of `group`) as integers in -top..top with one scale
     per `group` activations (32 or 256), into columns off.. of xq; the scale once per 32 into dx
     (from column off / 32), and per 32 activations the scale times their sum in bs (what a
-    block's bias multiplies)."""
+    block's bias multiplies). Loops: any layout of x."""
     for g in range(x.shape[1] // group):
         m = np.float32(0)
         for i in range(g * group, g * group + group):
@@ -486,6 +486,22 @@ def _quantize_row(x: np.ndarray, row: int, xq: np.ndarray, dx: np.ndarray, bs: n
                 q = int(np.rint(x[row, i] * inv))
                 xq[row, off + i] = q
                 s += q
+            dx[row, off // LANES + c] = d
+            bs[row, off // LANES + c] = d * np.float32(s)
+
+
+@njit(inline="always")
+def _quantize_row_vectors(x: np.ndarray, row: int, xq: np.ndarray, dx: np.ndarray, bs: np.ndarray, top: float,
+                          group: int, off: int) -> None:  # fmt: skip
+    """_quantize_row for rows whose elements lie together, 32 activations a vector step. The same
+    values: a maximum and integer sums do not depend on their order, and each element's product and
+    rounding are the loop's."""
+    for g in range(x.shape[1] // group):
+        m = _abs_max(x, row, g * group, group)
+        d = m / np.float32(top)
+        inv = np.float32(top) / m if m > 0 else np.float32(0)
+        for c in range(g * group // LANES, (g + 1) * group // LANES):
+            s = _round32(x, row, c * LANES, inv, xq, off + c * LANES)
             dx[row, off // LANES + c] = d
             bs[row, off // LANES + c] = d * np.float32(s)
 
@@ -504,7 +520,7 @@ def quantize_rows(x: np.ndarray, rows: np.ndarray, bits: int) -> tuple[np.ndarra
 
 @overload(quantize_rows, inline="always")
 def _quantize_rows(x, rows, bits):
-    return _quantize_impl(bits, parallel=False)
+    return _quantize_impl(x, bits, parallel=False)
 
 
 def quantize_many(x: np.ndarray, rows: np.ndarray, bits: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -516,16 +532,19 @@ def quantize_many(x: np.ndarray, rows: np.ndarray, bits: int) -> tuple[np.ndarra
 
 @overload(quantize_many, inline="always")
 def _quantize_many(x, rows, bits):
-    return _quantize_impl(bits, parallel=True)
+    return _quantize_impl(x, bits, parallel=True)
 
 
-def _quantize_impl(bits: Any, parallel: bool) -> Any:
+def _quantize_impl(x: Any, bits: Any, parallel: bool) -> Any:
     if not isinstance(bits, types.IntegerLiteral):
         return None
     if bits.literal_value not in ACTIVATION_BITS:
         raise ValueError(f"activations are quantized to {ACTIVATION_BITS} bits, not {bits.literal_value}")
     dtype, top = (np.int8, ACT8) if bits.literal_value == 8 else (np.int16, ACT16)
     int8 = bits.literal_value == 8
+
+    # A C-ordered x takes the vector steps (decided as the kernel compiles, so it holds one of the two)
+    quantize_row = _quantize_row_vectors if x.layout == "C" else _quantize_row
 
     def impl(x, rows, bits):
         n, k = x.shape
@@ -538,14 +557,14 @@ def _quantize_impl(bits: Any, parallel: bool) -> Any:
         if parallel:  # noqa: SIM102 - a constant: numba drops the branch where it is False
             if rows.shape[0] >= PARALLEL_ROWS:
                 for i in prange(rows.shape[0]):
-                    _quantize_row(x, rows[i], xq, dx, bs, top, group, 0)
+                    quantize_row(x, rows[i], xq, dx, bs, top, group, 0)
                     if int8 and supers:
-                        _quantize_row(x, rows[i], xq, dx, bs, top, SUPER, k)
+                        quantize_row(x, rows[i], xq, dx, bs, top, SUPER, k)
                 return xq, dx, bs
         for i in range(rows.shape[0]):
-            _quantize_row(x, rows[i], xq, dx, bs, top, group, 0)
+            quantize_row(x, rows[i], xq, dx, bs, top, group, 0)
             if int8 and supers:
-                _quantize_row(x, rows[i], xq, dx, bs, top, SUPER, k)
+                quantize_row(x, rows[i], xq, dx, bs, top, SUPER, k)
         return xq, dx, bs
 
     return impl
@@ -567,15 +586,21 @@ def row_ptr(context: Any, b: ir.IRBuilder, aty: Any, arr: ir.Value, row: ir.Valu
     return b.bitcast(b.gep(b.bitcast(a.data, I8.as_pointer()), [b.mul(row, stride)]), t.as_pointer())
 
 
-def _hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    """The lanes' sum in one fixed tree (halves added pairwise)."""
+def _lanes_reduced(b: ir.IRBuilder, v: ir.Value, op: Callable[[ir.Value, ir.Value], ir.Value]) -> ir.Value:
+    """The lanes of v combined by op, halves pairwise: for an exact op (integer add, maximum) the order
+    does not show."""
     n = v.type.count
     while n > 1:
         n //= 2
         lo = b.shuffle_vector(v, v, ir.Constant(_vec(I32, n), list(range(n))))
         hi = b.shuffle_vector(v, v, ir.Constant(_vec(I32, n), list(range(n, 2 * n))))
-        v = b.fadd(lo, hi)
+        v = op(lo, hi)
     return b.extract_element(v, ir.Constant(I32, 0))
+
+
+def _hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
+    """The lanes' sum in one fixed tree (halves added pairwise)."""
+    return _lanes_reduced(b, v, b.fadd)
 
 
 def _pairs(b: ir.IRBuilder, m: ir.Value) -> ir.Value:
@@ -592,6 +617,103 @@ def _call(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.
 
 
 _ONES16 = ir.Constant(_vec(I16, 16), [1] * 16)
+
+
+def _abs_max_typing(typingctx: Any, x: Any, row: Any, col: Any, n: Any) -> Any:
+    """max |x[row, col + i]| over i < n, n a multiple of 32 (x [R, K] float32, C order)."""
+    if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 and x.layout == "C"):
+        return None
+    sig = types.float32(x, types.int64, types.int64, types.int64)
+
+    def codegen(context: Any, b: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+        v = _B(b)
+        p = v.at(row_ptr(context, b, sig.args[0], args[0], args[1], F32), args[2])
+        maxnum = cgutils.get_or_insert_function(b.module, ir.FunctionType(V_F32, [V_F32, V_F32]), "llvm.maxnum.v32f32")
+        acc = cgutils.alloca_once_value(b, ir.Constant(V_F32, None))
+        with cgutils.for_range(b, b.udiv(args[3], ir.Constant(I64, LANES))) as c:
+            xs = v.load(p, b.mul(c.index, ir.Constant(I64, LANES)), F32, align=4)
+            b.store(b.call(maxnum, [b.load(acc), _call(b, "llvm.fabs.v32f32", V_F32, [xs])]), acc)
+        return _lanes_reduced(
+            b, b.load(acc), lambda lo, hi: _call(b, f"llvm.maxnum.v{lo.type.count}f32", lo.type, [lo, hi])
+        )
+
+    return sig, codegen
+
+
+def _round32_typing(typingctx: Any, x: Any, row: Any, col: Any, inv: Any, xq: Any, qcol: Any) -> Any:
+    """xq[row, qcol + i] = rint(x[row, col + i] * inv) for i < 32 (int8 or int16 xq, C order), and
+    their sum."""
+    if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C" and xq.layout == "C"):
+        return None
+    if xq.dtype not in (types.int8, types.int16):
+        return None
+    qt = I8 if xq.dtype == types.int8 else I16
+    sig = types.int64(x, types.int64, types.int64, types.float32, xq, types.int64)
+
+    def codegen(context: Any, b: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+        v = _B(b)
+        xs = v.load(v.at(row_ptr(context, b, sig.args[0], args[0], args[1], F32), args[2]), 0, F32, align=4)
+        r = _call(b, "llvm.rint.v32f32", V_F32, [b.fmul(xs, v.splat(args[3]))])
+        q = b.fptosi(r, V_I32)
+        dst = v.at(row_ptr(context, b, sig.args[4], args[4], args[1], qt), args[5])
+        b.store(b.trunc(q, _vec(qt)), b.bitcast(dst, _vec(qt).as_pointer()), align=1)
+        return b.sext(_lanes_reduced(b, q, b.add), I64)
+
+    return sig, codegen
+
+
+_abs_max: Any = intrinsic(_abs_max_typing)
+_round32: Any = intrinsic(_round32_typing)
+
+
+def _squares_typing(typingctx: Any, x: Any, row: Any, n: Any) -> Any:
+    """The sum of x[row, i]^2 over i < n, n a multiple of 32 (x [R, K] float32, C order): 32 running
+    sums, one per lane, then halves added pairwise. The order is the code's, not the caller's."""
+    if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 and x.layout == "C"):
+        return None
+    sig = types.float32(x, types.int64, types.int64)
+
+    def codegen(context: Any, b: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
+        v = _B(b)
+        p = row_ptr(context, b, sig.args[0], args[0], args[1], F32)
+        acc = cgutils.alloca_once_value(b, ir.Constant(V_F32, None))
+        with cgutils.for_range(b, b.udiv(args[2], ir.Constant(I64, LANES))) as c:
+            xs = v.load(p, b.mul(c.index, ir.Constant(I64, LANES)), F32, align=4)
+            b.store(v.fma(xs, xs, b.load(acc)), acc)
+        return _hsum(b, b.load(acc))
+
+    return sig, codegen
+
+
+_squares: Any = intrinsic(_squares_typing)
+
+
+def sum_squares(x: np.ndarray, row: int, n: int) -> float:
+    """The sum of x[row, :n]^2 (float32) in an order fixed by this code: in vectors where x is C-ordered,
+    else one element after another. Compiled code only."""
+    raise NotImplementedError("sum_squares runs in compiled code")
+
+
+@overload(sum_squares, inline="always")
+def _sum_squares(x, row, n):
+    if isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 and x.layout == "C":
+
+        def vectors(x, row, n):
+            whole = n // LANES * LANES
+            ss = _squares(x, row, whole)
+            for d in range(whole, n):
+                ss += x[row, d] * x[row, d]
+            return ss
+
+        return vectors
+
+    def loop(x, row, n):
+        ss = np.float32(0)
+        for d in range(n):
+            ss += x[row, d] * x[row, d]
+        return ss
+
+    return loop
 
 
 def _dot32(v: _B, q: ir.Value, magnitude: ir.Value, signed: bool, x: ir.Value) -> ir.Value:
