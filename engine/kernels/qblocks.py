@@ -617,6 +617,20 @@ def _call(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.
 
 
 _ONES16 = ir.Constant(_vec(I16, 16), [1] * 16)
+# A row's blocks are asked for this many bytes before they are read. Intel's server cores (Emerald
+# Rapids) ran the decode products 1.3-1.7x faster from memory with it (their own prefetchers leave
+# the stream short of the memory's speed); on a Zen 4 host it made no difference.
+PREFETCH_AHEAD = 2048
+
+
+def _prefetch(v: _B, p: ir.Value, span: int) -> None:
+    """Ask for the cache lines PREFETCH_AHEAD bytes past the `span` bytes at p, into L1 (past a
+    matrix's end too: a prefetch never faults)."""
+    b = v.b
+    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
+                                        "llvm.prefetch.p0i8")  # fmt: skip
+    for off in range(0, span, 64):
+        b.call(fn, [v.at(p, PREFETCH_AHEAD + off), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
 
 
 def _abs_max_typing(typingctx: Any, x: Any, row: Any, col: Any, n: Any) -> Any:
@@ -821,6 +835,7 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
                 """Block `index`'s products into the accumulators; `par` picks which chain its chunks start on."""
                 first = b.mul(index, ir.Constant(I64, layout.weights))  # the block's first weight
                 block_p = v.at(wp, b.mul(index, ir.Constant(I64, layout.size)))
+                _prefetch(v, block_p, layout.size)
                 sums = b.udiv(first, ir.Constant(I64, LANES))  # the block's first chunk
                 if ints is not None:
                     # int8: the activations of one scale per 256 are the second half of each row
@@ -871,7 +886,9 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
             def quad_dots(index: ir.Value, four: Callable[[_B, list[ir.Value]], QuadBlock]) -> None:
                 """Blocks index..index+3 (`four`: their quad) into acc16[t][0], their offsets' bias into accq[t]."""
                 size = ir.Constant(I64, layout.size)
-                quad = four(v, [v.at(wp, b.mul(b.add(index, ir.Constant(I64, j)), size)) for j in range(4)])
+                quad_p = [v.at(wp, b.mul(b.add(index, ir.Constant(I64, j)), size)) for j in range(4)]
+                _prefetch(v, quad_p[0], 4 * layout.size)
+                quad = four(v, quad_p)
                 first = b.mul(index, ir.Constant(I64, LANES))  # the first block's first weight
                 bias = b.fmul(quad.scales, ir.Constant(_vec(F32, 4), [-float(quad.offset)] * 4))
                 v16 = _vec(I32, 16)
