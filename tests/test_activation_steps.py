@@ -116,7 +116,8 @@ def test_row_products_ask_for_their_blocks_ahead(qtype: Q) -> None:
     x = rng.standard_normal((1, 512)).astype(np.float32)
     xq, dx, bs = _quantized8(x, np.arange(1))
     got = row(w, xq, dx, bs)
-    want = float(gguf_dequantize(w, qtype).reshape(-1).astype(np.float64) @ x[0].astype(np.float64))
-    assert abs(got - want) <= 1e-2 * np.abs(x).sum() * np.abs(gguf_dequantize(w, qtype)).max()
+    weights = gguf_dequantize(w, qtype).reshape(-1).astype(np.float64)
+    want = float(weights @ x[0].astype(np.float64))
+    assert abs(got - want) <= 1e-2 * np.abs(x).sum() * np.abs(weights).max()
     ir_text = next(iter(row.inspect_llvm().values()))
     assert ir_text.count("@llvm.prefetch") >= 2  # the declaration and at least one call

@@ -544,7 +544,7 @@ def _quantize_impl(x: Any, bits: Any, parallel: bool) -> Any:
     int8 = bits.literal_value == 8
 
     # A C-ordered x takes the vector steps (decided as the kernel compiles, so it holds one of the two)
-    quantize_row = _quantize_row_vectors if x.layout == "C" else _quantize_row
+    quantize_row = _quantize_row_vectors if _c_rows(x) else _quantize_row
 
     def impl(x, rows, bits):
         n, k = x.shape
@@ -617,39 +617,51 @@ def _call(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.
 
 
 _ONES16 = ir.Constant(_vec(I16, 16), [1] * 16)
-# A row's blocks are asked for this many bytes before they are read. Intel's server cores (Emerald
-# Rapids) ran the decode products 1.3-1.7x faster from memory with it (their own prefetchers leave
-# the stream short of the memory's speed); on a Zen 4 host it made no difference.
+# A row's blocks are asked for this many bytes before they are read: on Intel's server cores
+# (Emerald Rapids) the hardware's own prefetchers leave one stream a core well short of the memory's
+# speed (design.md); where they do not (Zen 4) the prefetch costs nothing measurable.
 PREFETCH_AHEAD = 2048
 
 
 def _prefetch(v: _B, p: ir.Value, span: int) -> None:
     """Ask for the cache lines PREFETCH_AHEAD bytes past the `span` bytes at p, into L1 (past a
     matrix's end too: a prefetch never faults)."""
-    b = v.b
-    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ir.VoidType(), [I8.as_pointer(), I32, I32, I32]),
-                                        "llvm.prefetch.p0i8")  # fmt: skip
+    read, keep, data = ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)
     for off in range(0, span, 64):
-        b.call(fn, [v.at(p, PREFETCH_AHEAD + off), ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)])
+        _call(v.b, "llvm.prefetch.p0i8", ir.VoidType(), [v.at(p, PREFETCH_AHEAD + off), read, keep, data])
+
+
+def _c_rows(x: Any) -> bool:
+    """Whether x is a float32 matrix whose rows' elements lie together: what the vector steps read."""
+    return isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 and x.layout == "C"
+
+
+def _folded_row(context: Any, b: ir.IRBuilder, aty: Any, args: Any,
+                step: Callable[[ir.Value, ir.Value], ir.Value]) -> ir.Value:  # fmt: skip
+    """x[row, col:col + n] (args: x, row, col, n; n a multiple of 32) folded 32 floats at a time into one
+    <32 x float32> accumulator from zeros: acc = step(acc, chunk)."""
+    v = _B(b)
+    p = v.at(row_ptr(context, b, aty, args[0], args[1], F32), args[2])
+    acc = cgutils.alloca_once_value(b, ir.Constant(V_F32, None))
+    with cgutils.for_range(b, b.udiv(args[3], ir.Constant(I64, LANES))) as c:
+        xs = v.load(p, b.mul(c.index, ir.Constant(I64, LANES)), F32, align=4)
+        b.store(step(b.load(acc), xs), acc)
+    return b.load(acc)
 
 
 def _abs_max_typing(typingctx: Any, x: Any, row: Any, col: Any, n: Any) -> Any:
     """max |x[row, col + i]| over i < n, n a multiple of 32 (x [R, K] float32, C order)."""
-    if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 and x.layout == "C"):
+    if not _c_rows(x):
         return None
     sig = types.float32(x, types.int64, types.int64, types.int64)
 
     def codegen(context: Any, b: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        v = _B(b)
-        p = v.at(row_ptr(context, b, sig.args[0], args[0], args[1], F32), args[2])
-        maxnum = cgutils.get_or_insert_function(b.module, ir.FunctionType(V_F32, [V_F32, V_F32]), "llvm.maxnum.v32f32")
-        acc = cgutils.alloca_once_value(b, ir.Constant(V_F32, None))
-        with cgutils.for_range(b, b.udiv(args[3], ir.Constant(I64, LANES))) as c:
-            xs = v.load(p, b.mul(c.index, ir.Constant(I64, LANES)), F32, align=4)
-            b.store(b.call(maxnum, [b.load(acc), _call(b, "llvm.fabs.v32f32", V_F32, [xs])]), acc)
-        return _lanes_reduced(
-            b, b.load(acc), lambda lo, hi: _call(b, f"llvm.maxnum.v{lo.type.count}f32", lo.type, [lo, hi])
-        )
+        def maxnum(x: ir.Value, y: ir.Value) -> ir.Value:
+            return _call(b, f"llvm.maxnum.v{x.type.count}f32", x.type, [x, y])
+
+        acc = _folded_row(context, b, sig.args[0], args,
+                          lambda acc, xs: maxnum(acc, _call(b, "llvm.fabs.v32f32", V_F32, [xs])))  # fmt: skip
+        return _lanes_reduced(b, acc, maxnum)
 
     return sig, codegen
 
@@ -657,9 +669,7 @@ def _abs_max_typing(typingctx: Any, x: Any, row: Any, col: Any, n: Any) -> Any:
 def _round32_typing(typingctx: Any, x: Any, row: Any, col: Any, inv: Any, xq: Any, qcol: Any) -> Any:
     """xq[row, qcol + i] = rint(x[row, col + i] * inv) for i < 32 (int8 or int16 xq, C order), and
     their sum."""
-    if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C" and xq.layout == "C"):
-        return None
-    if xq.dtype not in (types.int8, types.int16):
+    if not (_c_rows(x) and isinstance(xq, types.Array) and xq.layout == "C" and xq.dtype in (types.int8, types.int16)):
         return None
     qt = I8 if xq.dtype == types.int8 else I16
     sig = types.int64(x, types.int64, types.int64, types.float32, xq, types.int64)
@@ -683,18 +693,15 @@ _round32: Any = intrinsic(_round32_typing)
 def _squares_typing(typingctx: Any, x: Any, row: Any, n: Any) -> Any:
     """The sum of x[row, i]^2 over i < n, n a multiple of 32 (x [R, K] float32, C order): 32 running
     sums, one per lane, then halves added pairwise. The order is the code's, not the caller's."""
-    if not (isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 and x.layout == "C"):
+    if not _c_rows(x):
         return None
     sig = types.float32(x, types.int64, types.int64)
 
     def codegen(context: Any, b: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
         v = _B(b)
-        p = row_ptr(context, b, sig.args[0], args[0], args[1], F32)
-        acc = cgutils.alloca_once_value(b, ir.Constant(V_F32, None))
-        with cgutils.for_range(b, b.udiv(args[2], ir.Constant(I64, LANES))) as c:
-            xs = v.load(p, b.mul(c.index, ir.Constant(I64, LANES)), F32, align=4)
-            b.store(v.fma(xs, xs, b.load(acc)), acc)
-        return _hsum(b, b.load(acc))
+        acc = _folded_row(context, b, sig.args[0], [args[0], args[1], ir.Constant(I64, 0), args[2]],
+                          lambda acc, xs: v.fma(xs, xs, acc))  # fmt: skip
+        return _hsum(b, acc)
 
     return sig, codegen
 
@@ -710,7 +717,7 @@ def sum_squares(x: np.ndarray, row: int, n: int) -> float:
 
 @overload(sum_squares, inline="always")
 def _sum_squares(x, row, n):
-    if isinstance(x, types.Array) and x.dtype == types.float32 and x.ndim == 2 and x.layout == "C":
+    if _c_rows(x):
 
         def vectors(x, row, n):
             whole = n // LANES * LANES
