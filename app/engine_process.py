@@ -8,6 +8,14 @@ native code from taking the UI down with it.
 `ProcessEngine` is a `ChatEngine`: each call sends (name, args) over a pipe and reads the
 answer; streaming calls (reply, sweep) read events until "end". Stop requests travel through a
 shared Event that the child's generation loop checks before every token.
+
+The UI gives the engine its cores. On a small machine the engine's kernels split every call over all
+cores and wait for the last thread, so each frame the UI draws on one of them stalls the whole call:
+10% of a core of drawing cost the engine 13-20% of its speed (bench/tui_overhead.py). Once the engine
+runs, the UI's threads drop to `UI_NICE`, so they draw in the engine's idle gaps, and the engine's
+thread governor counts the UI's CPU time as its own rather than giving a thread away for it. A
+child inherits the priority of the thread that starts it, and an unprivileged process cannot raise
+a priority again, so every engine starts from one thread kept at the original priority.
 """
 
 from __future__ import annotations
@@ -15,10 +23,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 import sys
 import threading
 import traceback
 from collections.abc import Callable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -35,6 +45,29 @@ if TYPE_CHECKING:
     from moechat.app.real_engine import RealEngine
 
 logger = logging.getLogger(__name__)
+
+STOP_POLL_S = 0.05  # how often a stream waiting for the child looks at its stop event
+UI_NICE = 19  # the UI's threads once an engine runs: they take a core only where the engine leaves one idle
+_starter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moechat-engine-start")  # never lowered
+_lowered = False
+
+
+def _lower_ui_priority() -> None:
+    """Drop every thread of this process but the engine starter to UI_NICE (once; threads started
+    later inherit it from the thread that starts them). Where the system refuses, the UI stays as it is."""
+    global _lowered
+    if _lowered or not hasattr(os, "setpriority"):
+        return
+    _lowered = True
+    starter = _starter.submit(threading.get_native_id).result()
+    try:
+        tids = [int(t) for t in os.listdir("/proc/self/task")]
+    except OSError:
+        tids = [threading.get_native_id()]
+    for tid in tids:
+        if tid != starter:
+            with contextlib.suppress(OSError):
+                os.setpriority(os.PRIO_PROCESS, tid, max(os.getpriority(os.PRIO_PROCESS, tid), UI_NICE))
 
 
 @dataclass(frozen=True)
@@ -62,6 +95,9 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
     def progress(text: str) -> None:
         conn.send(("progress", text))
 
+    from moechat.engine.kernels.threads import yielding_to_us
+
+    yielding_to_us(os.getppid())  # the UI draws at a lower priority, in the engine's gaps
     try:
         path = resolve_model_quiet(spec.model, progress)
         progress(f"loading {path.name}...")
@@ -126,13 +162,10 @@ def _answer(conn: Connection, engine: RealEngine, spec: EngineSpec, stop: Any) -
 class ProcessEngine:
     def __init__(self, spec: EngineSpec, progress: Callable[[str], None] = lambda text: None) -> None:
         ctx = mp.get_context("spawn")  # a fresh interpreter: no copied UI state, no forked threads
-        # multiprocessing hands the child sys.stderr's descriptor; under Textual sys.stderr is a
-        # capture object without one, so the real streams stand in while the child starts.
-        with contextlib.redirect_stdout(sys.__stdout__), contextlib.redirect_stderr(sys.__stderr__):
-            self._conn, child = ctx.Pipe()
-            self._stop = ctx.Event()
-            self._proc = ctx.Process(target=_serve, args=(child, spec, self._stop), daemon=True, name="moechat-engine")
-            self._proc.start()
+        self._conn, child = ctx.Pipe()
+        self._stop = ctx.Event()
+        self._proc = ctx.Process(target=_serve, args=(child, spec, self._stop), daemon=True, name="moechat-engine")
+        _starter.submit(self._start).result()  # from the thread that keeps the original priority
         child.close()
         self._lock = threading.Lock()
         self._snap: StatsSnapshot | None = None
@@ -142,10 +175,17 @@ class ProcessEngine:
                 progress(msg[1])
             elif msg[0] == "ready":
                 self.info: ModelInfo = msg[1]
+                _lower_ui_priority()
                 return
             else:
                 self._proc.join(5)
                 raise ValueError(msg[2])
+
+    def _start(self) -> None:
+        # multiprocessing hands the child sys.stderr's descriptor; under Textual sys.stderr is a
+        # capture object without one, so the real streams stand in while the child starts.
+        with contextlib.redirect_stdout(sys.__stdout__), contextlib.redirect_stderr(sys.__stderr__):
+            self._proc.start()
 
     def _recv(self) -> tuple[Any, ...]:
         try:
@@ -175,8 +215,12 @@ class ProcessEngine:
             self._stop.clear()
             self._conn.send((name, args))
             while True:
+                # A stop reaches the child at once, not with its next message: a sweep between two
+                # runs or a replay sends nothing for seconds (the child checks before each token).
+                while not stop.is_set() and not self._conn.poll(STOP_POLL_S):
+                    pass
                 if stop.is_set():
-                    self._stop.set()  # the child checks it before its next token
+                    self._stop.set()
                 msg = self._recv()
                 if msg[0] == "event":
                     yield msg[1]

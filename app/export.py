@@ -39,13 +39,15 @@ SERIES_MAX = 2000  # points kept; older ones are dropped (one point per stats up
 @dataclass(frozen=True)
 class Point:
     time: str  # ISO-8601 UTC
-    tokens: int
+    tokens: int  # the reply's tokens so far
     tps: float
     hit_rate: float
     uploaded_mib: float
     cpu_misses: int
     recent_hit_rate: float  # over the last RECENT_TOKENS tokens or so (`recent_tokens`: the span)
     recent_tokens: int
+    reply: int = 0  # which reply (1 = the first), 0 outside a reply
+    session_tokens: int = 0  # tokens generated in the session up to this point: the charts' axis, never folding back
 
 
 @dataclass
@@ -101,9 +103,11 @@ class SessionStats:
             self.snapshot = snap
             recent = self.recent.add(snap)
         t = self.snapshot.total if self.snapshot is not None else None
+        before = sum(int(r.get("n_generated", 0)) for r in self.replies)  # the replies finished so far
         self.series.append(Point(now_iso(), tokens, tps, t.hit_rate if t else 0.0,
                                  t.uploaded_bytes / 2**20 if t else 0.0, t.cpu if t else 0,
-                                 recent.total.hit_rate if recent else 0.0, recent.span if recent else 0))  # fmt: skip
+                                 recent.total.hit_rate if recent else 0.0, recent.span if recent else 0,
+                                 len(self.replies) + 1, before + tokens))  # fmt: skip
         return recent
 
     def to_dict(self) -> dict[str, Any]:
@@ -148,7 +152,8 @@ class SessionStats:
             "layers": layers,
             "cache_periods": self.periods,  # caches rebuilt during the session, before the current one
             "replies": self.replies,
-            "recent_window_tokens": RECENT_TOKENS,
+            # The recent hit rate's window: at least this many tokens; each point gives its span.
+            "recent_window_min_tokens": RECENT_TOKENS,
             "series": [asdict(p) for p in self.series],
         }
 
@@ -182,15 +187,21 @@ def to_csv(d: dict[str, Any]) -> str:
     return buf.getvalue()
 
 
-def _chart(title: str, xs: list[float], ys: list[float], ylabel: str) -> str:
+def _chart(title: str, lines: list[tuple[str, list[float], list[float]]], ylabel: str) -> str:
+    """A plain-text chart of `lines` (label, xs, ys), each drawn apart: a line never joins two replies."""
     import plotext as plt
 
     plt.clear_figure()
     plt.plotsize(70, 15)
     plt.theme("clear")  # no colours: the chart is plain text in a Markdown code block
-    plt.plot(xs, ys, marker="braille")
+    markers = ("braille", "dot", "x", "+")
+    named = set()
+    for label, xs, ys in lines:
+        marker = markers[sorted({lab for lab, _, _ in lines}).index(label) % len(markers)]
+        plt.plot(xs, ys, marker=marker, label=label if label not in named else "")
+        named.add(label)
     plt.title(title)
-    plt.xlabel("tokens")
+    plt.xlabel("tokens generated in the session")
     plt.ylabel(ylabel)
     out = plt.build()
     plt.clear_figure()
@@ -232,8 +243,6 @@ def _bound_line(d: dict[str, Any]) -> list[str]:
 def to_markdown(d: dict[str, Any]) -> str:
     m, s = d["model"], d["settings"]
     replies = d["replies"]
-    gen = [r["gen_tps"] for r in replies if r.get("gen_tps")]
-    pp = [r["prompt_tps"] for r in replies if r.get("prompt_tps")]
     total = {k: sum(layer[k] for layer in d["layers"]) for k in ("lookups", "hits", "cpu", "uploaded_bytes")}
     out = [
         f"# moechat session report ({d['started']})",
@@ -245,14 +254,12 @@ def to_markdown(d: dict[str, Any]) -> str:
     ]
     base = f"| {m.get('name', '?')} | {m.get('arch', '?')} | {m.get('device', '?')} | {s.get('moe_cache_mib', 0):g} " \
            f"| {s.get('moe_cache_cpu_share', 0):g} "  # fmt: skip
-    if pp:
-        out.append(
-            base + f"| pp{round(sum(r['n_prompt'] for r in replies) / len(replies))} | {sum(pp) / len(pp):.2f} |"
-        )
-    if gen:
-        out.append(
-            base + f"| tg{round(sum(r['n_generated'] for r in replies) / len(replies))} | {sum(gen) / len(gen):.2f} |"
-        )
+    # Rates over the whole session, weighted by tokens: all tokens over all the time they took.
+    for test, n_key, tps_key in (("pp", "n_prompt", "prompt_tps"), ("tg", "n_generated", "gen_tps")):
+        timed = [(r[n_key], r[n_key] / r[tps_key]) for r in replies if r.get(tps_key) and r.get(n_key)]
+        if timed:
+            n, seconds = sum(t[0] for t in timed), sum(t[1] for t in timed)
+            out.append(base + f"| {test}{round(n / len(timed))} | {n / seconds:.2f} |")
     hit = total["hits"] / total["lookups"] if total["lookups"] else 0.0
     out += [
         "",
@@ -283,10 +290,35 @@ def to_markdown(d: dict[str, Any]) -> str:
             out.append("| " + " | ".join(str(c) for c in [*cells, system]) + " |")
     series = d["series"]
     if len(series) >= 2:
-        xs = [float(p["tokens"]) for p in series]
-        out += ["", "```", _chart("tokens/s", xs, [p["tps"] for p in series], "t/s"), "```"]
-        out += ["", "```", _chart("hit rate", xs, [100 * p["hit_rate"] for p in series], "%"), "```"]
+        replies_of = _by_reply(series)
+        tps = [("t/s", xs, [p["tps"] for p in ps]) for xs, ps in replies_of]
+        out += ["", "```", _chart("tokens/s of each reply, on the session's token axis", tps, "t/s"), "```"]
+        hits = [("since the cache's start", xs, [100 * p["hit_rate"] for p in ps]) for xs, ps in replies_of]
+        hits += [(f"last ~{RECENT_TOKENS} tokens", xs, [100 * p["recent_hit_rate"] for p in ps])
+                 for xs, ps in replies_of if any(p.get("recent_tokens") for p in ps)]  # fmt: skip
+        out += ["", "```", _chart("expert cache hit rate", hits, "%"), "```"]
     return "\n".join(out) + "\n"
+
+
+def _by_reply(series: list[dict[str, Any]]) -> list[tuple[list[float], list[dict[str, Any]]]]:
+    """The series cut into replies, each with its x: the session's tokens. An export written before the
+    points carried them: a reply begins where the tokens fall, and goes on after the ones before."""
+    out: list[tuple[list[float], list[dict[str, Any]]]] = []
+    offset = last_tokens = 0
+    last_reply = None
+    for p in series:
+        if "session_tokens" in p:
+            new, x = p["reply"] != last_reply, p["session_tokens"]
+        else:
+            new = p["tokens"] < last_tokens
+            offset += last_tokens if new else 0
+            x = offset + p["tokens"]
+        if new or not out:
+            out.append(([], []))
+        out[-1][0].append(float(x))
+        out[-1][1].append(p)
+        last_reply, last_tokens = p.get("reply"), p["tokens"]
+    return out
 
 
 def write_stats(d: dict[str, Any], path: Path, fmt: str) -> Path:

@@ -27,7 +27,7 @@ from moechat.engine.prompt_cache import PromptCache
 from moechat.engine.text.chat_template import ChatTemplateError, plain_template
 from moechat.tuner.baselines import min_hit_rate
 from moechat.tuner.confirm import confirm
-from moechat.tuner.events import ConfirmEvent, SweepDone, SweepEvent
+from moechat.tuner.events import SWEEP_MAX_CTX, SWEEP_TOKENS, ConfirmEvent, SweepDone, SweepEvent
 from moechat.tuner.recommend import TuneReport, recommend
 from moechat.tuner.sweep import SweepSettings, calibrate, forget_runs
 
@@ -190,9 +190,9 @@ class RealEngine:
             raise ValueError("the tuning wizard measures a model in one process, not one split over hosts: "
                              "record the routing (--moe-cache-trace) and replay it with `moechat sim`")  # fmt: skip
 
-    def _sweep_settings(self, max_mib: float | None = None, tokens: int = 256) -> SweepSettings:
+    def _sweep_settings(self, max_mib: float | None = None, tokens: int = SWEEP_TOKENS) -> SweepSettings:
         return SweepSettings(
-            model=Path(self.info.path), device=self.base.device, n_ctx=min(self.lm.n_ctx, 4096),
+            model=Path(self.info.path), device=self.base.device, n_ctx=min(self.lm.n_ctx, SWEEP_MAX_CTX),
             emulate_link_gbps=self.base.emulate_link_gbps, load_mode=self.base.load_mode,
             cpu_dequant_mib=self.lm.cpu_dequant_mib, cpu_kernels=self.lm.cpu_kernels, max_mib=max_mib,
             tokens=tokens, warmup=min(32, tokens // 4),

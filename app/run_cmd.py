@@ -45,14 +45,16 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
 
 class StatusLine:
     """What a command line's load is doing, on stderr: one line rewritten in place on a terminal, and on
-    a pipe the first note and how many followed (a first start compiles dozens of kernels)."""
+    a pipe the first note and the last (a first start compiles dozens of kernels)."""
 
     def __init__(self) -> None:
         self.tty = sys.stderr.isatty()
         self.notes = 0
+        self.last = ""
 
     def __call__(self, text: str) -> None:
         self.notes += 1
+        self.last = text
         if self.tty:
             sys.stderr.write(f"\r\x1b[Kmoechat: {text}")
             sys.stderr.flush()
@@ -63,7 +65,7 @@ class StatusLine:
         if self.tty and self.notes:
             sys.stderr.write("\r\x1b[K")
         elif self.notes > 1:
-            print(f"moechat: ... and {self.notes - 1} more, done", file=sys.stderr)
+            print(f"moechat: {self.last}, done", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:

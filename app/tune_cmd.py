@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING
 
 from moechat.app.paths import app_paths
 from moechat.app.settings import ENGINE
+from moechat.tuner.events import SWEEP_MAX_CTX, SWEEP_TOKENS
 
 if TYPE_CHECKING:
     from moechat.engine.loader import LoadedModel
@@ -38,7 +39,8 @@ def add_tune_arguments(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--max-mib", type=float, default=None, metavar="N", help="largest cache to consider, in MiB")
-    p.add_argument("--tokens", type=int, default=256, metavar="N", help="tokens generated per run (default 256)")
+    p.add_argument("--tokens", type=int, default=SWEEP_TOKENS, metavar="N",
+                   help=f"tokens generated per run (default {SWEEP_TOKENS})")  # fmt: skip
     p.add_argument(
         "--warmup", type=int, default=32, metavar="N", help="first tokens of a run left untimed (default 32)"
     )
@@ -76,8 +78,9 @@ def run_tune(args: argparse.Namespace) -> int:
     set_threads(layered.threads)  # the arms run in this process: their timings use these threads
     model = Path(resolve_model(args.model))
     settings = SweepSettings(
-        model=model, device=base.device, n_ctx=layered.ctx_size, emulate_link_gbps=base.emulate_link_gbps,
-        load_mode=base.load_mode, cpu_dequant_mib=layered.cpu_dequant_mib, cpu_kernels=layered.cpu_kernels,
+        model=model, device=base.device, n_ctx=min(layered.ctx_size, SWEEP_MAX_CTX),
+        emulate_link_gbps=base.emulate_link_gbps, load_mode=base.load_mode, cpu_dequant_mib=layered.cpu_dequant_mib,
+        cpu_kernels=layered.cpu_kernels,
         max_mib=args.max_mib, tokens=args.tokens, warmup=args.warmup,
     )  # fmt: skip
     cache_dir = app_paths().cache
@@ -125,7 +128,7 @@ def run_tune(args: argparse.Namespace) -> int:
 def _sweep_with_bars(settings: SweepSettings, cache_dir: Path, stop: threading.Event, lm: LoadedModel, check: bool,
                      err: Console) -> SweepDone | NoiseCheck:  # fmt: skip
     """One sweep with a progress bar per run: its SweepDone, or the NoiseCheck that stopped it."""
-    from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, NoiseCheck, SweepDone
+    from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, NoiseCheck, SweepDone, setting_words
     from moechat.tuner.report import duration, work_left
     from moechat.tuner.sweep import calibrate
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TaskID, TextColumn, TimeRemainingColumn
@@ -142,8 +145,8 @@ def _sweep_with_bars(settings: SweepSettings, cache_dir: Path, stop: threading.E
                     return ev
                 bar.console.print(f"the machine looks steady: {ev.describe()}", markup=False, highlight=False)
             elif isinstance(ev, ArmStarted):
-                tasks[ev.index] = bar.add_task(f"run {ev.index + 1}/{ev.n_arms}: cache {ev.mib:g} MiB, "
-                                               f"share {ev.share:g}", total=settings.tokens)  # fmt: skip
+                tasks[ev.index] = bar.add_task(f"run {ev.index + 1}/{ev.n_arms}: {setting_words(ev.mib, ev.share)}",
+                                               total=settings.tokens)  # fmt: skip
                 done_tokens[ev.index] = 0
                 started = time.monotonic() if len(tasks) == 1 else started
             elif isinstance(ev, ArmProgress) and ev.index in tasks:
@@ -159,8 +162,9 @@ def _sweep_with_bars(settings: SweepSettings, cache_dir: Path, stop: threading.E
             elif isinstance(ev, ArmDone):
                 a = ev.arm
                 how = "reused" if ev.cached else f"{a.attempts} run(s)"
-                bar.console.print(f"run {ev.index + 1}/{ev.n_arms}: cache {a.mib:g} MiB, share {a.share:g}: "
-                                  f"{a.tps:.1f} t/s, hits {100 * a.hit_rate:.0f}% ({how})")  # fmt: skip
+                hits = f", hits {100 * a.hit_rate:.0f}%" if not a.cache_off else ""
+                bar.console.print(f"run {ev.index + 1}/{ev.n_arms}: {setting_words(a.mib, a.share)}: "
+                                  f"{a.tps:.1f} t/s{hits} ({how})")  # fmt: skip
             elif isinstance(ev, SweepDone):
                 return ev
     raise RuntimeError("the sweep ended without its result")  # calibrate ends with SweepDone, a NoiseCheck or raises

@@ -12,21 +12,25 @@ made headless look up to 10% faster than the app, whose engine process also star
 (headless terminal via App.run_test) with its engine process and the live dashboard, the reply
 typed in and streamed through Markdown. Both greedy through the same reply path (stop strings,
 end of generation), same cache; the two must write the same number of tokens; which goes first alternates. Reports
-generation t/s of each round and the ratio.
+generation t/s of each round and the ratio. The app runs in a process of its own, as `moechat` does: it lowers its
+UI's priority once its engine runs (app/engine_process.py), which must not slow the headless rounds here.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing as mp
 import resource
 import statistics
 import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
 
@@ -88,6 +92,21 @@ def with_tui(path: Path, n: int, home: Path, base: Settings, prompt_text: str) -
     return result[0], int(result[1]), result[2]
 
 
+def _call_into(q: Any, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+    q.put(fn(*args))
+
+
+def in_own_process(fn: Callable[..., Any], *args: Any) -> Any:
+    """`fn(*args)` in a fresh (non-daemonic: it starts an engine process of its own) child process."""
+    ctx = mp.get_context("spawn")
+    q = ctx.SimpleQueue()
+    p = ctx.Process(target=_call_into, args=(q, fn, args))
+    p.start()
+    out = q.get()
+    p.join()
+    return out
+
+
 def add_model_args(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--model", default=None)
     ap.add_argument("--demo", action="store_true", help="the built-in demo, with its default fp32 expert cache")
@@ -126,7 +145,7 @@ def main() -> None:
             # Which side goes first alternates: neither gains from a machine that warms up or slows.
             if r % 2 == 0:
                 a, na = headless(path, args.tokens, base, PROMPT)
-            b, nb, ui = with_tui(path, args.tokens, Path(tmp) / f"h{r}", base, PROMPT)
+            b, nb, ui = in_own_process(with_tui, path, args.tokens, Path(tmp) / f"h{r}", base, PROMPT)
             if r % 2 == 1:
                 a, na = headless(path, args.tokens, base, PROMPT)
             if na != nb:  # greedy on both sides: the same reply, unless one was cut short

@@ -17,7 +17,7 @@ from .config import ModelConfig
 from .errors import ParameterError
 from .gguf.reader import GGUFFile
 from .kernels.isa import activation_bits
-from .kernels.jit import compile_notes
+from .kernels.jit import EXPECTED_COMPILES, compile_notes
 from .models import build_model, compile_ahead
 from .models.decoder import MoeDecoder
 from .models.gemma3 import Gemma3
@@ -237,7 +237,8 @@ def load_model(
         if not on_cpu:
             model.to_device(torch.device(device))
         apply_widths(model, cpu_kernels, cache)  # the widths it will run with: the kernels compiled next are those
-        with compile_notes(progress):  # one token through every layer: the kernels compile here
+        expected = compile_ahead.expected_compiles(EXPECTED_COMPILES)
+        with compile_notes(progress, expected) as compiled:  # one token through every layer: the kernels compile here
             check_fit(gguf, cfg, model, tok, own_layers)
             if on_cpu:
                 compile_ahead.warm_prompt_kernels(model)  # a prompt's dense matrices, before a first reply waits
@@ -246,7 +247,7 @@ def load_model(
             if cache is not None and cache.mib > 0:
                 compile_ahead.warm_policy()  # the cache's lookup, before a first reply waits for it
         compile_ahead.stop(helper)
-        compile_ahead.mark_compiled(model_kind)
+        compile_ahead.mark_compiled(model_kind, compiled.started)
         lm = LoadedModel(gguf, cfg, model, tok, template, n_ctx, None, cpu_dequant_mib, cpu_kernels)
         lm.set_cache(cache)  # the one place the executor is swapped for the cache
     except BaseException:

@@ -72,18 +72,20 @@ def test_quantized_activations_vectors_and_loops_agree(bits: int, r: int, k: int
 
 def test_c_ordered_rows_take_the_vector_steps() -> None:
     """A layout change that fell back to the loops would keep the bits and lose the speed: the compiled
-    code must hold the vector rounding and the lane-wise sums."""
+    code must hold the vector rounding and the lane-wise sums. The callers are compiled here, never
+    loaded from numba's disk cache, whose code cannot be inspected."""
     rng = np.random.default_rng(0)
     c, a = _rows(rng, 2, 512)
     rows = np.arange(2)
-    _quantized8(c, rows)
-    _quantized8(a, rows)
-    _squares(c, 0)
-    _squares(a, 0)
-    by_layout = {sig[0].layout: ir for sig, ir in _quantized8.inspect_llvm().items()}
+    quantized8 = njit(fastmath=False, cache=False)(_quantized8.py_func)
+    squares = njit(fastmath=False, cache=False)(_squares.py_func)
+    for x in (c, a):
+        quantized8(x, rows)
+        squares(x, 0)
+    by_layout = {sig[0].layout: ir for sig, ir in quantized8.inspect_llvm().items()}
     assert "llvm.rint.v32f32" in by_layout["C"] and "llvm.rint.v32f32" not in by_layout["A"]
-    squares = {sig[0].layout: ir for sig, ir in _squares.inspect_llvm().items()}
-    assert "llvm.fma.v32f32" in squares["C"] and "llvm.fma.v32f32" not in squares["A"]
+    by_layout = {sig[0].layout: ir for sig, ir in squares.inspect_llvm().items()}
+    assert "llvm.fma.v32f32" in by_layout["C"] and "llvm.fma.v32f32" not in by_layout["A"]
 
 
 @pytest.mark.parametrize("k", [2048, 64, 36, 2880, 100])

@@ -182,8 +182,12 @@ def test_a_first_start_says_it_is_compiling_and_a_second_does_not(tmp_path: Path
 
     first = run()
     assert first.returncode == 0, first.stderr
-    assert "moechat: compiling the CPU kernels for this machine (first start only): 1, now " in first.stderr
-    assert re.search(r"moechat: \.\.\. and \d+ more, done", first.stderr)
+    # In words and with a total: a bar, then "n of about N" kernels (N an earlier first start's count).
+    assert "moechat: compiling kernels for this model (first start only) [" in first.stderr
+    assert re.search(r"\] 1 of about \d+\n", first.stderr), first.stderr
+    last = re.search(r"\] (\d+) of about (\d+), done", first.stderr)
+    assert last is not None and 1 < int(last[1]) < int(last[2]), first.stderr
+    assert "now " not in first.stderr  # no numba function names
     second = run()
     assert second.returncode == 0 and "compiling" not in second.stderr, second.stderr
 

@@ -396,7 +396,7 @@ def _loading_app(tmp_path: Path, engine: FakeEngine, fail: str = "") -> tuple[Mo
     said: list[str] = []
 
     def factory(progress: Any) -> FakeEngine:
-        progress("compiling the CPU kernels for this machine (first start only): 1, now attention")
+        progress("compiling kernels for this model (first start only) [....................] 1 of about 200")
         said.append("progress")
         go.wait(30)
         if fail:
@@ -637,7 +637,7 @@ async def test_export_files_parse_and_match_the_counters(tmp_path: Path) -> None
         assert "| model |" in md and "| tg6 |" in md and "\x1b" not in md
         # The recent window: the fake engine hits 3 of 4 lookups, whatever the span.
         recent = [p for p in d["series"] if p["recent_tokens"]]
-        assert d["recent_window_tokens"] == 32 and recent
+        assert d["recent_window_min_tokens"] == 32 and recent
         assert all(abs(p["recent_hit_rate"] - 0.75) <= 1 / (K * p["recent_tokens"]) for p in recent)
         rate, span = recent[-1]["recent_hit_rate"], recent[-1]["recent_tokens"]
         assert f"Recent hit rate: {100 * rate:.1f}% over the last {span} tokens." in md

@@ -21,7 +21,7 @@ from moechat.engine.events import SamplingParams
 from moechat.engine.generate import generate
 from moechat.engine.loader import load_model
 from moechat.tuner.baselines import simulate_baseline
-from moechat.tuner.events import ArmDone, ArmStarted, Cancelled, SweepDone
+from moechat.tuner.events import N_ARMS, ArmDone, ArmStarted, Cancelled, SweepDone
 from moechat.tuner.recommend import recommend
 from moechat.tuner.report import cpu_speed, render, to_json
 from moechat.tuner.routing_stats import lru_hit_rate, reuse_distances
@@ -194,7 +194,8 @@ def test_dense_lead_layers_stay_out_of_trace_replay_and_tune(
     report = json.loads(out.out)
     assert len(report["arms"]) == 6 and report["recommendation"]["command"].startswith("--moe-cache-mib ")
     # The whole sweep's length is estimated once, from the first measured run's rate.
-    assert out.err.count("estimate: about ") == 1 and "for the 6 runs left" in out.err, out.err
+    assert out.err.count("estimate: about ") == 1 and f"for the {N_ARMS} runs left" in out.err, out.err
+    assert f"run {N_ARMS}/{N_ARMS}: no cache: " in out.err, out.err  # the last run measures the cache off
 
 
 def test_replay_slots_follow_the_engine_budget_split(tmp_path: Path) -> None:
@@ -346,23 +347,30 @@ def _sweep_settings(path: Path, **kw: object) -> SweepSettings:
     return SweepSettings(**base)
 
 
-def test_sweep_runs_six_arms_caches_them_and_cancels_cleanly(tmp_path: Path) -> None:
+def test_sweep_runs_six_arms_and_one_without_a_cache_caches_them_and_cancels_cleanly(tmp_path: Path) -> None:
     path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_expert=16, n_expert_used=2)
     cache_dir = tmp_path / "cache"
     settings = _sweep_settings(path)
     events = list(calibrate(settings, cache_dir=cache_dir))
     done = events[-1]
-    assert isinstance(done, SweepDone) and len(done.arms) == 6
+    assert isinstance(done, SweepDone) and len(done.arms) == 6 and N_ARMS == 7
+    # The baseline every cache must beat, measured in the same sweep: no cache, no routing through one.
+    off = done.off
+    assert off is not None and off.cache_off and off.tokens == 32 and off.ms_per_token > 0
+    assert (off.trace, off.hit_rate, off.upload_gib, off.cpu_gib) == ("", 0.0, 0.0, 0.0)
+    assert [e.index for e in events if isinstance(e, ArmDone)][-1] == N_ARMS - 1
     assert [(a.mib > 0, a.share) for a in done.arms[:3]] == [(True, 0.0), (True, 0.5), (True, 0.95)]
     small, large = done.arms[0].mib, done.arms[3].mib
     assert large > small
     for a in done.arms:
         assert a.tokens == 32 and a.ms_per_token > 0 and 0 <= a.hit_rate <= 1
         assert (a.cpu_gib > 0) == (a.share > 0)
-    # The recommendation comes out of the same runs, with a ready command line.
-    report = recommend(done, path.name, workers=1)
+    # The recommendation comes out of the same runs, with a ready command line: among the caches ...
+    report = recommend(replace(done, off=None), path.name, workers=1)
     rec = report.recommendation
     assert rec.mib > 0 and rec.command().startswith("--moe-cache-mib ")
+    # ... and against the run without one, which wins where it was faster than the best cache.
+    assert recommend(done, path.name, workers=1).recommendation.cache_off == (off.tps > rec.tps)
     if not report.time_model.physical:
         # A busy machine can make the runs' timings unphysical: then no table, the fastest measured run.
         fastest = min(done.arms, key=lambda a: a.ms_per_token)
@@ -380,6 +388,7 @@ def test_sweep_runs_six_arms_caches_them_and_cancels_cleanly(tmp_path: Path) -> 
     assert not any(isinstance(e, ArmStarted) for e in again)
     assert all(e.cached for e in again if isinstance(e, ArmDone))
     assert [a.ms_per_token for a in again[-1].arms] == [a.ms_per_token for a in done.arms]
+    assert again[-1].off == done.off
     # Another context size (the wizard runs at the session's, `moechat tune` at its own) reuses them too.
     other_ctx = list(calibrate(_sweep_settings(path, n_ctx=512), cache_dir=cache_dir))
     assert all(e.cached for e in other_ctx if isinstance(e, ArmDone)) and len(other_ctx[-1].arms) == 6
@@ -445,7 +454,7 @@ def test_recommendation_survives_degenerate_and_noisy_runs(tmp_path: Path) -> No
         first = done.arms[0]
         traffic = {"upload_gib": first.upload_gib, "cpu_gib": first.cpu_gib} if same_traffic else {}
         arms = tuple(replace(a, ms_per_token=t, **traffic) for a, t in zip(done.arms, ms, strict=True))
-        return replace(done, arms=arms)
+        return replace(done, arms=arms, off=None)  # the cache's runs alone: a measured off could be faster
 
     most = max(a.upload_gib + a.cpu_gib for a in done.arms)
     cases = {
@@ -465,6 +474,23 @@ def test_recommendation_survives_degenerate_and_noisy_runs(tmp_path: Path) -> No
         text = render(report)
         assert "fastest measured run" in text and rec.command() in text and "nan" not in text, text
         json.loads(to_json(report))
+
+    # Every cache ran slower than the run without one (the CPU device's lookups, a slow link): the advice
+    # is no cache, said in words, and it is what a confirm run would then measure.
+    assert done.off is not None
+    slow = replace(done, arms=tuple(replace(a, ms_per_token=20.0 + i) for i, a in enumerate(done.arms)),
+                   off=replace(done.off, ms_per_token=10.0))  # fmt: skip
+    report = recommend(slow, path.name, workers=1)
+    rec = report.recommendation
+    assert rec.cache_off and rec.measured and rec.tps == pytest.approx(100.0)
+    assert rec.command() == "--moe-cache-mib 0"
+    assert any("no cache is fastest here" in w for w in report.warnings), report.warnings
+    text = render(report)
+    assert "recommended: --moe-cache-mib 0: no expert cache: it is the fastest here (100.0 t/s" in text, text
+    assert json.loads(to_json(report))["recommendation"]["command"] == "--moe-cache-mib 0"
+    # A cache faster than no cache keeps its advice.
+    fast = replace(slow, off=replace(done.off, ms_per_token=1000.0))
+    assert not recommend(fast, path.name, workers=1).recommendation.cache_off
 
 
 @pytest.mark.slow
@@ -608,7 +634,7 @@ def test_the_advice_is_never_predicted_below_a_measured_run(tmp_path: Path) -> N
     (fast,) = [i for i, a in enumerate(done.arms) if a.mib == room and a.share == 0.5]
     times[fast] *= 0.8  # one run measured faster than the model fitted to all of them allows
     arms = tuple(replace(a, ms_per_token=t) for a, t in zip(done.arms, times, strict=True))
-    report = recommend(replace(done, arms=arms, room_mib=room), path.name, workers=1)
+    report = recommend(replace(done, arms=arms, room_mib=room, off=None), path.name, workers=1)
     fastest = max(arms, key=lambda a: a.tps)
     assert report.rows and report.time_model.physical  # a table was predicted ...
     best_predicted = max(max(r.tps) for r in report.rows)

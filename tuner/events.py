@@ -8,6 +8,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TypeAlias
 
+# The sweep's parameters, declared once: `moechat tune`, the wizard and the engine's sweep all read them here.
+CALIB_SHARES = (0.0, 0.5, 0.95)  # the CPU shares each of the two calibration sizes runs at
+N_ARMS = 2 * len(CALIB_SHARES) + 1  # two sizes x the shares, then one run without a cache
+SWEEP_TOKENS = 256  # tokens generated per run
+SWEEP_WARMUP = 32  # first tokens of a run, not timed
+SWEEP_MAX_CTX = 4096  # the context a sweep's runs load with, at most (a run fills a few hundred positions)
+
+
+def setting_words(mib: float, share: float) -> str:
+    """A cache setting as the sweep's and the confirm run's lines say it."""
+    return "no cache" if mib <= 0 else f"cache {mib:g} MiB, CPU share {share:g}"
+
 
 class Cancelled(Exception):
     """The sweep was stopped between tokens."""
@@ -27,7 +39,11 @@ class Arm:
     first_half_tps: float
     second_half_tps: float
     attempts: int
-    trace: str  # file name in the run directory
+    trace: str  # file name in the run directory ("": cache off, no routing through a cache to trace)
+
+    @property
+    def cache_off(self) -> bool:
+        return self.mib <= 0
 
     @property
     def tps(self) -> float:
@@ -65,6 +81,7 @@ class SweepDone:
     expert_mib: float
     room_mib: float  # largest cache the device has room for (or --max-mib)
     device: str
+    off: Arm | None = None  # the same run without a cache, measured beside the arms
 
 
 @dataclass(frozen=True)

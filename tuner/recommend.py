@@ -33,8 +33,21 @@ class Recommendation:
     all_fit: bool  # every expert fits in the cache
     measured: bool = False  # the fastest measured run, not a prediction (the time model did not fit)
 
+    @property
+    def cache_off(self) -> bool:
+        return self.mib <= 0
+
     def command(self) -> str:
+        if self.cache_off:
+            return "--moe-cache-mib 0"
         return f"--moe-cache-mib {self.mib:g} --moe-cache-cpu-share {self.share:g}"
+
+    def describe(self) -> str:
+        """The advice in words."""
+        if self.cache_off:
+            return f"no expert cache: it is the fastest here ({self.tps:.1f} t/s measured without one)"
+        how = "measured" if self.measured else "predicted"
+        return f"{self.mib:g} MiB, CPU share {self.share:g} ({self.tps:.1f} t/s {how})"
 
 
 @dataclass(frozen=True)
@@ -50,6 +63,7 @@ class TuneReport:
     recommendation: Recommendation
     closed_form_share: float
     warnings: tuple[str, ...]
+    off: Arm | None = None  # the run without a cache
 
 
 def observations(arms: tuple[Arm, ...]) -> list[Observation]:
@@ -145,6 +159,13 @@ def recommend(done: SweepDone, model_name: str, workers: int = 2) -> TuneReport:
             f"({measured.mib:g} MiB, share {measured.share:g}: {measured.tps:.1f} t/s): the advice is that run"
         )
         rec = measured
+    if done.off is not None and done.off.tps > rec.tps:
+        # Every cache costs more than it saves here (the CPU device's lookups, a slow link): say so plainly.
+        warnings.append(
+            f"no cache is fastest here: without one the run went {done.off.tps:.1f} t/s, the best cache "
+            f"{rec.tps:.1f} t/s ({rec.mib:g} MiB, share {rec.share:g}): the advice is to run without a cache"
+        )
+        rec = Recommendation(0.0, 0.0, done.off.tps, done.off.tps, all_fit=False, measured=True)
     if model.max_error > 0.10:
         warnings.append(f"the runs fit the time model only within {100 * model.max_error:.0f}%: was the machine busy?")
     closed = model.closed_form_share()
@@ -154,4 +175,4 @@ def recommend(done: SweepDone, model_name: str, workers: int = 2) -> TuneReport:
             "the table accounts for hits and the fixed cost of a CPU part, the closed form does not"
         )
     return TuneReport(model_name, done.device, done.expert_mib, cap, done.arms, model, TABLE_SHARES, tuple(rows),
-                      rec, closed, tuple(warnings))  # fmt: skip
+                      rec, closed, tuple(warnings), done.off)  # fmt: skip

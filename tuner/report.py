@@ -80,7 +80,8 @@ def render(report: TuneReport, markdown: bool = False) -> str:
         table(["cache MiB", "share", "t/s", "hits", "upload MiB/t", "CPU MiB/t", "fit error"],
               [[f"{a.mib:g}", f"{a.share:g}", f"{a.tps:.1f}", f"{100 * a.hit_rate:.0f}%", f"{1024 * a.upload_gib:.2f}",
                 f"{1024 * a.cpu_gib:.2f}", f"{100 * e:+.1f}%" if math.isfinite(e) else "-"]
-               for a, e in zip(report.arms, m.errors, strict=True)],
+               for a, e in zip(report.arms, m.errors, strict=True)]
+              + ([["off", "-", f"{report.off.tps:.1f}", "-", "-", "-", "-"]] if report.off is not None else []),
               markdown),
         "",
     ]  # fmt: skip
@@ -107,7 +108,9 @@ def render(report: TuneReport, markdown: bool = False) -> str:
     else:
         out += ["no predicted table: the time model does not describe the runs (see the warnings)", ""]
     rec = report.recommendation
-    if rec.all_fit:
+    if rec.cache_off:
+        out.append(f"recommended: {code(rec.command())}: {rec.describe()}")
+    elif rec.all_fit:
         out.append(f"all experts fit on the device ({rec.mib:g} MiB): run with {code(f'--moe-cache-mib {rec.mib:g}')}, "
                    "every expert stays resident and the host copy is only read once")  # fmt: skip
     else:

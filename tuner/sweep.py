@@ -1,4 +1,6 @@
-"""The calibration sweep: a few timed generations at 2 cache sizes x 3 CPU shares, in process.
+"""The calibration sweep: a few timed generations at 2 cache sizes x 3 CPU shares, and one without a
+cache, in process. The last is the baseline every cache must beat: on the CPU device (and beside a
+slow link) no cache can be the fastest setting, and the advice then says so.
 
 The model is loaded once; each arm gets a fresh cache, generates a fixed prompt for a few hundred
 tokens ignoring end-of-generation, and records its routing trace. The arm's traffic per token
@@ -36,6 +38,9 @@ from moechat.engine.events import DoneEvent, Event, SamplingParams, TokenEvent
 from moechat.engine.generate import generate
 from moechat.engine.loader import LoadedModel, load_model
 from moechat.tuner.events import (
+    CALIB_SHARES,
+    SWEEP_TOKENS,
+    SWEEP_WARMUP,
     Arm,
     ArmDone,
     ArmProgress,
@@ -52,7 +57,6 @@ from moechat import __version__
 
 logger = logging.getLogger(__name__)
 
-CALIB_SHARES = (0.0, 0.5, 0.95)
 SMALL_FRACTION, LARGE_FRACTION = 0.10, 0.30
 BUSY_RATIO = 1.5  # second half this much slower than the first: the machine was busy
 # The noise check: NOISE_PARTS parts of about NOISE_PART_S seconds each, after NOISE_WARMUP tokens.
@@ -77,8 +81,8 @@ class SweepSettings:
     cpu_dequant_mib: float = 0.0
     cpu_kernels: str = "fast"
     max_mib: float | None = None
-    tokens: int = 256  # generated per arm
-    warmup: int = 32  # first tokens of an arm, not timed
+    tokens: int = SWEEP_TOKENS  # generated per arm
+    warmup: int = SWEEP_WARMUP  # first tokens of an arm, not timed
     seed: int = 1
     prompt: str = PROMPT
 
@@ -174,13 +178,13 @@ def calibrate(
         if settings.max_mib is not None:
             room = min(room, settings.max_mib)
         small, large = calibration_sizes(expert_mib, min_cached_mib(lm), room, settings.device)
-        plan = [(small, s) for s in CALIB_SHARES] + [(large, s) for s in CALIB_SHARES]
+        plan = [(small, s) for s in CALIB_SHARES] + [(large, s) for s in CALIB_SHARES] + [(0.0, 0.0)]  # last: off
         prompt = lm.tokenizer.encode(settings.prompt)
         arms: dict[int, Arm] = {}
         todo: list[tuple[int, float, float]] = []
         for i, (mib, share) in enumerate(plan):
             meta = run_dir / f"{_arm_name(mib, share)}.json"
-            if meta.is_file() and (run_dir / f"{_arm_name(mib, share)}.trace").is_file():
+            if meta.is_file() and (mib <= 0 or (run_dir / f"{_arm_name(mib, share)}.trace").is_file()):
                 try:
                     arms[i] = Arm(**json.loads(meta.read_text()))
                     yield ArmDone(i, len(plan), arms[i], cached=True)
@@ -204,7 +208,8 @@ def calibrate(
                 measured[i] = yield from _run_checked(lm, settings, run_dir, mib, share, prompt, i, len(plan), stop)
                 yield from _finish(run_dir, i, len(plan), measured[i])
         arms.update(measured)
-        yield SweepDone(run_dir, tuple(arms[i] for i in range(len(plan))), expert_mib, room, settings.device)
+        yield SweepDone(run_dir, tuple(arms[i] for i in range(len(plan) - 1)), expert_mib, room, settings.device,
+                        off=arms[len(plan) - 1])  # fmt: skip
     finally:
         lm.set_cache(None)
         if own:
@@ -291,13 +296,13 @@ def run_arms_interleaved(
     experts are switched to an arm's cache for its token. A token's time is the generator's step
     that made it, so an arm's timing holds its own work only."""
     lm.set_cache(None)
-    runs: list[tuple[int, float, float, Path, ExpertCache, Generator[Event, None, None], list[float]]] = []
+    runs: list[tuple[int, float, float, Path, ExpertCache | None, Generator[Event, None, None], list[float]]] = []
     try:
         for i, mib, share in todo:
             partial = run_dir / f"{_arm_name(mib, share)}.trace.part"
-            cache = ExpertCache(
+            cache = None if mib <= 0 else ExpertCache(
                 lm.model.host_experts, lm.config.n_expert_used, _arm_cache(settings, mib, share, partial)
-            )
+            )  # fmt: skip
             gen = generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=settings.tokens,
                            params=_arm_sampling(settings, i), ignore_eos=True, stop=stop)  # fmt: skip
             runs.append((i, mib, share, partial, cache, gen, []))
@@ -306,7 +311,7 @@ def run_arms_interleaved(
         n_done = 0
         while n_done < settings.tokens:
             for i, _, _, _, cache, gen, seconds in runs:
-                lm.model.experts = cache
+                lm.model.experts = cache if cache is not None else lm.model.host_experts
                 while True:  # to this arm's next token (its first step reads the prompt too)
                     t = time.perf_counter()
                     ev = next(gen, None)
@@ -328,9 +333,11 @@ def run_arms_interleaved(
         lm.model.experts = lm.model.host_experts
         for i, mib, share, partial, cache, gen, seconds in runs:
             gen.close()
-            cache.close()  # closes the trace
-            trace = run_dir / f"{_arm_name(mib, share)}.trace"
-            os.replace(partial, trace)
+            trace = None
+            if cache is not None:
+                cache.close()  # closes the trace
+                trace = run_dir / f"{_arm_name(mib, share)}.trace"
+                os.replace(partial, trace)
             out[i] = _arm_result(settings, trace, mib, share, prompt, seconds, 1)
             yield from _finish(run_dir, i, n_arms, out[i])
         return out
@@ -338,7 +345,8 @@ def run_arms_interleaved(
         lm.model.experts = lm.model.host_experts
         for _, _, _, partial, cache, gen, _ in runs:
             gen.close()
-            cache.close()
+            if cache is not None:
+                cache.close()
             partial.unlink(missing_ok=True)
 
 
@@ -358,8 +366,9 @@ def run_arm(
     partial = run_dir / f"{name}.trace.part"
     seconds: list[float] = []
     cancelled = False
+    trace: Path | None = None
     try:
-        lm.set_cache(_arm_cache(settings, mib, share, partial))
+        lm.set_cache(_arm_cache(settings, mib, share, partial) if mib > 0 else None)
         params = _arm_sampling(settings, index)
         kv = lm.new_cache()
         last_report = 0.0
@@ -377,28 +386,33 @@ def run_arm(
         lm.set_cache(None)  # closes the trace
         if cancelled or len(seconds) < settings.tokens:
             raise Cancelled(f"arm {index + 1} stopped after {len(seconds)} tokens")
-        trace = run_dir / f"{name}.trace"
-        os.replace(partial, trace)
+        if mib > 0:
+            trace = run_dir / f"{name}.trace"
+            os.replace(partial, trace)
     finally:
         lm.set_cache(None)
         partial.unlink(missing_ok=True)
     return _arm_result(settings, trace, mib, share, prompt, seconds, attempt)
 
 
-def _arm_result(settings: SweepSettings, trace: Path, mib: float, share: float, prompt: list[int],
+def _arm_result(settings: SweepSettings, trace: Path | None, mib: float, share: float, prompt: list[int],
                 seconds: list[float], attempt: int) -> Arm:  # fmt: skip
-    """An arm's figures: its timed tokens' pace, and its traffic from replaying its own trace."""
+    """An arm's figures: its timed tokens' pace, and its traffic from replaying its own trace (None: the
+    arm ran without a cache, and nothing went through one)."""
     timed = seconds[settings.warmup :]
     if len(timed) < 4:
         raise ValueError(f"--tokens must exceed the warm-up of {settings.warmup} tokens by at least 4")
     half = len(timed) // 2
-    # Token j's time is the forward pass of position n_prompt + j - 1: replay counts from there.
-    res = replay(load_routing(trace), mib, share, warmup=len(prompt) + settings.warmup - 1)
+    hit_rate = upload_gib = cpu_gib = 0.0
+    if trace is not None:
+        # Token j's time is the forward pass of position n_prompt + j - 1: replay counts from there.
+        res = replay(load_routing(trace), mib, share, warmup=len(prompt) + settings.warmup - 1)
+        hit_rate, upload_gib, cpu_gib = res.hit_rate, res.upload_gib, res.cpu_gib
     return Arm(
         mib=mib, share=share, tokens=len(timed), ms_per_token=1000 * sum(timed) / len(timed),
-        hit_rate=res.hit_rate, upload_gib=res.upload_gib, cpu_gib=res.cpu_gib,
+        hit_rate=hit_rate, upload_gib=upload_gib, cpu_gib=cpu_gib,
         first_half_tps=half / sum(timed[:half]), second_half_tps=(len(timed) - half) / sum(timed[half:]),
-        attempts=attempt, trace=trace.name,
+        attempts=attempt, trace=trace.name if trace is not None else "",
     )  # fmt: skip
 
 

@@ -16,7 +16,18 @@ from typing import ClassVar
 from moechat.app.messages import CacheApplied, ConfirmUpdate, SweepFailed, SweepUpdate, TuneReady
 from moechat.app.screens.host import ScreenHost
 from moechat.app.tuned import save_tuned
-from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, ConfirmDone, NoiseCheck, SweepDone
+from moechat.tuner.events import (
+    N_ARMS,
+    SWEEP_TOKENS,
+    ArmDone,
+    ArmProgress,
+    ArmStarted,
+    Cancelled,
+    ConfirmDone,
+    NoiseCheck,
+    SweepDone,
+    setting_words,
+)
 from moechat.tuner.recommend import TuneReport
 from moechat.tuner.report import cpu_speed, duration, error_bar, upload_speed, work_left
 from rich.text import Text
@@ -26,9 +37,6 @@ from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import Screen
 from textual.widgets import DataTable, Footer, Label, ProgressBar, Static
-
-N_ARMS = 6
-
 
 # The one rule of Apply and Save, shown on the screen.
 KEEP_RULE = (
@@ -54,7 +62,7 @@ class TuneWizard(Screen[bool]):
     #advice { text-style: bold; margin: 1 0; }
     """
 
-    def __init__(self, tokens: int = 256) -> None:
+    def __init__(self, tokens: int = SWEEP_TOKENS) -> None:
         super().__init__()
         self.tokens = tokens
         self.fresh = False  # True after "measure again": the sweep drops the kept runs
@@ -76,8 +84,9 @@ class TuneWizard(Screen[bool]):
         with VerticalScroll():
             yield Label(
                 f"Tuning measures {N_ARMS} runs, each generating {self.tokens} tokens with one expert-cache size and "
-                "one CPU share (2 sizes x 3 shares). A time model fitted to them, replayed over the routing they "
-                "recorded, predicts every other size and share."
+                "one CPU share (2 sizes x 3 shares), and one without a cache: the setting every cache must beat. A "
+                "time model fitted to the cache runs, replayed over the routing they recorded, predicts every other "
+                "size and share."
             )
             yield Static(self._first_estimate(), id="estimate", markup=False)
             yield Static("time left: measured once the first run is under way", id="eta", markup=False)
@@ -125,7 +134,7 @@ class TuneWizard(Screen[bool]):
             self.post_message(SweepUpdate(ev))
             if isinstance(ev, SweepDone):
                 done = ev
-        if done is not None:
+        if done is not None and not self.stop.is_set():  # cancelled: no replay keeps the engine busy
             self.post_message(TuneReady(engine.recommend(done)))
 
     def on_sweep_update(self, msg: SweepUpdate) -> None:
@@ -142,7 +151,7 @@ class TuneWizard(Screen[bool]):
             )
         elif isinstance(ev, ArmStarted):
             self.query_one(f"#arm-label-{ev.index}", Static).update(
-                f"run {ev.index + 1}/{ev.n_arms}: cache {ev.mib:g} MiB, CPU share {ev.share:g}"
+                f"run {ev.index + 1}/{ev.n_arms}: {setting_words(ev.mib, ev.share)}"
             )
         elif isinstance(ev, ArmProgress):
             self.query_one(f"#arm-{ev.index}", ProgressBar).update(total=ev.tokens_total, progress=ev.tokens_done)
@@ -151,8 +160,9 @@ class TuneWizard(Screen[bool]):
             a = ev.arm
             self.query_one(f"#arm-{ev.index}", ProgressBar).update(total=1, progress=1)
             self.query_one(f"#arm-label-{ev.index}", Static).update(
-                f"run {ev.index + 1}/{ev.n_arms}: cache {a.mib:g} MiB, CPU share {a.share:g}: {a.tps:.1f} t/s, "
-                f"hits {100 * a.hit_rate:.0f}%" + (" (reused from an earlier tuning)" if ev.cached else "")
+                f"run {ev.index + 1}/{ev.n_arms}: {setting_words(a.mib, a.share)}: {a.tps:.1f} t/s"
+                + ("" if a.cache_off else f", hits {100 * a.hit_rate:.0f}%")
+                + (" (reused from an earlier tuning)" if ev.cached else "")
             )
 
     def _estimate(self, ev: ArmProgress) -> None:
@@ -183,6 +193,8 @@ class TuneWizard(Screen[bool]):
         runs.add_columns("cache MiB", "share", "t/s", "hits")
         for a in r.arms:
             runs.add_row(f"{a.mib:g}", f"{a.share:g}", f"{a.tps:.1f}", f"{100 * a.hit_rate:.0f}%")
+        if r.off is not None:
+            runs.add_row("off", "-", f"{r.off.tps:.1f}", "-")
         table = self.query_one("#table", DataTable)
         table.add_columns("cache MiB", *[f"share {s:g}" for s in r.shares])
         top = max((max(row.tps) for row in r.rows), default=0.0)
@@ -200,9 +212,12 @@ class TuneWizard(Screen[bool]):
         rec = r.recommendation
         how = "measured" if rec.measured else "predicted"
         noisy = " (the runs look noisy: m measures them again)" if r.warnings else ""
-        self._advice = (f"recommended: {rec.command()} ({rec.tps:.1f}{error_bar(rec.tps, r.time_model, rec.measured)} "
-                        f"t/s {how}){noisy}  -  a: apply now and keep for this model, s: keep only, m: measure again, "
-                        "Esc: back")  # fmt: skip
+        keys = "  -  a: apply now and keep for this model, s: keep only, m: measure again, Esc: back"
+        if rec.cache_off:
+            self._advice = f"recommended: {rec.describe()}{noisy}{keys}"
+        else:
+            bar = error_bar(rec.tps, r.time_model, rec.measured)
+            self._advice = f"recommended: {rec.command()} ({rec.tps:.1f}{bar} t/s {how}){noisy}{keys}"
         current, target = self.moechat.cache_in_effect, (rec.mib, rec.share)
         if target == current:
             self._show_advice("this is the setting in use: nothing to confirm")
@@ -231,7 +246,7 @@ class TuneWizard(Screen[bool]):
         if isinstance(ev, ArmStarted):
             which = "in use" if ev.index % 2 == 0 else "recommended"
             self._show_advice(f"confirming: run {ev.index + 1}/{ev.n_arms}, the {which} setting "
-                              f"({ev.mib:g} MiB, share {ev.share:g})")  # fmt: skip
+                              f"({setting_words(ev.mib, ev.share)})")  # fmt: skip
         elif isinstance(ev, ConfirmDone):
             self.running = False
             self.verdict = ev

@@ -182,7 +182,8 @@ def summary_lines(snap: StatsSnapshot) -> list[str]:
         label = "<= 8" if name == "small" else " > 8"
         lines.append(
             f"MoE cache: batch {label}: hits = {tot.hits}, misses = {tot.misses} ({tot.cpu} on the CPU), "
-            f"hit rate = {100 * tot.hit_rate:.1f}%, uploaded = {tot.uploaded_bytes / 2**20:.1f} MiB, "
+            f"hit rate = {f'{100 * tot.hit_rate:.1f}%' if tot.lookups else 'none (every lookup bypassed)'}, "
+            f"uploaded = {tot.uploaded_bytes / 2**20:.1f} MiB, "
             f"bypassed = {tot.bypassed}"
         )
     return lines

@@ -90,28 +90,42 @@ def concurrent_calls_safe() -> bool:
         return numba.config.THREADING_LAYER in ("omp", "tbb", "safe")  # type: ignore[attr-defined]
 
 
-class _CompileNotes(numba.core.event.Listener):
-    def __init__(self, note: Callable[[str], None]) -> None:
+# A first start's kernel count where this machine has no count of its own yet (the demo compiled 208 in
+# its loading process beside the compile-ahead helper); every first start records its count for the next.
+EXPECTED_COMPILES = 200
+BAR = 20  # characters of the progress bar
+
+
+def compile_line(n: int, total: int) -> str:
+    """A first start's progress in words a user knows: a bar and "n of about N" kernels. The total is an
+    estimate (what an earlier first start here compiled), so the bar stops short of full until the end."""
+    total = max(total, n + 1)
+    filled = BAR * n // total
+    bar = "#" * filled + "." * (BAR - filled)
+    return f"compiling kernels for this model (first start only) [{bar}] {n} of about {total}"
+
+
+class CompileCount(numba.core.event.Listener):
+    """Counts the kernels numba compiles (not those it loads from its disk cache), saying each one."""
+
+    def __init__(self, note: Callable[[str], None] | None, expected: int) -> None:
         self.note = note
+        self.expected = expected
         self.started = 0
 
     def on_start(self, event: Any) -> None:
         self.started += 1
-        dispatcher = (event.data or {}).get("dispatcher")
-        name = getattr(getattr(dispatcher, "py_func", None), "__name__", "a kernel")
-        self.note(f"compiling the CPU kernels for this machine (first start only): {self.started}, now {name}")
+        if self.note is not None:
+            self.note(compile_line(self.started, self.expected))
 
     def on_end(self, event: Any) -> None:
         pass
 
 
 @contextlib.contextmanager
-def compile_notes(note: Callable[[str], None] | None) -> Iterator[int]:
-    """Say each kernel numba compiles (not those it loads from its disk cache) while the block runs: a
-    first start compiles for a minute, and says so instead of going quiet."""
-    if note is None:
-        yield 0
-        return
-    listener = _CompileNotes(note)
+def compile_notes(note: Callable[[str], None] | None, expected: int = EXPECTED_COMPILES) -> Iterator[CompileCount]:
+    """Count, and say with `note`, each kernel numba compiles while the block runs: a first start compiles
+    for a minute, and says how far it is instead of going quiet. `expected`: the total the bar runs to."""
+    listener = CompileCount(note, expected)
     with numba.core.event.install_listener("numba:compile", listener):
-        yield 0
+        yield listener

@@ -8,7 +8,9 @@ process's cores other processes (and the hypervisor's steal) used since its last
 kernels on the cores left. A count the user set is kept as set.
 
 The look reads /proc/stat (the cores this process may run on) and the process's own CPU time; where
-there is no /proc/stat the count stays at its maximum.
+there is no /proc/stat the count stays at its maximum. Processes named by `yielding_to_us` (the chat
+app's UI, which lowers its own priority so that it draws in the engine's gaps) count as this one's:
+their CPU time takes no thread away.
 """
 
 from __future__ import annotations
@@ -27,6 +29,25 @@ LOOK_EVERY_S = 0.25
 # Others' use, in cores, that takes a thread away: above half a core, a thread would share its core.
 TAKE_AT = 0.5
 UP_AFTER = 2  # looks in a row that find a core free before a thread is given back
+
+
+_yielding: set[int] = set()  # pids whose CPU time counts as this process's own (they give way to it)
+
+
+def yielding_to_us(pid: int) -> None:
+    """Count `pid`'s CPU time as this process's own: a process that runs at a lower priority than the
+    engine takes a core only where the engine leaves one idle, so the engine keeps its threads."""
+    _yielding.add(pid)
+
+
+def _cpu_seconds(pid: int, tick: int) -> float:
+    """User + system CPU seconds of process `pid` (0 where it cannot be read: gone, or not Linux)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rpartition(b")")[2].split()
+    except OSError:
+        return 0.0
+    return (int(fields[11]) + int(fields[12])) / tick  # utime, stime: the 14th and 15th fields
 
 
 class CoreWatch:
@@ -62,7 +83,8 @@ class CoreWatch:
         if total == 0:
             return None
         t = os.times()
-        return busy / self.tick, total / self.tick, t.user + t.system
+        ours = t.user + t.system + sum(_cpu_seconds(pid, self.tick) for pid in _yielding)
+        return busy / self.tick, total / self.tick, ours
 
     def others(self) -> float | None:
         """Cores kept busy by anything but this process since the last call (None: unknown)."""
