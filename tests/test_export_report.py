@@ -1,0 +1,75 @@
+"""The session report's figures and charts: rates weighted by tokens, charts on the session's token
+axis that never fold back, a legend that says which line is which; the run summary's words."""
+
+from __future__ import annotations
+
+import re
+
+from moechat.app.export import SessionStats, _by_reply, to_markdown
+from moechat.engine.cache.stats import (
+    CountersSnapshot,
+    GroupInfo,
+    LayerSnapshot,
+    StatsSnapshot,
+    summary_lines,
+)
+from moechat.engine.kernels.jit import compile_line
+
+
+def _snap(tokens: int, hits: int, lookups: int) -> StatsSnapshot:
+    small = CountersSnapshot(lookups=lookups, hits=hits, misses=lookups - hits, tokens=tokens)
+    layer = LayerSnapshot(0, 0, small, CountersSnapshot(), 4, (0, 1), (1, 1))
+    return StatsSnapshot(0.0, tokens, (GroupInfo(0, (0,), 8, 1, 4, 4),), (layer,), 0.0)
+
+
+def _session() -> SessionStats:
+    """Two replies: 10 tokens at 10 t/s (1 s), then 100 tokens at 50 t/s (2 s)."""
+    s = SessionStats({"name": "m.gguf", "arch": "qwen3moe", "device": "cpu"}, {})
+    for n in (4, 8, 10):
+        s.add(_snap(n, n, 2 * n), n, 10.0)
+    s.replies.append({"n_prompt": 20, "n_generated": 10, "prompt_tps": 100.0, "gen_tps": 10.0})
+    for n in (40, 80, 100):
+        s.add(_snap(10 + n, 10 + n, 2 * (10 + n)), n, 50.0)
+    s.replies.append({"n_prompt": 40, "n_generated": 100, "prompt_tps": 400.0, "gen_tps": 50.0})
+    return s
+
+
+def test_rates_are_weighted_by_tokens() -> None:
+    md = to_markdown(_session().to_dict())
+    # 110 tokens in 3 s, not the mean of 10 and 50 t/s; 60 prompt tokens in 0.3 s.
+    assert "| tg55 | 36.67 |" in md, md
+    assert "| pp30 | 200.00 |" in md, md
+
+
+def test_the_series_runs_on_the_session_axis_one_line_per_reply() -> None:
+    d = _session().to_dict()
+    assert [p["session_tokens"] for p in d["series"]] == [4, 8, 10, 50, 90, 110]
+    assert [p["reply"] for p in d["series"]] == [1, 1, 1, 2, 2, 2]
+    parts = _by_reply(d["series"])
+    assert [xs for xs, _ in parts] == [[4.0, 8.0, 10.0], [50.0, 90.0, 110.0]]
+    # An export written before points carried the session's tokens: the replies follow each other too.
+    old = [{"tokens": n} for n in (4, 8, 10, 3, 9)]
+    assert [xs for xs, _ in _by_reply(old)] == [[4.0, 8.0, 10.0], [13.0, 19.0]]
+    md = to_markdown(d)
+    assert "tokens generated in the session" in md and "since the cache's start" in md
+    # The x axis' labels rise from left to right: no reply starts over at 0 after a later one.
+    assert "tokens/s of each reply, on the session's token axis" in md
+
+
+def test_a_batch_class_without_lookups_says_so_instead_of_a_zero_hit_rate() -> None:
+    bypassed = CountersSnapshot(bypassed=12, calls=2, tokens=40)
+    used = CountersSnapshot(lookups=10, hits=7, misses=3, tokens=5)
+    snap = StatsSnapshot(0.0, 45, (GroupInfo(0, (0,), 8, 1, 4, 4),),
+                         (LayerSnapshot(0, 0, used, bypassed, 4, (), ()),), 0.0)  # fmt: skip
+    small, large = summary_lines(snap)
+    assert "hit rate = 70.0%" in small
+    assert "hit rate = none (every lookup bypassed)" in large and "0.0%" not in large.split("uploaded")[0]
+
+
+def test_compile_progress_is_a_bar_with_a_total() -> None:
+    first, later = compile_line(1, 200), compile_line(150, 200)
+    assert first.startswith("compiling kernels for this model (first start only) [")
+    assert first.endswith("] 1 of about 200") and later.endswith("] 150 of about 200")
+    assert re.search(r"\[#{15}\.{5}\]", later)
+    # Past the estimate the total moves on, and the bar never reads full before the end.
+    assert compile_line(250, 200).endswith("] 250 of about 251") and "[" + "#" * 20 + "]" not in compile_line(250, 200)
