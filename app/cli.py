@@ -47,13 +47,16 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_tune_arguments(sub.add_parser(
         "tune", help="measure this machine and recommend cache size and CPU share",
-        description="Measures 6 runs of generation, 2 expert-cache sizes x 3 CPU shares (runs already measured with "
-        "the same settings are reused; --fresh measures again), fits a time model to them, predicts every other "
-        "size and share by replaying the routing they recorded, and prints the recommended flags. Exit status: 0 "
-        "when a recommendation is printed (a doubtful fit says so in its warnings), 2 for a bad argument or file, "
-        "130 when interrupted.",
+        description="Measures 7 runs of generation, 2 expert-cache sizes x 3 CPU shares and one without a cache "
+        "(runs already measured with the same settings are reused; --fresh measures again), fits a time model to "
+        "them, predicts every other size and share by replaying the routing they recorded, and prints the "
+        "recommended flags (no cache, where that ran fastest). Exit status: 0 when a recommendation is printed (a "
+        "doubtful fit says so in its warnings), 2 for a bad argument or file, 130 when interrupted.",
     ))  # fmt: skip
     add_sim_arguments(sub.add_parser("sim", help="replay a routing trace at other cache sizes, shares and policies"))
+    from moechat.app.serve.command import add_serve_arguments
+
+    add_serve_arguments(sub.add_parser("serve", help="serve the model over OpenAI's HTTP API (with /metrics)"))
     from moechat.app.export_cmd import add_export_arguments
 
     add_export_arguments(sub.add_parser("export", help="write the last session's stats as JSON, CSV or Markdown"))
@@ -69,7 +72,7 @@ def _fail(message: str) -> int:
     return 2
 
 
-COMMANDS = ("inspect", "chat", "run", "tune", "sim", "export")
+COMMANDS = ("inspect", "chat", "run", "tune", "sim", "export", "serve")
 
 
 def check_plan_arguments(hosts: int, host_memory: list[float] | None, n_ctx: int) -> None:
@@ -128,6 +131,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from moechat.app.run_cmd import run
 
             return run(args)
+        if args.command == "serve":
+            from moechat.app.serve.command import run_serve
+
+            return run_serve(args)
         if args.command in ("tune", "sim"):
             from moechat.app.tune_cmd import run_sim, run_tune
 

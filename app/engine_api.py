@@ -54,6 +54,15 @@ class ChatEngine(Protocol):
         """
         ...
 
+    def chat_tokens(self, messages: Sequence[Message]) -> list[int]:
+        """The conversation through the chat template as it is (`moechat run --chat`'s tokens for one
+        message), nothing dropped; ValueError where the template fails on it."""
+        ...
+
+    def encode(self, text: str) -> list[int]:
+        """A raw prompt's tokens (`moechat run --raw`'s)."""
+        ...
+
     def reply(
         self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
     ) -> Iterator[Event]: ...

@@ -127,7 +127,8 @@ def _answer(conn: Connection, engine: RealEngine, spec: EngineSpec, stop: Any) -
     """Say the engine is ready, then answer the parent's calls until "close" or the pipe closes."""
     conn.send(("ready", engine.info))
     calls: dict[str, Callable[..., Any]] = {
-        "fit_messages": engine.fit_messages, "snapshot": engine.snapshot, "cache": engine.cache,
+        "fit_messages": engine.fit_messages, "chat_tokens": engine.chat_tokens, "encode": engine.encode,
+        "snapshot": engine.snapshot, "cache": engine.cache,
         "set_cache": engine.set_cache, "recommend": engine.recommend, "min_bound": engine.min_bound,
     }  # fmt: skip
     while True:
@@ -234,15 +235,30 @@ class ProcessEngine:
     def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
         return self._call("fit_messages", list(messages))
 
+    def chat_tokens(self, messages: Sequence[Message]) -> list[int]:
+        return self._call("chat_tokens", list(messages))
+
+    def encode(self, text: str) -> list[int]:
+        return self._call("encode", text)
+
     def reply(
         self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
     ) -> Iterator[Event]:
         return self._stream("reply", (prompt, params, max_tokens), stop)
 
     def snapshot(self) -> StatsSnapshot | None:
-        if self._lock.locked():
-            return self._snap  # a stream is running: the latest snapshot it carried
-        self._snap = self._call("snapshot")
+        """The engine's latest; while a stream or another call holds the pipe, the latest a stream carried
+        (never waits for a reply to end: a server's /metrics asks while requests stream)."""
+        if not self._lock.acquire(blocking=False):
+            return self._snap
+        try:
+            self._conn.send(("snapshot", ()))
+            msg = self._recv()
+        finally:
+            self._lock.release()
+        if msg[0] == "error":
+            self._raise(msg[1], msg[2])
+        self._snap = msg[1]
         return self._snap
 
     def cache(self) -> tuple[float, float]:

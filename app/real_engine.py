@@ -48,7 +48,10 @@ class StopStrings:
         self.hit = False
 
     def push(self, piece: str) -> str:
-        """The new text that is safe to show."""
+        """The new text that is safe to show (nothing once a stop string was found: tokens the engine
+        still wrote before it saw the stop are not part of the reply)."""
+        if self.hit:
+            return ""
         self.text += piece
         for s in self.stops:
             cut = self.text.find(s)
@@ -127,6 +130,15 @@ class RealEngine:
                 return tokens[-(self.lm.n_ctx * 3 // 4) :], dropped, note  # one huge message: keep its end
             del msgs[first]
             dropped += 1
+
+    def chat_tokens(self, messages: Sequence[Message]) -> list[int]:
+        try:
+            return self.lm.chat_tokens(list(messages))
+        except ChatTemplateError as e:
+            raise ValueError(f"the model's chat template failed on these messages: {e}") from None
+
+    def encode(self, text: str) -> list[int]:
+        return self.lm.tokenizer.encode(text)
 
     def reply(
         self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event

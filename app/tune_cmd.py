@@ -171,8 +171,9 @@ def _sweep_with_bars(settings: SweepSettings, cache_dir: Path, stop: threading.E
 
 
 def add_sim_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("trace", nargs="+", help="routing traces written with --moe-cache-trace (several: one session "
-                                            "after another, of one model)")  # fmt: skip
+    p.add_argument("trace", nargs="+", help="routing traces written with --moe-cache-trace, or another engine's "
+                                            "route_trace v1 CSV (several: one session after another, of one "
+                                            "model)")  # fmt: skip
     p.add_argument("--sizes", type=float, nargs="+", default=None, metavar="MIB",
                    help="cache sizes in MiB (default: 10%%..100%% of the experts)")  # fmt: skip
     p.add_argument("--shares", type=float, nargs="+", default=[0.0], metavar="F", help="CPU shares (default 0)")
@@ -188,6 +189,8 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
                    help="score on the last F of the tokens only (the cache runs through the first part, whose "
                         "hit rate is shown beside)")  # fmt: skip
     p.add_argument("--reuse", action="store_true", help="also a reuse-distance histogram per layer")
+    p.add_argument("--per-layer", action="store_true",
+                   help="also each layer's hit rate beside MIN's on the same lookups, per size")  # fmt: skip
     p.add_argument("--markdown", action="store_true", help="Markdown table")
 
 
@@ -268,9 +271,37 @@ def run_sim(args: argparse.Namespace) -> int:
     over = [f"{s:g}" for s in sizes if s > full]
     if over:
         print(f"note: {', '.join(over)} MiB exceed the trace's {full:.2f} MiB of experts: such a cache holds them all")
+    if args.per_layer:
+        print(per_layer_table(routing, sizes, scored_from, args, markdown=args.markdown))
     if args.reuse:
         print(reuse_table(routing, markdown=args.markdown))
     return 0
+
+
+def per_layer_table(routing: Routing, sizes: list[float], scored_from: int, args: argparse.Namespace,
+                    markdown: bool = False) -> str:  # fmt: skip
+    """Per layer and size: the hit rate of each engine policy asked for (at the first share) beside MIN's,
+    so a user sees which layers lose."""
+    from moechat.engine.cache.policy import POLICIES as ENGINE_POLICIES
+    from moechat.tuner.baselines import simulate_baseline
+    from moechat.tuner.report import table
+    from moechat.tuner.simulator import replay
+
+    policies = [p for p in args.policy if p in ENGINE_POLICIES] or ["classlru"]
+    header = ["layer"] + [f"{p} / MIN @ {mib:g}" for mib in sizes for p in policies]
+    cells: dict[int, list[str]] = {}
+    for mib in sizes:
+        best = {layer: (n, h) for layer, n, h in
+                simulate_baseline(routing, routing.slots(mib), "min", scored_from).by_layer}  # fmt: skip
+        for p in policies:
+            res = replay(routing, mib, args.shares[0], warmup=scored_from, policy=p)
+            for layer, counters in sorted(res.layers.items()):
+                t = counters.total
+                n, h = best.get(layer, (0, 0))
+                ours = f"{100 * t.hit_rate:.0f}%" if t.lookups else "-"
+                cells.setdefault(layer, []).append(f"{ours} / {100 * h / n:.0f}%" if n else f"{ours} / -")
+    rows = [[str(layer), *c] for layer, c in sorted(cells.items())]
+    return "hit rate per layer, the policy's beside MIN's on the same lookups\n" + table(header, rows, markdown)
 
 
 def reuse_table(routing: Routing, markdown: bool = False) -> str:

@@ -77,6 +77,10 @@ class LoadedModel:
         messages = ([{"role": "system", "content": system}] if system else []) + [
             {"role": "user", "content": user_text}
         ]
+        return self.chat_tokens(messages)
+
+    def chat_tokens(self, messages: list[dict[str, str]]) -> list[int]:
+        """The conversation through the chat template, ready for the assistant's turn."""
         text = self.template.render(messages, add_generation_prompt=True)
         # The rendered template already holds its own BOS if it wants one.
         add_bos = not (self.tokenizer.special.bos is not None and text.startswith(self.template.bos_token or "\0"))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import shutil
 import subprocess
 import sys
 from dataclasses import replace
@@ -128,8 +129,16 @@ def test_moechat_run_under_torchrun_is_one_process_to_the_user(tmp_path: Path) -
              "--moe-cache-mib", "0.5", "--moe-cache-cpu-share", "0.5"]  # fmt: skip
     one = subprocess.run([sys.executable, "-m", "moechat", *flags], capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
-    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
-    two = subprocess.run([*torchrun, "-m", "moechat", *flags], capture_output=True, text=True, timeout=300,
+    # As the README starts it: the installed command, not `-m moechat`, which a clone's folder named
+    # moechat in the working directory would shadow (run from the clone's parent, it failed to import).
+    (tmp_path / "moechat").mkdir()
+    script = shutil.which("moechat")
+    if script is None:
+        if os.environ.get("MOECHAT_CI"):
+            pytest.fail("the installed `moechat` command is not on PATH")
+        pytest.skip("the installed `moechat` command is not on PATH")
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--no-python"]
+    two = subprocess.run([*torchrun, script, *flags], capture_output=True, text=True, timeout=300,
                          cwd=tmp_path)  # fmt: skip
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout == one.stdout and one.stdout.strip()

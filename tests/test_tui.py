@@ -22,7 +22,7 @@ from moechat.app.tuned import read_tuned, tuned_path
 from moechat.engine.events import Event
 from moechat.widgets.chat_log import ChatInput, EarlierMarker, ReplyMarkdown, StreamedParagraph, Turn
 from moechat.widgets.dashboard import Dashboard
-from moechat.widgets.expert_heatmap import CACHED, ExpertHeatmap, heat_rows, legend
+from moechat.widgets.expert_heatmap import CACHED, ExpertHeatmap, axis, heat_rows, legend
 from moechat.widgets.layer_stats import LayerStats
 from moechat.widgets.rows import RowsView, plain
 from moechat.widgets.throughput import ThroughputPlot, thin
@@ -323,6 +323,18 @@ def test_heat_rows_mark_exactly_the_cached_experts() -> None:
         assert len(plain(row)) == offset + len(ls.use_counts)
 
 
+def test_the_heat_maps_axis_numbers_the_experts_over_their_columns() -> None:
+    snap = FakeEngine(["x"], n_expert=40).snapshot()
+    assert snap is not None
+    line, row = axis(snap), plain(heat_rows(snap)[0])
+    assert line.startswith("  L ") and len(line) <= len(row)
+    offset = line.index("0")
+    assert offset == len(f"{snap.layers[0].layer:>3} ")  # expert 0 over the first column
+    assert line[offset + 16 : offset + 18] == "16" and line[offset + 32 : offset + 34] == "32"
+    wide = FakeEngine(["x"], n_expert=256).snapshot()  # folded: two experts a column
+    assert wide is not None and axis(wide)[4 + 16 : 4 + 18] == "32"
+
+
 def test_the_heat_map_has_a_legend_of_its_characters_and_its_cached_mark() -> None:
     """Every character the map draws is in the legend, and the legend's cached mark has the map's style."""
     text = legend()
@@ -572,7 +584,8 @@ async def test_wizard_says_what_it_measures_and_how_long_is_left(tmp_path: Path)
         await until(pilot, lambda: wizard.report is not None)
         assert str(eta.content) == "done"
         labels = [str(w.content) for w in wizard.query(".arm")]
-        assert labels[0].startswith("run 1/6: cache 0.5 MiB, CPU share 0: 100.0 t/s")
+        assert labels[0].startswith("run 1/7: cache 0.5 MiB, CPU share 0: 100.0 t/s")
+        assert labels[-1] == "run 7/7: no cache: 20.0 t/s"  # the run every cache must beat
 
 
 @pytest.mark.slow
@@ -587,14 +600,37 @@ async def test_wizard_estimates_before_it_starts_and_measures_again(tmp_path: Pa
         await until(pilot, lambda: isinstance(app.screen, TuneWizard) and bool(app.screen.query("#estimate")))
         wizard = app.screen
         first = str(wizard.query_one("#estimate", Static).content)
-        assert first.startswith("estimate: ") and f"6 runs at {rate:.1f} tokens/s" in first, first
+        assert first.startswith("estimate: ") and f"7 runs at {rate:.1f} tokens/s" in first, first
         await until(pilot, lambda: wizard.report is not None)
         before = wizard.report
         await pilot.press("m")  # drop the kept runs and run the sweep again
         await until(pilot, lambda: wizard.report is not None and wizard.report is not before)
         assert engine.sweeps == [False, True]
         assert "recommended:" in str(wizard.query_one("#advice", Static).content)
-        assert len(wizard.query_one("#runs", DataTable).rows) == 6  # one table, not the old one twice
+        assert len(wizard.query_one("#runs", DataTable).rows) == 7  # one table, not the old one twice
+
+
+async def test_wizard_says_plainly_when_no_cache_is_fastest_and_its_first_line_fits(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS)
+    engine.off_ms = 5.0  # the run without a cache beats every cache (as on the CPU device)
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(80, 40)) as pilot:
+        await ready(pilot)
+        await pilot.press("ctrl+t")
+        await until(pilot, lambda: isinstance(app.screen, TuneWizard) and app.screen.report is not None)
+        wizard = app.screen
+        assert isinstance(wizard, TuneWizard)
+        # The introduction wraps at the screen's edge: its last words are on the screen.
+        intro = wizard.query_one("#intro", Static)
+        assert "predicts every other size and share." in on_screen(intro), on_screen(intro)
+        await until(pilot, lambda: "no expert cache" in str(wizard.query_one("#advice", Static).content))
+        advice = str(wizard.query_one("#advice", Static).content)
+        assert advice.startswith("recommended: no expert cache: it is the fastest here (200.0 t/s measured"), advice
+        runs = wizard.query_one("#runs", DataTable)
+        assert [str(c) for c in runs.get_row_at(runs.row_count - 1)] == ["off", "-", "200.0", "-"]
+        # The confirm run measures the advice (no cache) against the setting in use.
+        await until(pilot, lambda: wizard.verdict is not None)
+        assert engine.confirms == [((1.0, 0.0), (0.0, 0.0))]
 
 
 @pytest.mark.slow

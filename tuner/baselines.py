@@ -29,6 +29,7 @@ class BaselineResult:
     hits: int
     misses: int
     compulsory: int  # misses of experts never seen before in the trace: no policy avoids them
+    by_layer: tuple[tuple[int, int, int], ...] = ()  # (layer, lookups, hits) counted, by layer
 
     @property
     def hit_rate(self) -> float:
@@ -90,17 +91,22 @@ def simulate_baseline(
         # MIN's next use of a preloaded expert is its first; LRU and LFU start it unused.
         first_use = upcoming[gi].get(key, NEVER) if policy.startswith("min") else 0
         caches[gi].place(key, first_use)
+    per_layer: dict[int, list[int]] = {}
     for i, (gi, keys, counted) in enumerate(events):
         n_hit, missed = caches[gi].access(i, keys, nxt[i])
         if counted:
             lookups += len(keys)
             hits += n_hit
             misses += len(missed)
+            counts = per_layer.setdefault(keys[0] // routing.groups[gi].n_expert, [0, 0])
+            counts[0] += len(keys)
+            counts[1] += n_hit
         for k in missed:
             if (gi, k) not in seen and counted:
                 compulsory += 1
         seen.update((gi, k) for k in keys)
-    return BaselineResult(policy, lookups, hits, misses, compulsory)
+    by_layer = tuple((layer, n, h) for layer, (n, h) in sorted(per_layer.items()))
+    return BaselineResult(policy, lookups, hits, misses, compulsory, by_layer)
 
 
 class _Cache:

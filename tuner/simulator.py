@@ -110,6 +110,11 @@ class Routing:
 
 
 def load_routing(path: str | Path) -> Routing:
+    """A trace of moechat's (`--moe-cache-trace`), or another engine's route_trace v1 CSV (tuner/route_csv)."""
+    from moechat.tuner.route_csv import is_route_csv, read_route_csv  # (it builds on this module's types)
+
+    if is_route_csv(path):
+        return read_route_csv(path)
     tr = read_trace(path)
     h = tr.header
     try:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moechat.engine.cache.stats import MinBound, Recent, StatsSnapshot
-from moechat.widgets.expert_heatmap import ExpertHeatmap, legend
+from moechat.widgets.expert_heatmap import ExpertHeatmap, axis, legend
 from moechat.widgets.layer_stats import LayerStats
 from moechat.widgets.rows import RowsView
 from moechat.widgets.throughput import ThroughputPlot
@@ -35,6 +35,7 @@ class Dashboard(VerticalScroll):
         yield Static("per layer", classes="title")
         yield LayerStats(id="layers")
         yield Static(legend(), id="heat-legend")
+        yield Static("", id="heat-axis", markup=False)
         yield ExpertHeatmap(id="heatmap")
 
     def show(
@@ -105,6 +106,8 @@ class Dashboard(VerticalScroll):
         fold = self.layer_fold(len(snap.layers))
         self.query_one(LayerStats).show(snap, fold)
         self.query_one(ExpertHeatmap).show(snap, redraw=full, fold=fold)
+        if full:
+            self.query_one("#heat-axis", Static).update(axis(snap, fold_rows=fold))
 
     def layer_fold(self, n_layers: int) -> int:
         """Layers per row, so that the per-layer rows and the heat map fit the panel without scrolling.

@@ -16,10 +16,29 @@ MAX_COLUMNS = 64  # wider layers are folded: a column then shows the busiest of 
 CACHED = "reverse cyan"
 
 
+TICK_EVERY = 16  # columns between two numbers of the expert axis
+
+
 def legend() -> Text:
     """The map's title and what its characters mean, in one line of the panel: the shades from unused to
     most used (log scale), and the cached mark."""
     return Text.assemble(("experts", "bold"), " · unused ", SHADES[1:], " more ", ("e", CACHED), " cached")
+
+
+def axis(snap: StatsSnapshot, max_columns: int = MAX_COLUMNS, fold_rows: int = 1) -> str:
+    """The line above the map: "L" over the layer labels, and over the columns the expert each numbered
+    column starts at (a folded column holds several experts), aligned with `heat_rows`."""
+    if not snap.layers:
+        return ""
+    n = len(snap.layers[0].use_counts)
+    fold = max(1, math.ceil(n / max_columns))
+    width = max(3, max((len(label) for label, _ in fold_layers(snap.layers, fold_rows)), default=1))
+    columns = [" "] * math.ceil(n / fold)
+    for col in range(0, len(columns), TICK_EVERY):
+        number = str(col * fold)
+        if col + len(number) <= len(columns):
+            columns[col : col + len(number)] = number
+    return f"{'L':>{width}} " + "".join(columns).rstrip()
 
 
 def heat_rows(snap: StatsSnapshot, max_columns: int = MAX_COLUMNS, fold_rows: int = 1) -> list[Row]:

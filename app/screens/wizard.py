@@ -36,7 +36,7 @@ from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
 from textual.containers import Vertical, VerticalScroll
 from textual.screen import Screen
-from textual.widgets import DataTable, Footer, Label, ProgressBar, Static
+from textual.widgets import DataTable, Footer, ProgressBar, Static
 
 # The one rule of Apply and Save, shown on the screen.
 KEEP_RULE = (
@@ -82,11 +82,13 @@ class TuneWizard(Screen[bool]):
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():
-            yield Label(
+            yield Static(
                 f"Tuning measures {N_ARMS} runs, each generating {self.tokens} tokens with one expert-cache size and "
                 "one CPU share (2 sizes x 3 shares), and one without a cache: the setting every cache must beat. A "
                 "time model fitted to the cache runs, replayed over the routing they recorded, predicts every other "
-                "size and share."
+                "size and share.",
+                id="intro",
+                markup=False,
             )
             yield Static(self._first_estimate(), id="estimate", markup=False)
             yield Static("time left: measured once the first run is under way", id="eta", markup=False)

@@ -14,6 +14,7 @@ from moechat.app.engine_api import Message, ModelInfo
 from moechat.engine.cache.stats import CountersSnapshot, GroupInfo, LayerSnapshot, MinBound, StatsSnapshot
 from moechat.engine.events import DoneEvent, Event, SamplingParams, TokenEvent
 from moechat.tuner.events import (
+    N_ARMS,
     Arm,
     ArmDone,
     ArmProgress,
@@ -54,10 +55,17 @@ class FakeEngine:
         self.confirm_tps: tuple[tuple[float, ...], tuple[float, ...]] = ((70.0, 71.0), (84.0, 85.5))  # a clear win
         self.closed = False
         self.pause = False  # a test holds a reply mid-stream by setting this, and lets it go by clearing it
+        self.off_ms = 50.0  # the sweep's run without a cache: ms per token (slower than every cache's, scripted)
 
     def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
         n = sum(len(m["content"].split()) + 4 for m in messages)
         return list(range(n)), 0, ""
+
+    def chat_tokens(self, messages: Sequence[Message]) -> list[int]:
+        return self.fit_messages(messages)[0]
+
+    def encode(self, text: str) -> list[int]:
+        return list(range(len(text.split())))
 
     def reply(
         self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
@@ -117,18 +125,21 @@ class FakeEngine:
             if not noise.steady:
                 return
         arms = []
-        for i, (mib, share) in enumerate([(0.5, 0.0), (0.5, 0.5), (0.5, 0.95), (1.5, 0.0), (1.5, 0.5), (1.5, 0.95)]):
-            yield ArmStarted(i, 6, mib, share)
+        plan = [(0.5, 0.0), (0.5, 0.5), (0.5, 0.95), (1.5, 0.0), (1.5, 0.5), (1.5, 0.95), (0.0, 0.0)]  # last: off
+        for i, (mib, share) in enumerate(plan):
+            yield ArmStarted(i, N_ARMS, mib, share)
             for k in range(0, tokens + 1, max(1, tokens // 4)):
                 if stop.is_set():
                     raise Cancelled(f"arm {i + 1} stopped")
                 if self.sweep_delay:
                     time.sleep(self.sweep_delay)
-                yield ArmProgress(i, 6, k, tokens)
-            arm = Arm(mib, share, tokens, 10.0 + i, 0.5 + 0.05 * i, 0.001, 0.001 * share, 100.0, 100.0, 1, f"{i}.trace")
+                yield ArmProgress(i, N_ARMS, k, tokens)
+            hit_rate = 0.5 + 0.05 * i if mib else 0.0
+            arm = Arm(mib, share, tokens, self.off_ms if not mib else 10.0 + i, hit_rate, 0.001, 0.001 * share,
+                      100.0, 100.0, 1, f"{i}.trace" if mib else "")  # fmt: skip
             arms.append(arm)
-            yield ArmDone(i, 6, arm, cached=False)
-        yield SweepDone(Path("/nonexistent"), tuple(arms), 2.0, 8.0, "cpu")
+            yield ArmDone(i, N_ARMS, arm, cached=False)
+        yield SweepDone(Path("/nonexistent"), tuple(arms[:-1]), 2.0, 8.0, "cpu", off=arms[-1])
 
     def recommend(self, done: SweepDone) -> TuneReport:
         shares = (0.0, 0.5, 0.8, 0.9, 0.95, 0.98)
@@ -136,7 +147,11 @@ class FakeEngine:
                 Row(1.5, (70.0, 80.0, 84.0, 85.0, 85.5, 85.0), (0.8,) * 6, 3))  # fmt: skip
         model = TimeModel(5.0, 300.0, 200.0, 0.5, -10.0, True, (0.01,) * 6)
         rec = Recommendation(1.5, 0.9, 85.0, 70.0, all_fit=False)
-        return TuneReport("fake.gguf", "cpu", 2.0, 8.0, done.arms, model, shares, rows, rec, 0.5, ())
+        warnings: tuple[str, ...] = ()
+        if done.off is not None and done.off.tps > rec.tps:  # scripted as the real advice goes
+            rec = Recommendation(0.0, 0.0, done.off.tps, done.off.tps, all_fit=False, measured=True)
+            warnings = ("no cache is fastest here",)
+        return TuneReport("fake.gguf", "cpu", 2.0, 8.0, done.arms, model, shares, rows, rec, 0.5, warnings, done.off)
 
     def confirm(self, stop: threading.Event, current: tuple[float, float],
                 recommended: tuple[float, float]) -> Iterator[ConfirmEvent]:  # fmt: skip

@@ -1,0 +1,75 @@
+"""`moechat serve`: the engine process of the chat app behind OpenAI's HTTP API."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import sys
+
+from moechat.app.run_cmd import add_config_flag
+from moechat.app.settings import ENGINE, MODEL_HELP, SAMPLING, add_flags
+
+
+def add_serve_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("model", nargs="?", help=MODEL_HELP)
+    p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one, printed)")
+    p.add_argument("--api-key", default=None, metavar="KEY",
+                   help="every endpoint but /health then needs 'Authorization: Bearer KEY'")  # fmt: skip
+    add_flags(p, (*SAMPLING, *ENGINE))
+    add_config_flag(p)
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    from moechat.app.settings import check_model_file, from_args, print_warnings, sampling_params
+
+    if not 0 <= args.port <= 65535:
+        raise ValueError(f"--port must be in 0..65535, got {args.port}")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("--api-key is empty")
+    settings, warnings, _ = from_args(args, (*SAMPLING, *ENGINE))
+    print_warnings(warnings)
+    defaults = sampling_params(settings)  # bad values fail before the engine loads
+    check_model_file(args.model)
+    if not is_loopback(args.host) and not args.api_key:
+        print(f"moechat: warning: serving on {args.host} without --api-key: anyone who reaches this address can "
+              "use the model", file=sys.stderr)  # fmt: skip
+    import uvicorn
+    from moechat.app.paths import app_paths
+    from moechat.app.run_cmd import StatusLine
+    from moechat.app.serve.server import build_app
+    from moechat.app.tui import real_engine_factory
+
+    status = StatusLine()
+    engine = real_engine_factory(args.model, settings, app_paths().data / "warm")(status)
+    status.done()
+    try:
+        app = build_app(engine, defaults, api_key=args.api_key)
+        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                               access_log=False))  # fmt: skip
+
+        async def serve() -> None:
+            task = asyncio.create_task(server.serve())
+            while not server.started and not task.done():
+                await asyncio.sleep(0.05)
+            for s in server.servers:
+                for sock in s.sockets:
+                    host, port = sock.getsockname()[:2]
+                    print(f"moechat: serving {engine.info.name} on http://{host}:{port}/v1 (Ctrl+C stops)",
+                          file=sys.stderr, flush=True)  # fmt: skip
+            await task
+
+        asyncio.run(serve())
+    finally:
+        engine.close()
+    return 0 if server.started else 2

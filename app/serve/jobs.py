@@ -1,0 +1,133 @@
+"""Requests on the engine one at a time, in arrival order, from a bounded queue.
+
+The engine runs one generation at a time (batching comes later). Each request becomes a job on one
+worker thread; the job streams its pieces to the request's asyncio queue. Beyond `max_waiting`
+queued requests a new one is refused at once (429 with Retry-After), never left to hang. A stop
+event per job ends its generation between two tokens: a streaming client that goes away sets it.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from moechat.app.engine_api import ChatEngine
+from moechat.app.real_engine import StopStrings
+from moechat.app.serve.wire import ApiError, Request
+from moechat.engine.events import DoneEvent, TokenEvent
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Piece:
+    text: str
+
+
+@dataclass(frozen=True)
+class Finished:
+    finish_reason: str  # stop | length
+    prompt_tokens: int
+    completion_tokens: int
+    seconds_to_first: float  # from the job's start to its first token (reading the prompt included)
+
+
+class Jobs:
+    def __init__(self, engine: ChatEngine, n_ctx: int, max_waiting: int) -> None:
+        self.engine = engine
+        self.n_ctx = n_ctx
+        self.max_waiting = max_waiting
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moechat-serve-engine")
+        self._lock = threading.Lock()
+        self.waiting = 0  # accepted, not yet on the engine
+        self.running = 0
+        # Totals for /metrics.
+        self.prompt_tokens = 0
+        self.completion_tokens = 0
+        self.cancelled = 0
+
+    def admit(self) -> None:
+        """Take a request into the queue, or refuse it (429) when the queue is full."""
+        with self._lock:
+            if self.waiting >= self.max_waiting:
+                raise ApiError(429, f"the server is busy: {self.waiting} requests wait for the engine; try again "
+                                    "shortly", kind="rate_limit_error", code="queue_full")  # fmt: skip
+            self.waiting += 1
+
+    def run(self, req: Request, stop: threading.Event, out: asyncio.Queue[Any]) -> asyncio.Future[None]:
+        """Queue the job (admitted before); its pieces, a Finished or an ApiError arrive in `out`."""
+        loop = asyncio.get_running_loop()
+
+        def put(item: object) -> None:
+            loop.call_soon_threadsafe(out.put_nowait, item)
+
+        def work() -> None:
+            with self._lock:
+                self.waiting -= 1
+                self.running += 1
+            try:
+                if stop.is_set():  # the client left while the job waited
+                    with self._lock:
+                        self.cancelled += 1
+                    put(None)
+                    return
+                put(self._generate(req, stop, put))
+            except ApiError as e:
+                put(e)
+            except ValueError as e:  # the engine's word on a bad input (a template that fails on it, ...)
+                put(ApiError(400, str(e)))
+            except Exception as e:
+                logger.exception("a request failed on the engine")
+                put(ApiError(500, f"the engine failed: {type(e).__name__}: {e}", kind="server_error"))
+            finally:
+                with self._lock:
+                    self.running -= 1
+
+        return loop.run_in_executor(self._pool, work)
+
+    def _generate(self, req: Request, stop: threading.Event, put: Any) -> Finished:
+        import time
+
+        t0 = time.perf_counter()
+        engine = self.engine
+        tokens = engine.chat_tokens(req.messages) if req.messages is not None else engine.encode(req.prompt or "")
+        if len(tokens) >= self.n_ctx:
+            raise ApiError(400, f"the prompt is {len(tokens)} tokens, and the context holds {self.n_ctx}",
+                           param="messages" if req.messages is not None else "prompt",
+                           code="context_length_exceeded")  # fmt: skip
+        room = self.n_ctx - len(tokens)
+        max_tokens = min(req.max_tokens or room, room)
+        cutter = StopStrings(req.stops)
+        first = 0.0
+        finish, n_generated, n_kept = "length", 0, 0  # n_kept: tokens up to the one a stop string ended in
+        for ev in engine.reply(tokens, req.params, max_tokens, stop):
+            if isinstance(ev, TokenEvent):
+                if ev.token >= 0 and not first:
+                    first = time.perf_counter() - t0
+                if ev.token >= 0 and not cutter.hit:
+                    n_kept += 1
+                text = cutter.push(ev.text)
+                if cutter.hit:
+                    stop.set()  # the engine ends before its next token
+                if text:
+                    put(Piece(text))
+            elif isinstance(ev, DoneEvent):
+                tail = cutter.flush()
+                if tail:
+                    put(Piece(tail))
+                n_generated = n_kept if cutter.hit else ev.n_generated
+                if ev.stop_reason == "stopped" and not cutter.hit:
+                    with self._lock:
+                        self.cancelled += 1
+                finish = "stop" if cutter.hit or ev.stop_reason in ("eos", "stopped") else "length"
+        with self._lock:
+            self.prompt_tokens += len(tokens)
+            self.completion_tokens += n_generated
+        return Finished(finish, len(tokens), n_generated, first)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)

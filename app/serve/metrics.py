@@ -1,0 +1,75 @@
+"""/metrics in Prometheus' text format: requests, tokens, the queue, and the expert cache per layer group.
+
+The cache's figures are the engine's snapshot, summed over each group's layers (a group: the layers
+that share one bank of slots), so they equal what the chat app's dashboard and exports show.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Callable, Iterator
+
+from moechat.app.serve.jobs import Jobs
+from moechat.engine.cache.stats import CountersSnapshot, StatsSnapshot
+from prometheus_client import CollectorRegistry, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.registry import Collector
+
+
+def group_totals(snap: StatsSnapshot) -> dict[int, CountersSnapshot]:
+    """Each group's counters, its layers' summed."""
+    out: dict[int, CountersSnapshot] = {g.index: CountersSnapshot() for g in snap.groups}
+    for layer in snap.layers:
+        out[layer.group] = out.get(layer.group, CountersSnapshot()) + layer.total
+    return out
+
+
+class ServerCollector(Collector):
+    def __init__(self, jobs: Jobs, requests: Counter[tuple[str, int]],
+                 snapshot: Callable[[], StatsSnapshot | None]) -> None:  # fmt: skip
+        self.jobs, self.requests, self.snapshot = jobs, requests, snapshot
+
+    def collect(self) -> Iterator[Metric]:
+        req = CounterMetricFamily("moechat_requests", "HTTP requests answered", labels=["endpoint", "code"])
+        for (endpoint, code), n in sorted(self.requests.items()):
+            req.add_metric([endpoint, str(code)], n)
+        yield req
+        yield CounterMetricFamily("moechat_prompt_tokens", "prompt tokens of answered requests",
+                                  value=self.jobs.prompt_tokens)  # fmt: skip
+        yield CounterMetricFamily("moechat_completion_tokens", "tokens generated", value=self.jobs.completion_tokens)
+        yield CounterMetricFamily("moechat_requests_cancelled", "generations a client ended before their end",
+                                  value=self.jobs.cancelled)  # fmt: skip
+        yield GaugeMetricFamily("moechat_queue_depth", "requests waiting for the engine", value=self.jobs.waiting)
+        yield GaugeMetricFamily("moechat_requests_running", "requests on the engine now", value=self.jobs.running)
+        snap = self.snapshot()
+        if snap is None:
+            return
+        families = {
+            "hits": CounterMetricFamily("moechat_cache_hits", "expert lookups found in a slot", labels=["group"]),
+            "misses": CounterMetricFamily("moechat_cache_misses", "expert lookups not in a slot", labels=["group"]),
+            "cpu": CounterMetricFamily("moechat_cache_cpu_misses", "misses computed on the CPU", labels=["group"]),
+            "uploaded_bytes": CounterMetricFamily(
+                "moechat_cache_uploaded_bytes", "bytes uploaded into slots", labels=["group"]
+            ),
+        }
+        rate = GaugeMetricFamily("moechat_cache_hit_rate", "hits over lookups since the cache's start",
+                                 labels=["group"])  # fmt: skip
+        slots = GaugeMetricFamily("moechat_cache_slots", "slots of the group", labels=["group"])
+        totals = group_totals(snap)
+        for g in snap.groups:
+            t = totals.get(g.index, CountersSnapshot())
+            for name, family in families.items():
+                family.add_metric([str(g.index)], getattr(t, name))
+            rate.add_metric([str(g.index)], t.hit_rate)
+            slots.add_metric([str(g.index)], g.n_slots)
+        yield from families.values()
+        yield rate
+        yield slots
+        yield GaugeMetricFamily("moechat_cache_tokens", "tokens through the MoE layers since the cache's start",
+                                value=snap.tokens)  # fmt: skip
+
+
+def metrics_text(collector: ServerCollector) -> bytes:
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    return generate_latest(registry)

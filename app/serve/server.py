@@ -1,0 +1,191 @@
+"""The HTTP routes: OpenAI's chat and text completions, models, health, /metrics and the live stats.
+
+Every answer is JSON in OpenAI's shapes (errors too: {"error": {message, type, param, code}}); a bad
+request costs one log line and the next request is answered as usual.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import asdict
+from typing import Any
+
+from moechat.app.engine_api import ChatEngine
+from moechat.app.serve import wire
+from moechat.app.serve.jobs import Finished, Jobs, Piece
+from moechat.app.serve.metrics import ServerCollector, metrics_text
+from moechat.app.serve.wire import ApiError
+from moechat.engine.events import SamplingParams
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+logger = logging.getLogger(__name__)
+
+MAX_BODY = 8 * 2**20  # bytes: far above any prompt a context holds, far below what hurts the server
+MAX_WAITING = 8  # requests queued behind the running one before a new one is refused (429)
+RETRY_AFTER_S = 2
+
+
+def build_app(engine: ChatEngine, defaults: SamplingParams, api_key: str | None = None,
+              max_waiting: int = MAX_WAITING) -> Starlette:  # fmt: skip
+    n_ctx = engine.info.n_ctx
+    model_id = engine.info.name
+    jobs = Jobs(engine, n_ctx, max_waiting)
+    requests: Counter[tuple[str, int]] = Counter()
+    collector = ServerCollector(jobs, requests, engine.snapshot)
+    created = int(time.time())
+
+    def guarded(endpoint: str, handler: Callable[[Request], Awaitable[Response]], auth: bool = True
+                ) -> Callable[[Request], Awaitable[Response]]:  # fmt: skip
+        async def run(request: Request) -> Response:
+            try:
+                if auth and api_key is not None:
+                    given = request.headers.get("authorization", "")
+                    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                        raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY",
+                                       code="invalid_api_key")  # fmt: skip
+                response = await handler(request)
+            except ApiError as e:
+                logger.warning("%s %s: %d %s", request.method, request.url.path, e.status, e.message)
+                headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
+                response = JSONResponse(e.body(), status_code=e.status, headers=headers)
+            requests[(endpoint, response.status_code)] += 1
+            return response
+
+        return run
+
+    async def body_of(request: Request) -> Any:
+        size = request.headers.get("content-length")
+        if size is not None and size.isdigit() and int(size) > MAX_BODY:
+            raise ApiError(413, f"the request body is over {MAX_BODY // 2**20} MiB", code="request_too_large")
+        raw = b""
+        async for part in request.stream():
+            raw += part
+            if len(raw) > MAX_BODY:
+                raise ApiError(413, f"the request body is over {MAX_BODY // 2**20} MiB", code="request_too_large")
+        try:
+            return json.loads(raw)
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ApiError(400, f"the request body is not valid JSON ({e})") from None
+
+    def check_model(req: wire.Request) -> None:
+        if req.model is not None and req.model not in (model_id, "moechat"):
+            raise ApiError(404, f"the model '{req.model}' does not exist here (this server has '{model_id}')",
+                           param="model", code="model_not_found")  # fmt: skip
+
+    async def complete(request: Request, chat: bool) -> Response:
+        req = wire.read_request(await body_of(request), defaults, n_ctx, chat)
+        check_model(req)
+        jobs.admit()
+        stop = threading.Event()
+        out: asyncio.Queue[Any] = asyncio.Queue()
+        jobs.run(req, stop, out)
+        rid = wire.new_id("chatcmpl" if chat else "cmpl")
+        if req.stream:
+            first = await out.get()  # an error before the first piece is still an HTTP status
+            if isinstance(first, ApiError):
+                raise first
+            return StreamingResponse(_events(first, out, stop, rid, model_id, chat, req.include_usage),
+                                     media_type="text/event-stream", headers={"Cache-Control": "no-cache"})  # fmt: skip
+        text = []
+        try:
+            while True:
+                item = await out.get()
+                if isinstance(item, Piece):
+                    text.append(item.text)
+                elif isinstance(item, ApiError):
+                    raise item
+                elif isinstance(item, Finished):
+                    use = wire.usage(item.prompt_tokens, item.completion_tokens)
+                    return JSONResponse(wire.completion(rid, model_id, "".join(text), item.finish_reason, use, chat))
+                else:
+                    raise ApiError(503, "the request was cancelled before it ran", kind="server_error")
+        finally:
+            stop.set()
+
+    async def chat_completions(request: Request) -> Response:
+        return await complete(request, chat=True)
+
+    async def completions(request: Request) -> Response:
+        return await complete(request, chat=False)
+
+    async def models(request: Request) -> Response:
+        return JSONResponse({"object": "list", "data": [{"id": model_id, "object": "model", "created": created,
+                                                         "owned_by": "moechat"}]})  # fmt: skip
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok", "model": model_id})
+
+    async def metrics(request: Request) -> Response:
+        text = await asyncio.get_running_loop().run_in_executor(None, metrics_text, collector)
+        return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
+
+    async def stats(request: Request) -> Response:
+        snap = await asyncio.get_running_loop().run_in_executor(None, engine.snapshot)
+        return JSONResponse({"snapshot": asdict(snap) if snap is not None else None,
+                             "queue_depth": jobs.waiting, "running": jobs.running})  # fmt: skip
+
+    async def not_found(request: Request) -> Response:
+        raise ApiError(404, f"no route {request.method} {request.url.path}", code="not_found")
+
+    routes = [
+        Route("/v1/chat/completions", guarded("chat", chat_completions), methods=["POST"]),
+        Route("/v1/completions", guarded("completions", completions), methods=["POST"]),
+        Route("/v1/models", guarded("models", models), methods=["GET"]),
+        Route("/health", guarded("health", health, auth=False), methods=["GET"]),
+        Route("/metrics", guarded("metrics", metrics), methods=["GET"]),
+        Route("/moechat/stats", guarded("stats", stats), methods=["GET"]),
+        Route("/{path:path}", guarded("other", not_found), methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
+    ]
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        yield
+        jobs.close()
+
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.jobs = jobs
+    return app
+
+
+async def _events(first: Any, out: asyncio.Queue[Any], stop: threading.Event, rid: str, model: str, chat: bool,
+                  include_usage: bool) -> AsyncIterator[bytes]:  # fmt: skip
+    """The server-sent events of one streamed answer. A client that goes away cancels this generator:
+    its stop ends the generation before the engine's next token, and the next request starts."""
+    created = int(time.time())
+
+    def sse(obj: dict[str, Any]) -> bytes:
+        return f"data: {json.dumps(obj)}\n\n".encode()
+
+    try:
+        if chat:
+            yield sse(wire.chunk(rid, model, created, chat, role=True))
+        item = first
+        while True:
+            if isinstance(item, Piece):
+                yield sse(wire.chunk(rid, model, created, chat, text=item.text))
+            elif isinstance(item, Finished):
+                yield sse(wire.chunk(rid, model, created, chat, finish=item.finish_reason))
+                if include_usage:
+                    use = wire.usage(item.prompt_tokens, item.completion_tokens)
+                    yield sse(wire.chunk(rid, model, created, chat, use=use, no_choice=True))
+                yield b"data: [DONE]\n\n"
+                return
+            elif isinstance(item, ApiError):  # mid-stream: the status is sent already; an error event
+                yield sse(item.body())
+                return
+            else:
+                return
+            item = await out.get()
+    finally:
+        stop.set()

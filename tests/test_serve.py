@@ -1,0 +1,297 @@
+"""`moechat serve`: a real server on a loopback port, real clients (the official `openai` client, httpx).
+
+One server per module (loading costs seconds): a small MoE written by the suite, an expert cache on,
+a short context so that a prompt can outgrow it. Every bad request is checked to leave the server
+answering the next good one."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+from testkit.ggufgen import tiny_moe
+
+MOECHAT = [sys.executable, "-m", "moechat"]
+N_CTX = 96
+FLAGS = ["--temp", "0", "-c", str(N_CTX), "--moe-cache-mib", "0.4", "--moe-cache-cpu-share", "0.5", "-t", "1"]
+KEY = "sekret-key"
+
+
+class Server:
+    def __init__(self, model: Path, *extra: str) -> None:
+        env = {**os.environ, "MOECHAT_COMPILE_AHEAD": "0"}
+        self.proc = subprocess.Popen([*MOECHAT, "serve", str(model), "--port", "0", *FLAGS, *extra],
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)  # fmt: skip
+        assert self.proc.stderr is not None
+        lines = []
+        deadline = time.monotonic() + 300
+        while time.monotonic() < deadline:
+            line = self.proc.stderr.readline()
+            if not line:
+                break
+            lines.append(line)
+            m = re.search(r"serving .* on (http://[\d.]+:\d+)/v1", line)
+            if m:
+                self.url = m.group(1)
+                break
+        else:
+            self.stop()
+            pytest.fail("the server did not start: " + "".join(lines))
+        if not hasattr(self, "url"):
+            self.stop()
+            pytest.fail("the server ended: " + "".join(lines))
+        self.head = "".join(lines)  # what it said up to serving
+        # Keep reading its stderr, so that its log lines never fill the pipe.
+        self.log: list[str] = []
+        threading.Thread(target=lambda: self.log.extend(iter(self.proc.stderr.readline, "")), daemon=True).start()
+
+    def rss_kib(self) -> int:
+        return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{self.proc.pid}/status").read_text())[1])  # type: ignore[index]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tiny_moe(tmp_path_factory.mktemp("serve") / "m.gguf", n_layers=3, n_vocab=300)
+
+
+@pytest.fixture(scope="module")
+def server(model: Path) -> Iterator[Server]:
+    s = Server(model)
+    yield s
+    s.stop()
+
+
+def _openai(server: Server, key: str = "none") -> object:
+    from openai import OpenAI
+
+    return OpenAI(base_url=server.url + "/v1", api_key=key, max_retries=0, timeout=120)
+
+
+def _run_chat(model: Path, prompt: str, n: int, *flags: str) -> tuple[str, int]:
+    """`moechat run --chat`'s text and prompt tokens, the reference a server must equal."""
+    r = subprocess.run([*MOECHAT, "run", str(model), "--chat", "-p", prompt, "-n", str(n), *FLAGS, *flags],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    m = re.search(r"prompt: (\d+) tokens", r.stderr)
+    assert m is not None, r.stderr
+    return r.stdout.removesuffix("\n"), int(m[1])
+
+
+def test_the_openai_client_gets_what_run_writes_streamed_or_not(server: Server, model: Path) -> None:
+    client = _openai(server)
+    want, n_prompt = _run_chat(model, "Tell me about rivers.", 12)
+    whole = client.chat.completions.create(  # type: ignore[attr-defined]
+        model="m.gguf", messages=[{"role": "user", "content": "Tell me about rivers."}], max_tokens=12, temperature=0
+    )
+    assert whole.choices[0].message.content == want and whole.choices[0].finish_reason in ("length", "stop")
+    assert whole.usage.prompt_tokens == n_prompt and whole.usage.completion_tokens <= 12
+    assert whole.usage.total_tokens == n_prompt + whole.usage.completion_tokens
+    stream = client.chat.completions.create(  # type: ignore[attr-defined]
+        model="m.gguf", messages=[{"role": "user", "content": "Tell me about rivers."}], max_tokens=12, temperature=0,
+        stream=True, stream_options={"include_usage": True})  # fmt: skip
+    pieces, usage, finish = [], None, None
+    for chunk in stream:
+        if chunk.choices:
+            pieces.append(chunk.choices[0].delta.content or "")
+            finish = chunk.choices[0].finish_reason or finish
+        if chunk.usage is not None:
+            usage = chunk.usage
+    assert "".join(pieces) == want and finish == whole.choices[0].finish_reason
+    assert usage is not None and (usage.prompt_tokens, usage.completion_tokens) == (
+        n_prompt,
+        whole.usage.completion_tokens,
+    )
+    # A raw prompt: `moechat run --raw`'s text.
+    r = subprocess.run([*MOECHAT, "run", str(model), "--raw", "-p", "Once upon a time", "-n", "8", *FLAGS],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    text = client.completions.create(model="m.gguf", prompt="Once upon a time", max_tokens=8,  # type: ignore[attr-defined]
+                                     temperature=0).choices[0].text  # fmt: skip
+    assert text == r.stdout.removesuffix("\n")
+    assert [m.id for m in client.models.list()] == ["m.gguf"]  # type: ignore[attr-defined]
+
+
+def test_stop_sequences_stop(server: Server) -> None:
+    client = _openai(server)
+    ask = {"model": "m.gguf", "messages": [{"role": "user", "content": "Say something."}], "temperature": 0}
+    full = client.chat.completions.create(max_tokens=16, **ask).choices[0].message.content  # type: ignore[attr-defined]
+    found = re.search(r"[A-Za-z]{2}", full[2:])  # printable text to stop at, past the first characters
+    assert found is not None, full
+    stop = found.group(0)
+    cut = client.chat.completions.create(max_tokens=16, stop=[stop], **ask).choices[0]  # type: ignore[attr-defined]
+    assert cut.message.content == full[: full.index(stop)] and cut.finish_reason == "stop"
+
+
+@pytest.mark.parametrize(
+    ("body", "status", "says"),
+    [
+        (b"{not json", 400, "not valid JSON"),
+        (b'{"model": "m.gguf"}', 400, "'messages' is required"),
+        (b'{"messages": "hi"}', 400, "'messages' must be an array"),
+        (b'{"messages": []}', 400, "at least one message"),
+        (b'{"messages": [{"role": "user", "content": 5}]}', 400, "content' must be a string"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "8"}', 400, "'max_tokens' must be"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}', 400, "context size"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": true}', 400, "not a boolean"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "'n' other than 1"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', 400, "tools"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true}', 400, "logprobs"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "model": "gpt-9"}', 404, "does not exist"),
+        (b'{"messages": [{"role": "user", "content": "' + b"word " * 400 + b'"}]}', 400, "context holds"),
+        (b'{"messages": [{"role": "user", "content": "' + b"x" * (9 * 2**20) + b'"}]}', 413, "over 8 MiB"),
+    ],
+)
+def test_bad_requests_get_their_status_and_an_openai_error_and_the_next_is_answered(
+    server: Server, body: bytes, status: int, says: str
+) -> None:
+    r = httpx.post(server.url + "/v1/chat/completions", content=body, headers={"content-type": "application/json"},
+                   timeout=60)  # fmt: skip
+    assert r.status_code == status, r.text
+    err = r.json()["error"]
+    assert says in err["message"] and err["type"] and set(err) == {"message", "type", "param", "code"}
+    good = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                 "max_tokens": 2}, timeout=60)  # fmt: skip
+    assert good.status_code == 200 and good.json()["choices"][0]["message"]["content"]
+
+
+def test_metrics_parse_and_their_cache_counters_are_the_engines(server: Server) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hello"}],
+                                                          "max_tokens": 6}, timeout=60)  # fmt: skip
+    text = httpx.get(server.url + "/metrics", timeout=30).text
+    snap = httpx.get(server.url + "/moechat/stats", timeout=30).json()["snapshot"]
+    families = {f.name: f for f in text_string_to_metric_families(text)}
+    samples = {(s.name, s.labels.get("group")): s.value for f in families.values() for s in f.samples}
+    assert samples[("moechat_completion_tokens_total", None)] >= 6
+    assert snap is not None and snap["groups"]
+    for g in snap["groups"]:
+        layers = [la for la in snap["layers"] if la["group"] == g["index"]]
+        hits = sum(la["small"]["hits"] + la["large"]["hits"] for la in layers)
+        misses = sum(la["small"]["misses"] + la["large"]["misses"] for la in layers)
+        cpu = sum(la["small"]["cpu"] + la["large"]["cpu"] for la in layers)
+        assert samples[("moechat_cache_hits_total", str(g["index"]))] == hits > 0
+        assert samples[("moechat_cache_misses_total", str(g["index"]))] == misses
+        assert samples[("moechat_cache_cpu_misses_total", str(g["index"]))] == cpu
+        assert samples[("moechat_cache_slots", str(g["index"]))] == g["n_slots"]
+
+
+@pytest.mark.slow
+def test_eight_streaming_clients_each_get_their_own_whole_text(server: Server) -> None:
+    def ask(seed: int, stream: bool) -> dict[str, object]:
+        return {"messages": [{"role": "user", "content": f"Story number {seed}."}], "max_tokens": 10,
+                "temperature": 0.9, "seed": seed, "stream": stream}  # fmt: skip
+
+    def streamed(seed: int) -> tuple[int, str]:
+        with httpx.stream("POST", server.url + "/v1/chat/completions", json=ask(seed, True), timeout=300) as r:
+            if r.status_code != 200:
+                r.read()
+                return r.status_code, ""
+            text = []
+            for line in r.iter_lines():
+                if line.startswith("data: {"):
+                    import json
+
+                    choices = json.loads(line[6:])["choices"]
+                    if choices:
+                        text.append(choices[0]["delta"].get("content") or "")
+            return 200, "".join(text)
+
+    want = {s: httpx.post(server.url + "/v1/chat/completions", json=ask(s, False), timeout=120)
+            .json()["choices"][0]["message"]["content"] for s in range(8)}  # fmt: skip
+    rss_before = server.rss_kib()
+    got: dict[int, list[tuple[int, str]]] = {s: [] for s in range(8)}
+
+    def client(seed: int) -> None:
+        for _ in range(5):
+            got[seed].append(streamed(seed))
+
+    threads = [threading.Thread(target=client, args=(s,)) for s in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(600)
+    for seed, answers in got.items():
+        assert len(answers) == 5
+        for status, text in answers:
+            assert status in (200, 429, 503), status
+            if status == 200:
+                assert text == want[seed], (seed, text, want[seed])  # its own seeded text, whole, never mixed
+    assert sum(status == 200 for a in got.values() for status, _ in a) >= 8
+    assert server.rss_kib() <= 1.05 * rss_before
+
+
+@pytest.mark.slow
+def test_a_client_that_goes_away_mid_stream_frees_the_engine(model: Path) -> None:
+    s = Server(model, "-c", "4096")  # room for a reply far longer than the client waits for
+    try:
+        cancelled = _metric(s, "moechat_requests_cancelled_total")
+        with httpx.stream("POST", s.url + "/v1/chat/completions", timeout=120,
+                          json={"messages": [{"role": "user", "content": "long"}], "stream": True,
+                                "max_tokens": 4000}) as r:  # fmt: skip
+            lines = r.iter_lines()
+            for _ in range(6):
+                next(lines)
+        deadline = time.monotonic() + 60
+        while _metric(s, "moechat_requests_cancelled_total") <= cancelled and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert _metric(s, "moechat_requests_cancelled_total") == cancelled + 1
+        assert _metric(s, "moechat_completion_tokens_total") < 4000  # it stopped well before its end
+        good = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
+                                                                "max_tokens": 3}, timeout=120)  # fmt: skip
+        assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] <= 3
+    finally:
+        s.stop()
+
+
+def _metric(server: Server, name: str) -> float:
+    m = re.search(rf"^{name} ([\d.e+]+)$", httpx.get(server.url + "/metrics", timeout=30).text, re.M)
+    assert m is not None
+    return float(m[1])
+
+
+def test_an_api_key_guards_every_endpoint_but_health(model: Path) -> None:
+    s = Server(model, "--api-key", KEY)
+    try:
+        assert httpx.get(s.url + "/health", timeout=30).status_code == 200
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+            for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/chat/completions")):
+                r = httpx.request(method, s.url + path, headers=headers, json={}, timeout=30)
+                assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, path)
+        ok = _openai(s, KEY).chat.completions.create(  # type: ignore[attr-defined]
+            model="m.gguf", messages=[{"role": "user", "content": "hi"}], max_tokens=2
+        )
+        assert ok.choices[0].message.content
+    finally:
+        s.stop()
+
+
+def test_a_non_loopback_address_without_a_key_warns_and_bad_flags_fail_in_one_line(model: Path) -> None:
+    r = subprocess.run([*MOECHAT, "serve", str(model), "--port", "70000"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2 and r.stderr.strip() == "moechat: error: --port must be in 0..65535, got 70000"
+    s = Server(model, "--host", "0.0.0.0")  # bound only: no request goes to it
+    try:
+        assert "moechat: warning: serving on 0.0.0.0 without --api-key" in s.head, s.head
+    finally:
+        s.stop()
+    from moechat.app.serve.command import is_loopback
+
+    assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
+    assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.4")
