@@ -54,9 +54,10 @@ def build_parser() -> argparse.ArgumentParser:
         "doubtful fit says so in its warnings), 2 for a bad argument or file, 130 when interrupted.",
     ))  # fmt: skip
     add_sim_arguments(sub.add_parser("sim", help="replay a routing trace at other cache sizes, shares and policies"))
-    from moechat.app.serve.command import add_serve_arguments
+    from moechat.app.serve.command import add_attach_arguments, add_serve_arguments
 
     add_serve_arguments(sub.add_parser("serve", help="serve the model over OpenAI's HTTP API (with /metrics)"))
+    add_attach_arguments(sub.add_parser("attach", help="the chat app and its live dashboard on a running server"))
     from moechat.app.export_cmd import add_export_arguments
 
     add_export_arguments(sub.add_parser("export", help="write the last session's stats as JSON, CSV or Markdown"))
@@ -72,7 +73,7 @@ def _fail(message: str) -> int:
     return 2
 
 
-COMMANDS = ("inspect", "chat", "run", "tune", "sim", "export", "serve")
+COMMANDS = ("inspect", "chat", "run", "tune", "sim", "export", "serve", "attach")
 
 
 def check_plan_arguments(hosts: int, host_memory: list[float] | None, n_ctx: int) -> None:
@@ -131,10 +132,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             from moechat.app.run_cmd import run
 
             return run(args)
-        if args.command == "serve":
-            from moechat.app.serve.command import run_serve
+        if args.command in ("serve", "attach"):
+            from moechat.app.serve.command import run_attach, run_serve
 
-            return run_serve(args)
+            return run_serve(args) if args.command == "serve" else run_attach(args)
         if args.command in ("tune", "sim"):
             from moechat.app.tune_cmd import run_sim, run_tune
 

@@ -15,7 +15,7 @@ from collections.abc import Callable
 from moechat.app.engine_api import ChatEngine
 from moechat.app.engine_api import Message as ChatMessage
 from moechat.app.messages import ContextTrimmed, ReplyDone, StatsUpdate, TokenText
-from moechat.engine.cache.stats import Cadence
+from moechat.engine.cache.stats import Cadence, StatsSnapshot
 from moechat.engine.events import DoneEvent, SamplingParams, TokenEvent, tokens_per_second
 from textual.message import Message
 
@@ -60,8 +60,12 @@ def stream_reply(engine: ChatEngine, messages: list[ChatMessage], params: Sampli
 
 def _stats(engine: ChatEngine, n: int, first: float, full: bool, final: bool = False,
            tps: float | None = None) -> StatsUpdate:  # fmt: skip
-    snap = engine.snapshot()
     if tps is None:  # while streaming: the engine's formula over what this side has seen
         tps = tokens_per_second(n, time.perf_counter() - first if first else 0.0)
+    return stats_update(engine.snapshot(), n, tps, full, final)
+
+
+def stats_update(snap: StatsSnapshot | None, n: int, tps: float, full: bool, final: bool = False) -> StatsUpdate:
+    """What the dashboard draws: the snapshot, the reply's tokens and t/s, the MiB uploaded per token."""
     up = snap.total.uploaded_bytes / 2**20 / max(snap.tokens, 1) if snap is not None else 0.0
     return StatsUpdate(snap, n, tps, up, final, full)

@@ -60,8 +60,10 @@ class MoechatApp(App[int]):
     TITLE = "moechat"
 
     def __init__(self, factory: EngineFactory, settings: Settings, *, paths: AppPaths | None = None,
-                 config_path: Path | None = None, warnings: Iterable[str] = ()) -> None:  # fmt: skip
+                 config_path: Path | None = None, warnings: Iterable[str] = (),
+                 attached: bool = False) -> None:  # fmt: skip
         super().__init__()
+        self.attached = attached
         self.factory = factory
         self._settings = settings
         self.paths = paths or app_paths()

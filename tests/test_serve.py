@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import httpx
@@ -52,7 +53,8 @@ class Server:
         self.head = "".join(lines)  # what it said up to serving
         # Keep reading its stderr, so that its log lines never fill the pipe.
         self.log: list[str] = []
-        threading.Thread(target=lambda: self.log.extend(iter(self.proc.stderr.readline, "")), daemon=True).start()
+        err = self.proc.stderr
+        threading.Thread(target=lambda: self.log.extend(iter(err.readline, "")), daemon=True).start()
 
     def rss_kib(self) -> int:
         return int(re.search(r"VmRSS:\s+(\d+)", Path(f"/proc/{self.proc.pid}/status").read_text())[1])  # type: ignore[index]
@@ -295,3 +297,50 @@ def test_a_non_loopback_address_without_a_key_warns_and_bad_flags_fail_in_one_li
 
     assert is_loopback("127.0.0.1") and is_loopback("::1") and is_loopback("localhost")
     assert not is_loopback("0.0.0.0") and not is_loopback("192.168.1.4")
+
+
+async def test_attach_shows_the_servers_numbers_moving_while_another_client_generates(
+    server: Server, tmp_path: Path
+) -> None:
+    """`moechat attach`: the chat app on the server, its dashboard fed by the server's snapshots (the
+    engine's own type), its chat a client like any other."""
+    from moechat.app.paths import AppPaths
+    from moechat.app.serve.remote import RemoteEngine
+    from moechat.app.settings import Settings
+    from moechat.app.tui import MoechatApp
+    from moechat.widgets.dashboard import Dashboard
+    from testkit.pilot import ready, say, until
+
+    paths = AppPaths(tmp_path / "config", tmp_path / "data", tmp_path / "cache", tmp_path / "log")
+    app = MoechatApp(lambda progress: RemoteEngine(server.url), Settings(refresh_ms=100, temp=0.0), paths=paths,
+                     attached=True)  # fmt: skip
+    async with app.run_test(size=(120, 40)) as pilot:
+        screen = await ready(pilot)
+        assert app.engine.info.name == "m.gguf"
+        dash = screen.query_one(Dashboard)
+        await until(pilot, lambda: app.session.snapshot is not None, timeout=60)
+        assert app.session.snapshot is not None
+        before, updates = app.session.snapshot.total.lookups, dash.updates
+        other = threading.Thread(target=lambda: httpx.post(
+            server.url + "/v1/chat/completions", timeout=120,
+            json={"messages": [{"role": "user", "content": "Another client speaks."}], "max_tokens": 30}))  # fmt: skip
+        other.start()
+        await until(pilot, lambda: app.session.snapshot is not None and app.session.snapshot.total.lookups > before,
+                    timeout=120)  # fmt: skip
+        other.join(120)
+        assert dash.updates > updates
+        # The server's own numbers, as /moechat/stats has them (all but the time each was taken).
+        remote = RemoteEngine(server.url)
+
+        def same() -> bool:
+            ours, theirs = app.session.snapshot, remote.snapshot()
+            return ours is not None and theirs is not None and replace(ours, time=0) == replace(theirs, time=0)
+
+        await until(pilot, same, timeout=60)
+        remote.close()
+        await say(pilot, screen, "hello there")
+        reply = screen.conv.messages[-1]
+        assert reply["role"] == "assistant" and "stats" in reply and reply["stats"]["n_generated"] > 0, reply
+        want = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
+            "messages": [{"role": "user", "content": "hello there"}], "temperature": 0}).json()  # fmt: skip
+        assert reply["content"] == want["choices"][0]["message"]["content"].strip()

@@ -22,6 +22,7 @@ class ScreenHost(Protocol):
     config_path: Path
     paths: AppPaths
     cache_in_effect: tuple[float, float]
+    attached: bool  # the engine is a server's (`moechat attach`): its numbers move without our replies
 
     @property
     def settings(self) -> Settings: ...

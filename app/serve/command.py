@@ -8,7 +8,7 @@ import ipaddress
 import sys
 
 from moechat.app.run_cmd import add_config_flag
-from moechat.app.settings import ENGINE, MODEL_HELP, SAMPLING, add_flags
+from moechat.app.settings import APP, ENGINE, MODEL_HELP, SAMPLING, add_flags
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
@@ -73,3 +73,35 @@ def run_serve(args: argparse.Namespace) -> int:
     finally:
         engine.close()
     return 0 if server.started else 2
+
+
+def add_attach_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("url", nargs="?", default="http://127.0.0.1:8080", help="the server (default http://127.0.0.1:8080)")
+    p.add_argument("--api-key", default=None, metavar="KEY", help="the server's --api-key")
+    add_flags(p, (*SAMPLING, *APP))
+    add_config_flag(p)
+
+
+def run_attach(args: argparse.Namespace) -> int:
+    """The chat app on a running server: its dashboard fed by the server's stats, its chat a client."""
+    from pathlib import Path
+
+    from moechat.app.paths import app_paths
+    from moechat.app.settings import resolve
+
+    given = getattr(args, "config", None)
+    config = Path(given) if given else app_paths().config / "config.toml"
+    if given and not config.is_file():
+        raise ValueError(f"--config {config}: no such file")
+    # The model's own defaults live on the server; here only what this client asks for and shows.
+    settings, warnings = resolve({n: getattr(args, n, None) for n in (*SAMPLING, *APP)}, config_path=config)
+    if not (sys.stdin.isatty() and sys.stdout.isatty()):
+        raise ValueError("moechat attach opens the chat app: it needs a terminal")
+    from moechat.app.serve.remote import RemoteEngine
+    from moechat.app.tui import MoechatApp, run_tui
+
+    def connect(progress: object) -> RemoteEngine:
+        return RemoteEngine(args.url, args.api_key)
+
+    app = MoechatApp(connect, settings, config_path=config, warnings=warnings, attached=True)
+    return run_tui(app, app_paths().log / "moechat.log")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -18,7 +19,7 @@ from typing import Any
 from moechat.app.engine_api import ChatEngine
 from moechat.app.real_engine import StopStrings
 from moechat.app.serve.wire import ApiError, Request
-from moechat.engine.events import DoneEvent, TokenEvent
+from moechat.engine.events import DoneEvent, TokenEvent, tokens_per_second
 
 logger = logging.getLogger(__name__)
 
@@ -49,6 +50,9 @@ class Jobs:
         self.prompt_tokens = 0
         self.completion_tokens = 0
         self.cancelled = 0
+        # The reply on the engine now, or the last: its tokens and t/s (what an attached dashboard shows).
+        self.live_tokens = 0
+        self.live_tps = 0.0
 
     def admit(self) -> None:
         """Take a request into the queue, or refuse it (429) when the queue is full."""
@@ -90,8 +94,6 @@ class Jobs:
         return loop.run_in_executor(self._pool, work)
 
     def _generate(self, req: Request, stop: threading.Event, put: Any) -> Finished:
-        import time
-
         t0 = time.perf_counter()
         engine = self.engine
         tokens = engine.chat_tokens(req.messages) if req.messages is not None else engine.encode(req.prompt or "")
@@ -108,6 +110,9 @@ class Jobs:
             if isinstance(ev, TokenEvent):
                 if ev.token >= 0 and not first:
                     first = time.perf_counter() - t0
+                if ev.token >= 0:
+                    self.live_tokens = ev.index + 1
+                    self.live_tps = tokens_per_second(ev.index + 1, time.perf_counter() - t0 - first)
                 if ev.token >= 0 and not cutter.hit:
                     n_kept += 1
                 text = cutter.push(ev.text)

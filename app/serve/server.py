@@ -44,6 +44,7 @@ def build_app(engine: ChatEngine, defaults: SamplingParams, api_key: str | None 
     requests: Counter[tuple[str, int]] = Counter()
     collector = ServerCollector(jobs, requests, engine.snapshot)
     created = int(time.time())
+    cache_setting = engine.cache()  # asked once: a streaming reply holds the engine's pipe
 
     def guarded(endpoint: str, handler: Callable[[Request], Awaitable[Response]], auth: bool = True
                 ) -> Callable[[Request], Awaitable[Response]]:  # fmt: skip
@@ -132,8 +133,11 @@ def build_app(engine: ChatEngine, defaults: SamplingParams, api_key: str | None 
 
     async def stats(request: Request) -> Response:
         snap = await asyncio.get_running_loop().run_in_executor(None, engine.snapshot)
-        return JSONResponse({"snapshot": asdict(snap) if snap is not None else None,
-                             "queue_depth": jobs.waiting, "running": jobs.running})  # fmt: skip
+        return JSONResponse({"snapshot": asdict(snap) if snap is not None else None, "queue_depth": jobs.waiting,
+                             "running": jobs.running, "tokens": jobs.live_tokens, "tps": jobs.live_tps})  # fmt: skip
+
+    async def info(request: Request) -> Response:
+        return JSONResponse({"model": asdict(engine.info), "cache": list(cache_setting)})
 
     async def not_found(request: Request) -> Response:
         raise ApiError(404, f"no route {request.method} {request.url.path}", code="not_found")
@@ -145,6 +149,7 @@ def build_app(engine: ChatEngine, defaults: SamplingParams, api_key: str | None 
         Route("/health", guarded("health", health, auth=False), methods=["GET"]),
         Route("/metrics", guarded("metrics", metrics), methods=["GET"]),
         Route("/moechat/stats", guarded("stats", stats), methods=["GET"]),
+        Route("/moechat/info", guarded("info", info), methods=["GET"]),
         Route("/{path:path}", guarded("other", not_found), methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
     ]
 

@@ -6,6 +6,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 SMALL_BATCH = 8  # statistics split batches at 8 tokens, like the seed
 
@@ -120,6 +121,18 @@ class StatsSnapshot:
         for layer in self.layers:
             out = out + layer.total
         return out
+
+
+def snapshot_from_dict(d: dict[str, Any]) -> StatsSnapshot:
+    """A snapshot back from `dataclasses.asdict` (JSON): what a server's stats stream carries to `moechat attach`."""
+    groups = tuple(GroupInfo(**{**g, "layers": tuple(g["layers"])}) for g in d["groups"])
+    layers = tuple(
+        LayerSnapshot(la["layer"], la["group"], CountersSnapshot(**la["small"]), CountersSnapshot(**la["large"]),
+                      la["occupancy"], tuple(la["cached"]), tuple(la["use_counts"]))
+        for la in d["layers"]
+    )  # fmt: skip
+    rest = {k: d[k] for k in ("warm_uploads", "warm_bytes", "policy") if k in d}
+    return StatsSnapshot(d["time"], d["tokens"], groups, layers, d["cpu_share"], **rest)
 
 
 RECENT_TOKENS = 32  # the dashboard's and the export's recent window
