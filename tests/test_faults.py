@@ -12,7 +12,7 @@ from moechat.app.real_engine import RealEngine
 from moechat.engine.cache.settings import CacheError, CacheSettings
 from moechat.engine.events import GREEDY, DoneEvent, TokenEvent
 from moechat.engine.loader import load_model
-from moechat.tuner.events import ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone
+from moechat.tuner.events import N_ARMS, ArmDone, ArmProgress, ArmStarted, Cancelled, SweepDone
 from testkit.ggufgen import tiny_moe
 
 HELLO = [{"role": "user", "content": "Tell me about the river and the ferry."}]
@@ -88,7 +88,7 @@ def test_stop_in_every_calibration_arm_keeps_the_session(model: Path, reference:
     runs = tmp_path / "home" / "cache" / "tune"
     # On the CPU device the six arms run together, a token of each in turn: a stop at any token of
     # any arm keeps none of them (none has finished), leaves no partial file and restores the session.
-    for arm, at in ((0, 1), (3, 3), (5, 4)):  # progress comes at each of the first 4 tokens
+    for arm, at in ((0, 1), (3, 3), (5, 4), (6, 2)):  # progress comes at each of the first 4 tokens
         stop = threading.Event()
         with pytest.raises(Cancelled):
             for ev in engine.sweep(stop, None, 24):
@@ -99,9 +99,9 @@ def test_stop_in_every_calibration_arm_keeps_the_session(model: Path, reference:
         assert not list(runs.rglob("*.json")) and not list(runs.rglob("*.part")) and not list(runs.rglob("*.tmp"))
         _consistent(engine)
     assert _tokens(engine) == reference
-    # With nothing stopping it, the sweep finishes; the next one reuses all six arms.
+    # With nothing stopping it, the sweep finishes; the next one reuses all its arms (six, and cache off).
     events = list(engine.sweep(threading.Event(), None, 24))
-    assert sum(isinstance(e, ArmStarted) for e in events) == 6 and isinstance(events[-1], SweepDone)
+    assert sum(isinstance(e, ArmStarted) for e in events) == N_ARMS and isinstance(events[-1], SweepDone)
     again = list(engine.sweep(threading.Event(), None, 24))
     assert not any(isinstance(e, ArmStarted) for e in again) and isinstance(again[-1], SweepDone)
     # One arm missing: it runs alone (as every arm does on a GPU), and a stop in it keeps the other five.

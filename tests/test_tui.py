@@ -331,8 +331,8 @@ def test_the_heat_maps_axis_numbers_the_experts_over_their_columns() -> None:
     offset = line.index("0")
     assert offset == len(f"{snap.layers[0].layer:>3} ")  # expert 0 over the first column
     assert line[offset + 16 : offset + 18] == "16" and line[offset + 32 : offset + 34] == "32"
-    wide = FakeEngine(["x"], n_expert=256).snapshot()  # folded: two experts a column
-    assert wide is not None and axis(wide)[4 + 16 : 4 + 18] == "32"
+    wide = FakeEngine(["x"], n_expert=256).snapshot()  # folded to 64 columns: four experts a column
+    assert wide is not None and axis(wide)[4 + 16 : 4 + 18] == "64"
 
 
 def test_the_heat_map_has_a_legend_of_its_characters_and_its_cached_mark() -> None:
@@ -427,7 +427,7 @@ async def test_the_input_works_while_the_model_loads_and_a_queued_message_gets_i
         screen = app.screen
         assert isinstance(screen, ChatScreen) and app.engine is None
         info = screen.query_one("#info", Static)
-        await until(pilot, lambda: "now attention" in drawn(info))  # the load's progress, on the chat screen
+        await until(pilot, lambda: "1 of about 200" in drawn(info))  # the load's progress, on the chat screen
         for ch in "hi":
             await pilot.press(ch)
         await pilot.press("enter")
