@@ -26,7 +26,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "distributed": 8,  # a model split over hosts: above the runtime it splits
 }
 RUNTIME = 7  # the engine's top modules (loader, generate, ...) use everything below
-UI_LIBRARIES = ("textual", "rich", "plotext", "textual_plotext")
+UI_LIBRARIES = ("textual", "rich", "plotext", "textual_plotext", "starlette", "uvicorn", "prometheus_client", "httpx")
 
 
 def modules() -> dict[str, Path]:

@@ -15,13 +15,11 @@ from __future__ import annotations
 
 import csv
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
-
-from moechat.tuner.simulator import Group, Routing
 
 MAGIC = "# route_trace v1"
 COLUMNS = ("turn", "phase", "step", "layer", "slot", "expert", "weight", "residency", "expert_bytes")
-MAX_BATCH = 32  # as moechat's engine: a lookup of more tokens goes around the cache
 
 
 def is_route_csv(path: str | Path) -> bool:
@@ -44,8 +42,18 @@ def _int(value: str, what: str, where: str) -> int:
         raise ValueError(f"{where}: {what} '{value}' is not a whole number") from None
 
 
-def read_route_csv(path: str | Path) -> Routing:
-    """The trace as a Routing; ValueError naming the file and line for anything malformed."""
+@dataclass(frozen=True)
+class RouteTrace:
+    """What the simulator's Routing is built from: the banks (layers, experts, bytes each), the experts a
+    token selects per layer, and each lookup (layer, experts per token, ids)."""
+
+    banks: tuple[tuple[tuple[int, ...], int, int], ...]
+    n_expert_used: int
+    records: tuple[tuple[int, int, tuple[int, ...]], ...]
+
+
+def read_route_csv(path: str | Path) -> RouteTrace:
+    """The trace's banks and lookups; ValueError naming the file and line for anything malformed."""
     name = str(path)
     try:
         text = Path(path).read_text(encoding="utf-8")
@@ -92,8 +100,7 @@ def read_route_csv(path: str | Path) -> Routing:
     banks: dict[int, list[int]] = {}
     for layer in used:
         banks.setdefault(expert_bytes[layer], []).append(layer)
-    groups = tuple(Group(tuple(layers), n_expert, size) for size, layers in banks.items())
-    return Routing(groups, n_used, MAX_BATCH, tuple(records))
+    return RouteTrace(tuple((tuple(layers), n_expert, size) for size, layers in banks.items()), n_used, tuple(records))
 
 
 def _lookups(lines: list[str], body: int, name: str, n_layer: int, n_expert: int, expert_bytes: dict[int, int]

@@ -13,9 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moechat.engine.cache.policy import ClassLRU, CpuShare, bypasses, count_bypass, count_prefetch, split_budget
+from moechat.engine.cache.settings import MAX_BATCH
 from moechat.engine.cache.stats import CountersSnapshot, LayerCounters
 from moechat.engine.cache.trace import read_trace
 from moechat.engine.cache.warm_start import hottest
+from moechat.tuner.route_csv import is_route_csv, read_route_csv
 
 WARMUP_TOKENS = 64
 
@@ -111,10 +113,10 @@ class Routing:
 
 def load_routing(path: str | Path) -> Routing:
     """A trace of moechat's (`--moe-cache-trace`), or another engine's route_trace v1 CSV (tuner/route_csv)."""
-    from moechat.tuner.route_csv import is_route_csv, read_route_csv  # (it builds on this module's types)
-
     if is_route_csv(path):
-        return read_route_csv(path)
+        rt = read_route_csv(path)
+        # Replayed as moechat's engine runs: its default batch above which a lookup goes around the cache.
+        return Routing(tuple(Group(*bank) for bank in rt.banks), rt.n_expert_used, MAX_BATCH, rt.records)
     tr = read_trace(path)
     h = tr.header
     try:
