@@ -35,7 +35,7 @@ class Dashboard(VerticalScroll):
         yield Static("per layer", classes="title")
         yield LayerStats(id="layers")
         yield Static(legend(), id="heat-legend")
-        yield Static("", id="heat-axis", markup=False)
+        yield RowsView("  L", id="heat-axis")  # rows are cropped at the panel's edge, never wrapped
         yield ExpertHeatmap(id="heatmap")
 
     def show(
@@ -107,7 +107,7 @@ class Dashboard(VerticalScroll):
         self.query_one(LayerStats).show(snap, fold)
         self.query_one(ExpertHeatmap).show(snap, redraw=full, fold=fold)
         if full:
-            self.query_one("#heat-axis", Static).update(axis(snap, fold_rows=fold))
+            self.query_one("#heat-axis", RowsView).set_rows([[(axis(snap, fold_rows=fold), "")]])
 
     def layer_fold(self, n_layers: int) -> int:
         """Layers per row, so that the per-layer rows and the heat map fit the panel without scrolling.
@@ -116,11 +116,15 @@ class Dashboard(VerticalScroll):
         the busiest of them per expert (heat map). 1 until the panel has a size.
         """
         stats, heat = self.query_one(LayerStats), self.query_one(ExpertHeatmap)
+        axis = self.query_one("#heat-axis", RowsView)
         height = self.scrollable_content_region.height
         if height <= 0 or n_layers == 0:
             return 1
         # Rows views by their rows (a layout may not have caught up with their last update yet).
         fixed = sum(len(w.lines) if isinstance(w, RowsView) else w.outer_size.height
-                    for w in self.children if w is not stats and w is not heat)  # fmt: skip
-        rows = (height - fixed - 1) // 2  # the stats' header, then the same number of rows for each
+                    for w in self.children if w not in (stats, heat, axis))  # fmt: skip
+        spare = height - fixed - 1  # less the stats' header
+        # The heat map's expert axis where a row each for the stats and the map is left beside it.
+        axis.display = spare >= 3
+        rows = (spare - (1 if axis.display else 0)) // 2  # the same number of rows for each
         return max(1, -(-n_layers // max(1, rows)))
