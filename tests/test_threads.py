@@ -100,3 +100,33 @@ def test_a_thread_is_taken_at_once_and_given_back_after_two_quiet_looks(tmp_path
         seen.append(governor.pace())
     full = len(cpus)
     assert seen == [full - 1, full - 1, full - 1, full - 1, full]
+
+
+def test_a_look_after_an_idle_stretch_takes_no_thread_for_what_others_did_meanwhile(tmp_path: Path) -> None:
+    """Between two replies (or two served requests) another process may have used every core: the first
+    look of the next reply spans that history, not the present, and only starts the next span."""
+    stat = tmp_path / "stat"
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0, 1]
+    if len(cpus) < 2 or os.sysconf("SC_CLK_TCK") != 100:
+        pytest.skip("needs two cores and 100 Hz ticks")
+    ticks = {"busy": 0, "idle": 0}
+
+    def write(busy: bool, looks: int = 1) -> None:  # `looks` x 0.25 s more, every core busy or idle
+        ticks["busy" if busy else "idle"] += 25 * looks
+        lines = ["cpu  0 0 0 0 0 0 0 0 0 0"] + [f"cpu{c} {ticks['busy']} 0 0 {ticks['idle']} 0 0 0 0 0 0" for c in cpus]
+        stat.write_text("\n".join(lines) + "\n")
+
+    write(False)
+    now = [0.0]
+    governor = ThreadGovernor(len(cpus), CoreWatch(str(stat)), clock=lambda: now[0])
+    now[0] += LOOK_EVERY_S
+    assert governor.pace() == len(cpus)
+    write(True, looks=40)  # 10 s: this process waits while another keeps every core busy
+    now[0] += 40 * LOOK_EVERY_S
+    assert governor.pace() == len(cpus)  # that span is history
+    write(False)
+    now[0] += LOOK_EVERY_S
+    assert governor.pace() == len(cpus)
+    write(True)  # a core busy now, within a reply: a thread goes at once
+    now[0] += LOOK_EVERY_S
+    assert governor.pace() < len(cpus)

@@ -125,9 +125,12 @@ class ThreadGovernor:
         """The thread count to run the next step with, applied to the calling thread."""
         now = self.clock()
         if now >= self._next:
+            # A look after an idle stretch (between replies, between requests) would measure what others
+            # did while this process waited, not what they do now: it only starts the next span.
+            stale = now - self._next > LOOK_EVERY_S
             self._next = now + LOOK_EVERY_S
             others = self.watch.others()
-            if others is not None:
+            if others is not None and not stale:
                 self.busy_elsewhere = others
                 n = max(1, min(self.n_max, len(self.watch.cpus) - int(others + (1 - TAKE_AT))))
                 # A thread is taken away at once, given back only after two looks agree: a core that
