@@ -344,3 +344,16 @@ async def test_attach_shows_the_servers_numbers_moving_while_another_client_gene
         want = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "hello there"}], "temperature": 0}).json()  # fmt: skip
         assert reply["content"] == want["choices"][0]["message"]["content"].strip()
+
+
+def test_a_conversation_that_grows_reuses_the_kv_of_the_request_before(server: Server) -> None:
+    """An agent's context grows request by request: the part the engine holds is not read again."""
+    client = _openai(server)
+    first_messages = [{"role": "user", "content": "Name a river."}]
+    first = client.chat.completions.create(model="m.gguf", messages=first_messages, max_tokens=6,  # type: ignore[attr-defined]
+                                           temperature=0)  # fmt: skip
+    grown = [*first_messages, {"role": "assistant", "content": first.choices[0].message.content},
+             {"role": "user", "content": "And another?"}]  # fmt: skip
+    second = client.chat.completions.create(model="m.gguf", messages=grown, max_tokens=6, temperature=0)  # type: ignore[attr-defined]
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens

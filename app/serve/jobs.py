@@ -35,6 +35,7 @@ class Finished:
     prompt_tokens: int
     completion_tokens: int
     seconds_to_first: float  # from the job's start to its first token (reading the prompt included)
+    cached_tokens: int = 0  # prompt tokens the conversation's KV cache held from an earlier request
 
 
 class Jobs:
@@ -106,6 +107,7 @@ class Jobs:
         cutter = StopStrings(req.stops)
         first = 0.0
         finish, n_generated, n_kept = "length", 0, 0  # n_kept: tokens up to the one a stop string ended in
+        cached = 0
         for ev in engine.reply(tokens, req.params, max_tokens, stop):
             if isinstance(ev, TokenEvent):
                 if ev.token >= 0 and not first:
@@ -125,6 +127,7 @@ class Jobs:
                 if tail:
                     put(Piece(tail))
                 n_generated = n_kept if cutter.hit else ev.n_generated
+                cached = ev.n_kept
                 if ev.stop_reason == "stopped" and not cutter.hit:
                     with self._lock:
                         self.cancelled += 1
@@ -132,7 +135,7 @@ class Jobs:
         with self._lock:
             self.prompt_tokens += len(tokens)
             self.completion_tokens += n_generated
-        return Finished(finish, len(tokens), n_generated, first)
+        return Finished(finish, len(tokens), n_generated, first, cached)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

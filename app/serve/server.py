@@ -107,7 +107,7 @@ def build_app(engine: ChatEngine, defaults: SamplingParams, api_key: str | None 
                 elif isinstance(item, ApiError):
                     raise item
                 elif isinstance(item, Finished):
-                    use = wire.usage(item.prompt_tokens, item.completion_tokens)
+                    use = wire.usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
                     return JSONResponse(wire.completion(rid, model_id, "".join(text), item.finish_reason, use, chat))
                 else:
                     raise ApiError(503, "the request was cancelled before it ran", kind="server_error")
@@ -182,7 +182,7 @@ async def _events(first: Any, out: asyncio.Queue[Any], stop: threading.Event, ri
             elif isinstance(item, Finished):
                 yield sse(wire.chunk(rid, model, created, chat, finish=item.finish_reason))
                 if include_usage:
-                    use = wire.usage(item.prompt_tokens, item.completion_tokens)
+                    use = wire.usage(item.prompt_tokens, item.completion_tokens, item.cached_tokens)
                     yield sse(wire.chunk(rid, model, created, chat, use=use, no_choice=True))
                 yield b"data: [DONE]\n\n"
                 return

@@ -160,12 +160,14 @@ def new_id(prefix: str) -> str:
     return f"{prefix}-{uuid.uuid4().hex[:24]}"
 
 
-def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int = 0) -> dict[str, Any]:
+    """OpenAI's usage, with the prompt tokens the KV cache held from an earlier request as cached ones."""
     return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens}  # fmt: skip
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": cached_tokens}}  # fmt: skip
 
 
-def completion(rid: str, model: str, text: str, finish: str, use: dict[str, int], chat: bool) -> dict[str, Any]:
+def completion(rid: str, model: str, text: str, finish: str, use: dict[str, Any], chat: bool) -> dict[str, Any]:
     """A whole (not streamed) answer."""
     if chat:
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text},
@@ -177,7 +179,7 @@ def completion(rid: str, model: str, text: str, finish: str, use: dict[str, int]
 
 
 def chunk(rid: str, model: str, created: int, chat: bool, text: str | None = None, finish: str | None = None,
-          role: bool = False, use: dict[str, int] | None = None,
+          role: bool = False, use: dict[str, Any] | None = None,
           no_choice: bool = False) -> dict[str, Any]:  # fmt: skip
     """One streamed piece: a role, text, the finish reason, or (no choice) the usage at the end."""
     out: dict[str, Any] = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
