@@ -205,8 +205,12 @@ class ProcessEngine:
 
     def _call(self, name: str, *args: Any) -> Any:
         with self._lock:
-            self._conn.send((name, args))
-            msg = self._recv()
+            return self._exchange(name, args)
+
+    def _exchange(self, name: str, args: tuple[Any, ...]) -> Any:
+        """One call and its answer over the pipe; the caller holds the lock."""
+        self._conn.send((name, args))
+        msg = self._recv()
         if msg[0] == "error":
             self._raise(msg[1], msg[2])
         return msg[1]
@@ -252,13 +256,9 @@ class ProcessEngine:
         if not self._lock.acquire(blocking=False):
             return self._snap
         try:
-            self._conn.send(("snapshot", ()))
-            msg = self._recv()
+            self._snap = self._exchange("snapshot", ())
         finally:
             self._lock.release()
-        if msg[0] == "error":
-            self._raise(msg[1], msg[2])
-        self._snap = msg[1]
         return self._snap
 
     def cache(self) -> tuple[float, float]:

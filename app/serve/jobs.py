@@ -34,7 +34,6 @@ class Finished:
     finish_reason: str  # stop | length
     prompt_tokens: int
     completion_tokens: int
-    seconds_to_first: float  # from the job's start to its first token (reading the prompt included)
     cached_tokens: int = 0  # prompt tokens the conversation's KV cache held from an earlier request
 
 
@@ -135,7 +134,7 @@ class Jobs:
         with self._lock:
             self.prompt_tokens += len(tokens)
             self.completion_tokens += n_generated
-        return Finished(finish, len(tokens), n_generated, first, cached)
+        return Finished(finish, len(tokens), n_generated, cached)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
