@@ -162,12 +162,7 @@ def _answer(conn: Connection, engine: RealEngine, spec: EngineSpec, stop: Any) -
 
 class ProcessEngine:
     def __init__(self, spec: EngineSpec, progress: Callable[[str], None] = lambda text: None) -> None:
-        ctx = mp.get_context("spawn")  # a fresh interpreter: no copied UI state, no forked threads
-        self._conn, child = ctx.Pipe()
-        self._stop = ctx.Event()
-        self._proc = ctx.Process(target=_serve, args=(child, spec, self._stop), daemon=True, name="moechat-engine")
-        _starter.submit(self._start).result()  # from the thread that keeps the original priority
-        child.close()
+        _starter.submit(self._start, spec).result()  # from the thread that keeps the original priority
         self._lock = threading.Lock()
         self._snap: StatsSnapshot | None = None
         while True:
@@ -182,11 +177,17 @@ class ProcessEngine:
                 self._proc.join(5)
                 raise ValueError(msg[2])
 
-    def _start(self) -> None:
-        # multiprocessing hands the child sys.stderr's descriptor; under Textual sys.stderr is a
-        # capture object without one, so the real streams stand in while the child starts.
+    def _start(self, spec: EngineSpec) -> None:
+        # multiprocessing hands its children sys.stderr's descriptor (the engine, and the resource
+        # tracker the first Event starts); under Textual sys.stderr is a capture object whose
+        # descriptor is -1, so the real streams stand in while both start.
         with contextlib.redirect_stdout(sys.__stdout__), contextlib.redirect_stderr(sys.__stderr__):
+            ctx = mp.get_context("spawn")  # a fresh interpreter: no copied UI state, no forked threads
+            self._conn, child = ctx.Pipe()
+            self._stop = ctx.Event()
+            self._proc = ctx.Process(target=_serve, args=(child, spec, self._stop), daemon=True, name="moechat-engine")
             self._proc.start()
+            child.close()
 
     def _recv(self) -> tuple[Any, ...]:
         try:
