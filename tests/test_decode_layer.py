@@ -63,7 +63,8 @@ def test_two_calls_per_layer_give_the_per_part_paths_bits(arch: str, kernels: st
 
 def test_the_calls_follow_new_bits_and_the_expert_cache(tmp_path: Path) -> None:
     """The calls bind the activations' bits and the executor: after other bits the layer computes with them
-    (the per-part path's bits again); behind the expert cache it takes the cache's path, and back without it."""
+    (the per-part path's bits again); behind an expert cache that prefetches it takes the cache's path, and
+    back without it; behind slots that are the host copy it keeps its calls."""
     lm = load_model(tiny_moe(tmp_path / "q.gguf", expert_type=Q.Q4_K, dense_type=Q.Q8_0), n_ctx=64, cpu_kernels="int8")
     int8, _ = _steps(lm, True)
     set_activation_bits(lm.model, 16, 16)
@@ -73,13 +74,17 @@ def test_the_calls_follow_new_bits_and_the_expert_cache(tmp_path: Path) -> None:
     assert all(torch.equal(a, b) for a, b in zip(int16, int16_parts, strict=True))
     assert not all(torch.equal(a, b) for a, b in zip(int8, int16, strict=True))  # the bits did change the result
     lm.close()
-    cached = load_model(
-        tiny_moe(tmp_path / "c.gguf", dense_type=Q.Q8_0), n_ctx=64, cache=CacheSettings(mib=0.5, cpu_share=0.5)
-    )
+    path = tiny_moe(tmp_path / "c.gguf", dense_type=Q.Q8_0)
+    # A cache that prefetches acts on its plan before the experts run: the cache's own path.
+    cached = load_model(path, n_ctx=64, cache=CacheSettings(mib=0.5, cpu_share=0.5, prefetch=True))
     assert _taken(cached) == 0
     cached.model.experts = cached.model.host_experts
     assert _taken(cached) == len(cached.model.blocks)
     cached.close()
+    # Slots that are the host copy: the two calls, the lookups told to the cache after the token.
+    in_place = load_model(path, n_ctx=64, cache=CacheSettings(mib=0.5, cpu_share=0.5))
+    assert _taken(in_place) == len(in_place.model.blocks)
+    in_place.close()
 
 
 @pytest.mark.parametrize("arch", ["qwen2moe", "olmoe", "deepseek2"])

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from moechat.engine.cache.settings import CacheSettings
+from moechat.engine.generate import decode_one, prefill
 from moechat.engine.loader import load_model
 from moechat.engine.models.decoder import MoeFFN
 from testkit.ggufgen import Q, tiny_moe
@@ -35,17 +37,56 @@ def test_one_call_is_bit_identical_to_routing_then_the_experts(arch: str, kernel
     lm.close()
 
 
-def test_a_cache_or_grouped_routing_takes_the_general_path(tmp_path: Path) -> None:
-    """A layer behind the expert cache goes through the cache; DeepSeek's grouped choice with its
-    choice bias has no compiled routing: both take the general path."""
+def test_grouped_routing_takes_the_general_path(tmp_path: Path) -> None:
+    """DeepSeek's grouped choice with its choice bias has no compiled routing: the general path."""
     deepseek = load_model(tiny_moe(tmp_path / "ds.gguf", arch="deepseek2", expert_type=Q.Q8_0), n_ctx=32)
     ffn = next(b.ffn for b in deepseek.model.blocks if isinstance(b.ffn, MoeFFN))
     assert ffn.choice_bias is not None
     assert ffn.routed_token(torch.randn(1, deepseek.config.n_embd), deepseek.model.host_experts) is None
     deepseek.close()
-    cached = load_model(tiny_moe(tmp_path / "q.gguf"), n_ctx=32, cache=CacheSettings(mib=0.5, cpu_share=0.5))
-    ffn = next(b.ffn for b in cached.model.blocks if isinstance(b.ffn, MoeFFN))
-    h = torch.randn(1, cached.config.n_embd)
-    assert ffn.routed_token(h, cached.model.experts) is None
-    assert ffn.routed_token(h, cached.model.host_experts) is not None  # the same layer without the cache
-    cached.close()
+
+
+def _decode(path: Path, settings: CacheSettings, per_token: bool, n: int = 24) -> tuple[list[int], Any, Any, int]:
+    """Greedy tokens of a short decode with the cache, its token calls on or off; its stats and MIN window."""
+    lm = load_model(path, n_ctx=64, cache=settings)
+    cache = lm.cache
+    assert cache is not None
+    assert cache.per_token  # the settings allow it: switched off below for the general path
+    cache.per_token = per_token
+    kv = lm.new_cache()
+    tokens = [int(prefill(lm.model, [1, 5, 9, 2, 7], kv).argmax())]
+    for _ in range(n):
+        tokens.append(int(decode_one(lm.model, tokens[-1], kv).argmax()))
+    snap, window, count = cache.snapshot(), cache.log.window(), cache.tokens
+    lm.close()
+    return tokens, snap.layers, window, count
+
+
+@pytest.mark.parametrize(("policy", "share", "link"), [("classlru", 0.5, 0.0), ("classlru", 0.0, 50.0),
+                                                        ("second-use", 0.5, 0.0), ("upload-cap", 0.0, 0.0),
+                                                        ("protect", 0.0, 0.0)])  # fmt: skip
+def test_the_cache_on_token_calls_counts_what_its_general_path_counts(
+    policy: str, share: float, link: float, tmp_path: Path
+) -> None:
+    """With slots that are the host copy, a decode token runs the one-call kernels and tells the cache its
+    lookups afterwards (`ExpertCache.account`): the same tokens, every counter, the slots, the use counts
+    and the MIN window's lookups as when each layer's lookup goes through the cache first."""
+    path = tiny_moe(tmp_path / "m.gguf", n_expert=16)
+    settings = CacheSettings(mib=1.6, cpu_share=share, policy=policy, emulate_link_gbps=link)
+    fast, general = _decode(path, settings, True), _decode(path, settings, False)
+    assert fast[0] == general[0]
+    assert fast[1] == general[1]  # per layer: counters, the cached experts, each expert's uses
+    assert sum(layer.small.uploads for layer in fast[1]) > 0  # the cache was small enough to miss
+    assert fast[2] == general[2]
+    assert fast[3] == general[3] > 20
+
+
+def test_a_cache_that_reads_its_plan_first_takes_the_general_path(tmp_path: Path) -> None:
+    """A prefetch or a trace acts on the plan before the experts run: no token calls then."""
+    path = tiny_moe(tmp_path / "q.gguf")
+    for settings in (CacheSettings(mib=2, prefetch=True), CacheSettings(mib=2, trace=tmp_path / "t.jsonl")):
+        lm = load_model(path, n_ctx=32, cache=settings)
+        ffn = next(b.ffn for b in lm.model.blocks if isinstance(b.ffn, MoeFFN))
+        assert lm.cache is not None and not lm.cache.per_token
+        assert ffn.routed_token(torch.randn(1, lm.config.n_embd), lm.model.experts) is None
+        lm.close()

@@ -22,9 +22,10 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -34,7 +35,7 @@ from ..kernels import device as device_kernels
 from ..kernels.jit import set_kernel_threads
 from ..moe.expert_tensors import LayerExperts
 from ..moe.host_experts import Contribution, HostExperts, run_experts, sum_parts
-from ..moe.kernel_calls import host_arrays, layer_output, run_fused
+from ..moe.kernel_calls import TokenCall, host_arrays, layer_output, run_fused
 from . import warm_start
 from .device_memory import pinned
 from .lookup_log import RECORD, LookupLog
@@ -108,6 +109,19 @@ class ExpertCache:
         # a batch that goes around the cache (prefill, or a layer without slots).
         self._cached_path = {layer: self._cached_path_for(layer) for layer in self.host.layers}
         self._uncached_path = self.host if self.device.type == "cpu" else self._run_uncached_on_device
+        # Where the slots are the host copy, a decode token's layer computes exactly what the host copy's
+        # one-call token kernel computes, whatever the plan: the decoder runs those calls (`token_call`)
+        # and tells the cache the token's lookups afterwards, all layers at once (`account`). Not where
+        # something reads the plan before the compute: a prefetch, a trace, a group that a token's
+        # experts could outnumber.
+        self.per_token = self.in_place and not self.prefetch_tokens and self._trace is None and all(
+            g.policy is not None and not bypasses(1, n_expert_used, g.info.n_expert, g.policy.n_slots,
+                                                  settings.max_batch) for g in self.groups)  # fmt: skip
+        self.last_layer = max(host.layers)
+        self._owed_layers: list[int] = []
+        self._owed_ids: list[np.ndarray] = []
+        self._token_runs: dict[tuple[int, ...], list[tuple[tuple[Any, ...], np.ndarray, int, int, int]]] = {}
+        self._token_res = np.zeros((len(host.layers), 3), np.int64)  # each row's result, hits, uploads
 
     @property
     def warm_uploads(self) -> int:
@@ -151,6 +165,7 @@ class ExpertCache:
 
     def save_warm_start(self) -> None:
         """Write the experts' decayed use counts for the next run (layers no slot group covers keep the old)."""
+        self._settled()
         if self.settings.warm_start is None:
             return
         counts = dict(self.warm_counts or {})
@@ -189,6 +204,8 @@ class ExpertCache:
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         # At every MoE layer of every token: as few steps as possible, the policy's whole lookup (its
         # counters and the lookup log included) in one compiled call.
+        if self._owed_layers:  # (inline: this runs at every layer of the general path)
+            self._settle()
         if ids.device.type != "cpu":
             ids = ids.cpu()  # the one host sync the routing needs
         ids_h = ids.numpy()  # [T, k] int64
@@ -215,6 +232,81 @@ class ExpertCache:
         if r & PREFETCHED_HITS:
             self.uploader.wait_ahead()  # experts a prefetch uploaded are read now: their copies must be in
         return self._cached_path[layer](layer, group, policy, self.host.layers[layer], x, ids, weights)
+
+    def token_call(self, layer: int) -> TokenCall | None:
+        """The host copy's one-token call for `layer` where the cache lets a token run as one (`per_token`);
+        whoever runs it owes the cache the token's lookups (`account`)."""
+        return self.host.token_call(layer) if self.per_token else None
+
+    def account(self, layers: Sequence[int], ids: Sequence[np.ndarray]) -> None:
+        """Lookups of a decode token whose MoE `layers` (in order) ran as token calls, each layer's ids
+        [1, k]. They are kept until the token's last MoE layer is told (or anything else reads or steps
+        the cache), then stepped through the policy as `__call__` steps them, counters and lookup log
+        included, in one compiled call a group (`_settle`)."""
+        self._owed_layers.extend(layers)
+        self._owed_ids.extend(ids)
+        if layers[-1] == self.last_layer:
+            self._settle()
+
+    def _settle(self) -> None:
+        """Step the lookups `account` holds; on an emulated link the device then waits for the uploads' time."""
+        key = tuple(self._owed_layers)
+        rows = np.concatenate(self._owed_ids)  # [n, k]
+        self._owed_layers.clear()
+        self._owed_ids.clear()
+        if key[0] == self.first_layer:
+            self.log.tick(1, self._slot_contents)
+            self.tokens += 1
+        runs = self._token_runs.get(key)
+        if runs is None:
+            runs = self._token_runs[key] = self._runs_of(key)
+        res = self._token_res
+        if res.shape[0] < len(key):
+            res = self._token_res = np.zeros((len(key), 3), np.int64)
+        moved = 0
+        with self._lock:
+            for (step, st, fl, out), at, lo, hi, expert_bytes in runs:
+                whole = lo == 0 and hi == len(key)  # one group: no slices to make
+                n = step(st, fl, at, rows if whole else rows[lo:hi], out, self.log.buf, res if whole else res[lo:hi])
+                if n < 0:
+                    n = self._unsettled(key, rows, lo, hi)
+                moved += n * expert_bytes
+        if moved and self.uploader.link_gbps:
+            self.uploader.carried(moved)
+
+    def _unsettled(self, key: tuple[int, ...], rows: np.ndarray, lo: int, hi: int) -> int:
+        """A run of `_settle` that did not end clean: a refused lookup raises; lookups the log had no room
+        for go in as it grows. Returns the run's uploads."""
+        res = self._token_res
+        for i in range(lo, hi):
+            r = int(res[i, 0])
+            if r < 0:
+                policy = self.group_of[key[i]].policy
+                assert policy is not None  # (_runs_of checked)
+                raise policy.refused(key[i], r)
+            if not r & LOGGED:
+                self.log.add(key[i], rows.shape[1], rows[i], int(res[i, 1]))
+        return int(res[lo:hi, 2].sum())
+
+    def _runs_of(self, layers: tuple[int, ...]) -> list[tuple[tuple[Any, ...], np.ndarray, int, int, int]]:
+        """Consecutive rows of `layers` whose layers share a slot group: (its policy's stepper, the rows'
+        layers, first row, end, expert bytes)."""
+        runs: list[tuple[ClassLRU, int, int, int]] = []
+        for i, layer in enumerate(layers):
+            group = self.group_of[layer]
+            policy = group.policy
+            if policy is None:
+                raise ValueError(f"layer {layer} has no slots: its tokens cannot be accounted")
+            if runs and runs[-1][0] is policy:
+                runs[-1] = (policy, runs[-1][1], i + 1, runs[-1][3])
+            else:
+                runs.append((policy, i, i + 1, group.info.expert_bytes))
+        return [(p.token_stepper(), np.asarray(layers[lo:hi], np.int64), lo, hi, b) for p, lo, hi, b in runs]
+
+    def _settled(self) -> None:
+        """Before anything else steps or reads the cache: the lookups `account` still holds, stepped."""
+        if self._owed_layers:
+            self._settle()
 
     def _around(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, flat_ids: np.ndarray,
                 n_tokens: int, n_used: int, expert_bytes: int) -> torch.Tensor:  # fmt: skip

@@ -481,6 +481,27 @@ def step(st, fl, layer, ids, n_tokens, out, log):
 
 
 @njit(fastmath=False, cache=True)
+def step_rows(st, fl, layers, ids, out, log, res):
+    """`step` for one token at each of several layers of the group, in order: layer layers[i] looked up
+    with ids[i] ([n, k] int64); res[i] gets the step's result, the lookup's hits and its uploads. Returns
+    the uploads of all rows where every step was planned and logged; else -1 (see res), having stopped
+    at a refused lookup (the rows after it keep res as it was)."""
+    uploads = 0
+    clean = True
+    for i in range(layers.size):
+        r = step(st, fl, layers[i], ids[i], 1, out, log)
+        res[i, 0] = r
+        res[i, 1] = out[0]
+        res[i, 2] = out[4]
+        uploads += out[4]
+        if r < 0:
+            return -1
+        if r & LOGGED == 0:
+            clean = False
+    return uploads if clean else -1
+
+
+@njit(fastmath=False, cache=True)
 def prefetch(st, fl, layer, ids, out):
     """Put the predicted experts `ids` of `layer` (at most the slot count of the distinct ones) in slots
     ahead of their lookup, marked prefetched; no use is counted. Fills out's uploads; returns their count."""

@@ -27,7 +27,7 @@ class lists as linked lists of slots and the CRF decay from a table.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -267,6 +267,17 @@ class ClassLRU:
         room (`lookup_log.LookupLog.buf`). Returns the hits on prefetched experts, plus `LOGGED`
         when the log took the lookup; negative: refused (`refused` says why)."""
         return int(self._core.step(self._st, self._fl, layer, ids, n_tokens, self._out, log))
+
+    def step_token(self, layers: np.ndarray, ids: np.ndarray, log: np.ndarray, res: np.ndarray) -> int:
+        """`step` for one decode token at several of the group's layers (int64 [n]) in one call, ids [n, k]
+        in the same order: each row's result, hits and uploads into res [n, 3]. Returns the rows' uploads
+        where every lookup was planned and logged, else -1 (res says which was refused or not logged)."""
+        return int(self._core.step_rows(self._st, self._fl, layers, ids, self._out, log, res))
+
+    def token_stepper(self) -> tuple[Callable[..., int], np.ndarray, np.ndarray, np.ndarray]:
+        """`step_token`'s compiled function and the arrays it takes first: (f, st, fl, out), called as
+        f(st, fl, layers, ids, out, log, res) by a caller that counts microseconds per token."""
+        return self._core.step_rows, self._st, self._fl, self._out
 
     def set_share(self, share: CpuShare | None) -> None:
         """The CPU share `step` takes of a full group's misses."""

@@ -81,6 +81,12 @@ class Uploader:
         _copy_runs(group, lx, runs)
         self._on_link(len(uploads) * group.info.expert_bytes, began, ahead)
 
+    def carried(self, n_bytes: int) -> None:
+        """Uploads into slots that are the host copy, told after the device computed with them (a decode
+        token's lookups accounted at once): the device waits for their time on the emulated link."""
+        if n_bytes:
+            self._on_link(n_bytes, self.clock.now(), False)
+
     def _on_link(self, n_bytes: int, began: float, ahead: bool) -> None:
         """The emulated link carries `n_bytes` from `began`: the device waits for them unless `ahead`."""
         if not self.link_gbps:

@@ -24,6 +24,7 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
+import numpy as np
 import torch
 
 from ..config import ModelConfig
@@ -100,8 +101,20 @@ def _skip_attention(x: torch.Tensor, *args: object, **kwargs: object) -> torch.T
     return x
 
 
-def _no_experts(layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    return torch.zeros_like(x)
+class _NoExperts:
+    """Experts that add nothing: the pass that compiles the attention's kernels alone."""
+
+    def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        return torch.zeros_like(x)
+
+    def token_call(self, layer: int) -> None:
+        return None
+
+    def account(self, layers: Any, ids: Any) -> None:
+        return None
+
+
+_no_experts = _NoExperts()
 
 
 def compile_passes(path: Path, n_ctx: int, cpu_kernels: str) -> None:
@@ -194,6 +207,8 @@ def warm_policy() -> None:
     policy.plan(0, [0, 1], 1)
     policy.plan(1, [2, 3], 1)
     policy.prefetch(0, [2])
+    policy.step_token(np.array([0, 1], np.int64), np.array([[0, 1], [2, 3]], np.int64), np.zeros(1, np.int32),
+                      np.zeros((2, 3), np.int64))  # fmt: skip
 
 
 if __name__ == "__main__":

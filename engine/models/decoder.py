@@ -7,7 +7,7 @@ router bias) and by the config (sliding-window layers, gating), never by the mod
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol, cast
 
@@ -247,6 +247,7 @@ class DecoderBase(nn.Module):
         for attend, experts, k, v in calls:
             ids, _, h = experts(attend(h, k, v, pos0))
             chosen.append(ids)
+        self.experts.account([moe.i for moe in ffns], chosen)
         for moe, ids in zip(ffns, chosen, strict=True):
             moe.remember(torch.from_numpy(ids))
         return torch.from_numpy(h)
@@ -304,10 +305,10 @@ class MoeFFN(Routed):
 
     def one_token_call(self, experts: ExpertExecutor, norm: torch.Tensor | None = None,
                        eps: float = 0.0) -> MoeTokenCall | None:  # fmt: skip
-        """One token's routing and routed experts from the host copy in one compiled call (cache off), with
-        `norm` also the FFN's norm before and the residual add after (`kernels.moe_token`); None where the
-        executor is not the host copy or the routing has no compiled form."""
-        if not (self._routing_compiles() and isinstance(experts, HostExperts)):
+        """One token's routing and routed experts in one compiled call, with `norm` also the FFN's norm
+        before and the residual add after (`kernels.moe_token`); None where the executor offers no such
+        call for the layer or the routing has no compiled form. Its caller owes the executor the ids."""
+        if not self._routing_compiles():
             return None
         call = experts.token_call(self.i)
         if call is None:
@@ -318,12 +319,13 @@ class MoeFFN(Routed):
                             *call, norm=None if norm is None else norm.numpy(), eps=eps)  # fmt: skip
 
     def routed_token(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor | None:
-        """One token's routed experts from the host copy in one compiled call (cache off), bit-identical
-        to select() then experts(); None where that call cannot run it."""
+        """One token's routed experts in one compiled call, bit-identical to select() then experts(); None
+        where that call cannot run it."""
         call = self.one_token_call(experts) if h.shape[0] == 1 and self._compiled_routing(h, 1) else None
         if call is None:
             return None
         ids, _, y = call(host_rows(h))
+        experts.account((self.i,), (ids,))
         self.remember(torch.from_numpy(ids))
         return torch.from_numpy(y)
 
@@ -383,6 +385,12 @@ class NoExperts:
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a dense model has no experts")
 
+    def token_call(self, layer: int) -> None:
+        return None
+
+    def account(self, layers: Sequence[int], ids: Sequence[Any]) -> None:
+        raise RuntimeError("a dense model has no experts")
+
 
 @dataclass(frozen=True)
 class LayerCalls:
@@ -421,8 +429,7 @@ class Block(nn.Module):
             return None
         # What the calls bind can change between tokens only with one of these: another executor (the expert
         # cache switched), other activation bits (a new experts' call), another rope, a cache of another kind.
-        token_call = experts.token_call(self.ffn.i) if isinstance(experts, HostExperts) and isinstance(
-            self.ffn, MoeFFN) else None  # fmt: skip
+        token_call = experts.token_call(self.ffn.i) if isinstance(self.ffn, MoeFFN) else None
         bits = getattr(getattr(self.attn, "wq", None), "bits", None)
         key = (token_call, rope.cis, bits, cache.k.dtype, cache.k.is_cpu)
         calls = self._calls
@@ -444,7 +451,9 @@ class Block(nn.Module):
             return None
         a = calls.attention(host_rows(x), *host_heads(cache), pos0)  # [1, E]
         ids, _, out = calls.ffn(a)
-        cast(MoeFFN, self.ffn).remember(torch.from_numpy(ids))  # calls.ffn: a MoeFFN
+        moe = cast(MoeFFN, self.ffn)  # calls.ffn: a MoeFFN
+        experts.account((moe.i,), (ids,))
+        moe.remember(torch.from_numpy(ids))
         return torch.from_numpy(out)
 
     def forward(

@@ -42,8 +42,20 @@ def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
 
 
 class ExpertExecutor(Protocol):
+    """How a model's routed experts run: a call per MoE layer, and for a decode token, where the executor
+    offers it, one compiled call per layer that routes and runs the experts (`token_call`), after which
+    the token's ids are handed back (`account`) for what the executor keeps (the cache's lookups)."""
+
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, E], ids/weights [T, k] -> sum over k of weight * expert(x) [T, E]."""
+        ...
+
+    def token_call(self, layer: int) -> TokenCall | None:
+        """What `kernels.moe_token` binds of the layer's experts for one token; None: the layer has none."""
+        ...
+
+    def account(self, layers: Sequence[int], ids: Sequence[np.ndarray]) -> None:
+        """After one token ran through `layers`' token calls (in order): each layer's ids [1, k]."""
         ...
 
 
@@ -150,6 +162,9 @@ class HostExperts:
             biases = (bias_rows(lx.gate.bias), bias_rows(lx.up.bias), bias_rows(lx.down.bias))
             call = self._token_calls[layer] = (self.mats(layer), types, biases, self.act_code, self.bits)
         return call
+
+    def account(self, layers: Sequence[int], ids: Sequence[np.ndarray]) -> None:
+        """The host copy keeps nothing of a token's routing."""
 
     def with_layers(self, layers: dict[int, LayerExperts]) -> HostExperts:
         """The same execution options over other copies of the experts (pinned memory)."""
