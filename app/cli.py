@@ -35,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
                            "default: this machine's)")  # fmt: skip
     p_inspect.add_argument("-c", "--ctx-size", type=int, default=4096, metavar="N",
                            help="context the plan's KV caches hold (default 4096)")  # fmt: skip
+    p_inspect.add_argument("--fit", action="store_true",
+                           help="where the model's parts go on the device and the expert cache auto gives it "
+                           "(--moe-cache-mib auto)")  # fmt: skip
+    p_inspect.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto",
+                           help="the device --fit sizes for (default auto)")  # fmt: skip
+    p_inspect.add_argument("--emulate-device-mib", type=float, default=0.0, metavar="N",
+                           help="--fit on the CPU device: a device memory of N MiB, as a GPU's")  # fmt: skip
     p_chat = sub.add_parser("chat", help="chat in the terminal (the default command)")
     from moechat.app.repl import add_chat_arguments
 
@@ -126,6 +133,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             from moechat.app.inspect_cmd import run_inspect
             from rich.console import Console
 
+            if args.fit:
+                from moechat.app.inspect_cmd import run_fit
+
+                return run_fit(str(resolve_model(args.model)), Console(), args.device, args.emulate_device_mib,
+                               args.ctx_size)  # fmt: skip
             return run_inspect(str(resolve_model(args.model)), Console(), hosts=args.hosts,
                                host_memory=args.host_memory, n_ctx=args.ctx_size)  # fmt: skip
         if args.command == "run":

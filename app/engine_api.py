@@ -41,6 +41,7 @@ class ModelInfo:
     hardware: str
     template: str  # where the chat template came from
     template_note: str = ""  # why the model's own template is not used, if it is not
+    cache_note: str = ""  # how --moe-cache-mib auto sized the cache, in words ("" where a size was given)
 
 
 class ChatEngine(Protocol):

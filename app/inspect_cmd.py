@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import re
-from collections import defaultdict
-
+from moechat.engine.cache.auto_size import expert_bytes
 from moechat.engine.config import ModelConfig
 from moechat.engine.distributed.plan import Plan, plan_split, this_hosts_memory
 from moechat.engine.gguf.reader import GGUFFile
@@ -15,21 +13,6 @@ from moechat.engine.nn.layers import kv_cache_bytes, recurrent_state_bytes
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
-
-_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
-
-
-def expert_bytes(gguf: GGUFFile, n_layers: int | None = None) -> tuple[int, dict[int, int]]:
-    """Total bytes of expert weights, and bytes of one expert per layer, over the first `n_layers`
-    layers (the ones decoding runs: not a file's trailing NextN blocks)."""
-    total = 0
-    per_layer: dict[int, int] = defaultdict(int)
-    for t in gguf.tensors.values():
-        m = _EXPERT_TENSOR.match(t.name)
-        if m and (n_layers is None or int(m.group(1)) < n_layers):
-            total += t.n_bytes
-            per_layer[int(m.group(1))] += t.n_bytes // t.shape[0]
-    return total, dict(per_layer)
 
 
 def layer_kinds(gguf: GGUFFile, cfg: ModelConfig) -> str:
@@ -144,4 +127,34 @@ def run_inspect(path: str, console: Console, hosts: int = 1, host_memory: list[f
         console.print(f"host {bad.rank} needs {_gib(bad.need_bytes)} and has {_gib(bad.memory_bytes)}: "
                       "this split does not fit; more hosts or more memory", markup=False, highlight=False)  # fmt: skip
         return 1
+    return 0
+
+
+def run_fit(path: str, console: Console, device: str, emulate_device_mib: float, n_ctx: int) -> int:
+    """`moechat inspect MODEL --fit`: where the parts go on the cache's device and what auto gives the cache
+    (engine.cache.auto_size), the slots that makes per layer, without loading the model."""
+    from moechat.engine.cache import auto_size
+    from moechat.engine.cache.settings import AUTO_MIB, CacheSettings
+    from moechat.engine.loader import resolve_device
+
+    settings = CacheSettings(mib=AUTO_MIB, device=resolve_device(device), emulate_device_mib=emulate_device_mib)
+    settings.validate()
+    gguf, cfg = open_model(path)
+    with gguf:
+        free = None
+        if settings.device == "cuda":  # the dense weights are not there yet: what they will leave
+            import torch
+            from moechat.engine.cache.device_memory import device_free_bytes
+
+            total, _ = auto_size.expert_bytes(gguf, cfg.n_layers)
+            dense = sum(t.n_bytes for t in gguf.tensors.values()) - total
+            free = (device_free_bytes(torch.device("cuda")) - dense) / 2**20
+        f = auto_size.fit(gguf, cfg, min(n_ctx, cfg.n_ctx_train or n_ctx), settings, free)
+        _, per_layer = auto_size.expert_bytes(gguf, cfg.n_layers)
+    for line in f.lines():
+        console.print(line, markup=False, highlight=False)
+    if f.cache > 0 and per_layer:
+        slots = int(f.cache * 2**20 // (sum(per_layer.values()) / len(per_layer)))
+        console.print(f"about {slots // len(per_layer)} expert slots per MoE layer of {cfg.n_expert} "
+                      f"({slots} in all)", markup=False, highlight=False)  # fmt: skip
     return 0

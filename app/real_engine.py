@@ -100,7 +100,7 @@ class RealEngine:
             arch=cfg.arch,
             n_layers=cfg.n_layers, n_expert=cfg.n_expert, n_expert_used=cfg.n_expert_used, n_ctx=lm.n_ctx,
             device=dev, hardware=f"{hw}, {torch.get_num_threads()} threads", template=lm.template.origin,
-            template_note=lm.template.fallback_reason,
+            template_note=lm.template.fallback_reason, cache_note=auto_words(lm),
         )  # fmt: skip
         self.plain = lm.template.origin == "plain fallback"
         # The conversation's KV cache, kept from one reply to the next.
@@ -237,3 +237,13 @@ class RealEngine:
     def close(self) -> None:
         if self.split is None:  # a split's stage is closed where it was loaded (run_split), after the join
             self.lm.close()
+
+
+def auto_words(lm: LoadedModel) -> str:
+    """What --moe-cache-mib auto made of the cache, for the chat's info line and the dashboard ("": no auto)."""
+    f = lm.fit
+    if f is None:
+        return ""
+    if f.cache <= 0:
+        return f"auto: off ({f.note})"
+    return f"auto: {f.cache:,.0f} MiB of {f.experts:,.0f} MiB of experts ({f.note})"

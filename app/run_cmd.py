@@ -81,8 +81,16 @@ def run(args: argparse.Namespace) -> int:
         from moechat.app.split_run import run_as_rank
 
         return run_as_rank(args.model, settings, lambda pm, lm, _id, _cache: reply(args, settings, lm, pm, pm.snapshot))
+    from moechat.app.paths import app_paths
+    from moechat.app.tuned import identity_of
+
+    path = resolve_model(args.model)
+    identity = identity_of(path)
+    # Warm start where the app or line mode saved this model's expert use counts (kept up to date by this run).
+    warm = app_paths().data / "warm" / f"{identity}.json" if identity else None
     status = StatusLine()
-    lm = load_for(resolve_model(args.model), settings, cache_settings(settings), status)
+    lm = load_for(path, settings, cache_settings(settings, warm if warm is not None and warm.is_file() else None),
+                  status)  # fmt: skip
     status.done()
     try:
         return reply(args, settings, lm, lm.model, lambda: lm.cache.snapshot() if lm.cache is not None else None)

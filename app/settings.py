@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 import tomllib
 from moechat.app.atomic import write_atomic
 from moechat.engine.cache.policy import POLICIES as CACHE_POLICIES
+from moechat.engine.cache.settings import AUTO_MIB
 from moechat.engine.errors import ParameterError
 from moechat.engine.kernels.modes import KERNEL_MODES
 from moechat.engine.kernels.modes import describe as describe_kernel_modes
@@ -54,17 +55,46 @@ def _any(_: object) -> bool:
     return True
 
 
+class _Auto(float):
+    """moe_cache_mib's "auto": the engine's AUTO_MIB, told apart from a -1 a user wrote (which is refused)."""
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_Auto, (float(self),))
+
+
+AUTO = _Auto(AUTO_MIB)
+
+
+def cache_mib(raw: Any) -> float:
+    """A cache size as given: MiB, or "auto" (sized at load from the device's memory)."""
+    if isinstance(raw, str) and raw.strip().lower() == "auto":
+        return AUTO
+    if isinstance(raw, bool):
+        raise TypeError("a cache size is a number or auto")
+    return float(raw)
+
+
+def _cache_size(x: float) -> bool:
+    return isinstance(x, _Auto) or _nonneg(x)
+
+
+def mib_words(mib: float) -> str:
+    """A cache size setting as a user writes it."""
+    return "auto" if isinstance(mib, _Auto) else f"{mib:g}"
+
+
 @dataclass(frozen=True)
 class Spec:
     """One setting's declaration: its type and check (`want`: what a good value is) and its flag."""
 
-    kind: type
+    kind: Callable[[Any], Any]  # a type, or a parse function (cache_mib)
     check: Callable[[Any], bool]
     want: str
     help: str
     short: str | None = None  # e.g. "-n"
     metavar: str | None = None
     choices: tuple[str, ...] | None = None
+    words: Callable[[Any], str] | None = None  # a value as a user writes it, where str() would not say it
 
 
 def _one_of(choices: tuple[str, ...], help: str) -> Spec:
@@ -85,10 +115,13 @@ class Settings:
 
     device: str = _setting("auto", "engine", _one_of(("auto", "cpu", "cuda"), "where the model runs"))
     moe_cache_mib: float = _setting(
-        0.0,
+        AUTO,
         "engine",
-        Spec(float, _nonneg, ">= 0", "device expert cache in MiB, fractions allowed; 0 = off", metavar="N"),
-    )
+        Spec(cache_mib, _cache_size, ">= 0 or auto",
+             "device expert cache in MiB, fractions allowed; 0 = off; auto = what the device's memory leaves "
+             "after the rest of the model (off on the CPU device unless --emulate-device-mib)",
+             metavar="N|auto", words=mib_words),
+    )  # fmt: skip
     moe_cache_cpu_share: float = _setting(
         0.0,
         "engine",
@@ -135,6 +168,13 @@ class Settings:
             metavar="X",
         ),
     )
+    emulate_device_mib: float = _setting(
+        0.0,
+        "engine",
+        Spec(float, _nonneg, ">= 0",
+             "CPU device: give the device this much memory (MiB), as a GPU has, for --moe-cache-mib auto and the "
+             "slots' room; 0 = off", metavar="N"),
+    )  # fmt: skip
     cpu_dequant_mib: float = _setting(
         0.0,
         "engine",
@@ -276,7 +316,8 @@ def coerce(name: str, raw: Any, source: str) -> Any:
             raise TypeError
     except (TypeError, ValueError):
         raise SettingError(
-            f"{name} from {source}: {raw!r} is not {'a number' if kind is not str else 'text'}"
+            f"{name} from {source}: {raw!r} is not "
+            + ("text" if kind is str else "a number" if kind in (int, float) else "a number or auto")
         ) from None
     if not check(value):
         raise SettingError(f"{name} from {source}: {value!r} must be {want}")
@@ -360,9 +401,13 @@ def add_flags(p: argparse.ArgumentParser, names: Iterable[str]) -> None:
     for name in names:
         spec = SPEC[name]
         default = getattr(Settings(), name)
-        shown = (default or "none") if spec.kind is str else f"{default:g}" if spec.kind is float else str(default)
+        shown = (
+            spec.words(default) if spec.words else (default or "none") if spec.kind is str
+            else f"{default:g}" if spec.kind is float else str(default)
+        )  # fmt: skip
         flags = (spec.short, flag_name(name)) if spec.short else (flag_name(name),)
-        typed: dict[str, Any] = {} if spec.kind is str else {"type": spec.kind}
+        # A parse function of the setting's own (cache_mib) reads the flag's text in `coerce`, for its one-line error.
+        typed: dict[str, Any] = {"type": spec.kind} if spec.kind in (int, float) else {}
         # A value outside the choices gets the one-line error of any bad value (`coerce`), not argparse's usage.
         metavar = "{" + ",".join(spec.choices) + "}" if spec.choices else spec.metavar
         p.add_argument(*flags, dest=name, default=None, metavar=metavar,
@@ -439,6 +484,7 @@ def for_model(settings: Settings, model: Path) -> Settings:
 # The engine names its parameters in its own words (engine.errors.ParameterError): the setting of each.
 ENGINE_PARAMETERS = {
     "mib": "moe_cache_mib", "cpu_share": "moe_cache_cpu_share", "emulate_link_gbps": "emulate_link_gbps",
+    "emulate_device_mib": "emulate_device_mib",
     "load_mode": "load_mode", "policy": "moe_cache_policy", "device": "device", "kernels": "cpu_kernels",
     "dequant_mib": "cpu_dequant_mib", "threads": "threads",
 }  # fmt: skip
@@ -472,7 +518,8 @@ def cache_settings(settings: Settings, warm_start: Path | None = None) -> CacheS
         raise ValueError(f"device from {settings.source('device')}: {e}") from None
     cache = CacheSettings(
         mib=settings.moe_cache_mib, cpu_share=settings.moe_cache_cpu_share, device=device,
-        emulate_link_gbps=settings.emulate_link_gbps, trace=Path(settings.moe_cache_trace) if settings.moe_cache_trace
+        emulate_link_gbps=settings.emulate_link_gbps, emulate_device_mib=settings.emulate_device_mib,
+        trace=Path(settings.moe_cache_trace) if settings.moe_cache_trace
         else None, load_mode=settings.load_mode, warm_start=warm_start, policy=settings.moe_cache_policy,
         prefetch=settings.moe_cache_prefetch == "next-layer",
     )  # fmt: skip

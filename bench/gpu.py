@@ -11,6 +11,8 @@
    eager device kernels) equal the tokens of the CPU reference.
 5. Decode t/s for each of those, CUDA kernels launched per token (profiler), and t/s against the
    bound: uploaded bytes per token / link speed + bytes read on the device per token / HBM speed.
+6. --moe-cache-mib auto: the size it gives from the free memory, the same greedy tokens, the memory
+   left free after a decode.
 """
 
 from __future__ import annotations
@@ -172,6 +174,23 @@ def cuda_tests() -> list[str]:
     return ["## Tests marked cuda\n", f"`pytest -m cuda`: {last} (exit {run.returncode})", ""]
 
 
+def auto_size_check(path: Path, prompt: list[int], reference: list[int]) -> list[str]:
+    """--moe-cache-mib auto on the GPU: what it sizes from the free memory, that it loads and decodes the CPU
+    reference's tokens, and the memory CUDA reports free after a decode against the margin auto left."""
+    from moechat.engine.cache.settings import AUTO_MIB
+
+    torch.cuda.empty_cache()
+    lm = load_model(path, n_ctx=512, cache=CacheSettings(mib=AUTO_MIB, device="cuda"))
+    fit = lm.fit
+    same = greedy(lm, prompt, 32) == reference
+    free_after = torch.cuda.mem_get_info()[0] / 2**20
+    lm.close()
+    out = ["\n## --moe-cache-mib auto\n"] + [f"- {line}" for line in (fit.lines() if fit else ["no fit"])]
+    out.append(f"- same 32 tokens as the CPU: {'yes' if same else 'NO'}; free after a decode: {free_after:,.0f} MiB "
+               f"(the margin was {fit.margin if fit else 0:,.0f} MiB)\n")  # fmt: skip
+    return out
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=2)
@@ -219,6 +238,7 @@ def main() -> None:
                         lines.append(f"| {kernels} | {frac:.0%} | {share:g} | {mode} | {'yes' if same else 'NO'} "
                                      f"| {tps:.1f} | {bound:.0f} | {tps / bound:.0%} | {launches:.0f} |")  # fmt: skip
                         lm.close()
+        lines += auto_size_check(path, prompt, reference)
         lines += cuda_tests()
     text = "\n".join(lines)
     print(text)

@@ -10,6 +10,7 @@ from pathlib import Path
 
 import torch
 
+from .cache import auto_size
 from .cache.expert_cache import ExpertCache
 from .cache.settings import CacheSettings
 from .cache.stats import summary_lines
@@ -42,6 +43,7 @@ class LoadedModel:
     cache: ExpertCache | None = None
     cpu_dequant_mib: float = 0.0  # as loaded: the tuner's arms reuse the model and key their runs on these
     cpu_kernels: str = "fast"
+    fit: auto_size.Fit | None = None  # how auto sized the cache, when it did
 
     def close(self) -> None:
         if self.cache is not None:
@@ -65,6 +67,11 @@ class LoadedModel:
             del old
             if self.model.device.type == "cuda":
                 torch.cuda.empty_cache()
+        if settings is not None:
+            settings, self.fit = auto_size.resolve(self.gguf, self.config, self.n_ctx, settings)
+            if self.fit is not None:
+                for line in self.fit.lines():
+                    logger.info("%s", line)
         if settings is not None and settings.mib > 0:
             self.cache = ExpertCache(self.model.host_experts, self.config.n_expert_used, settings)
             self.model.experts = self.cache
@@ -178,7 +185,7 @@ def apply_widths(model: MoeDecoder | Gemma3, cpu_kernels: str, settings: CacheSe
     """The CPU kernels' activation widths for a model run with these cache settings: the default's
     int8 only where nothing computes in float32 beside it (kernels.isa.activation_bits)."""
     beside_float = model.device.type != "cpu" or (
-        settings is not None and settings.mib > 0 and settings.device_kernels == "triton"
+        settings is not None and settings.mib != 0 and settings.device_kernels == "triton"
     )
     widths = activation_bits(cpu_kernels, beside_float)
     set_activation_bits(model, widths.few, widths.prompt)
@@ -248,7 +255,7 @@ def load_model(
                 compile_ahead.warm_prompt_kernels(model)  # a prompt's dense matrices, before a first reply waits
             if on_cpu and cfg.is_moe:
                 compile_ahead.warm_expert_kernels(model)  # the prompt's path, before a first reply waits for it
-            if cache is not None and cache.mib > 0:
+            if cache is not None and cache.mib != 0:
                 compile_ahead.warm_policy()  # the cache's lookup, before a first reply waits for it
         compile_ahead.stop(helper)
         compile_ahead.mark_compiled(model_kind, compiled.started)

@@ -130,3 +130,7 @@ def test_line_mode_saves_what_the_app_saves_and_prints_stats_with_v(tmp_path: Pa
     session = json.loads(session_file.read_text())
     assert len(session["replies"]) == 2 and session["layers"]
     assert list((data / "warm").glob("*.json"))  # the use counts, for the next start's warm start
+    # `moechat run` starts warm from them too.
+    run = [sys.executable, "-m", "moechat", "run", str(model), "-p", "Hi", "-n", "3", "--moe-cache-mib", "1", "-v"]
+    r = subprocess.run(run, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and re.search(r"warm start: [1-9]\d* experts", r.stderr), r.stderr

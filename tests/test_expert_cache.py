@@ -229,7 +229,7 @@ def test_groups_split_the_budget_by_expert_bytes(tmp_path: Path, caplog: pytest.
 @pytest.mark.parametrize(
     ("settings", "parameter", "msg"),
     [
-        (CacheSettings(mib=-1), "mib", "cache size must be >= 0 MiB"),
+        (CacheSettings(mib=-2), "mib", "cache size must be >= 0 MiB"),  # (-1: auto, resolved at load)
         (CacheSettings(mib=1, cpu_share=1.5), "cpu_share", r"CPU share must be in \[0, 1\]"),
         (CacheSettings(mib=1, emulate_link_gbps=-2), "emulate_link_gbps", "emulated link must be >= 0"),
         (CacheSettings(mib=1, emulate_link_gbps=16, device="cuda"), "emulate_link_gbps", "only applies to the CPU"),

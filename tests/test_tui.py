@@ -874,7 +874,7 @@ def test_settings_layers(tmp_path: Path, low: str, high: str) -> None:
 
 
 def test_the_demo_has_its_own_defaults_below_anything_the_user_set(tmp_path: Path) -> None:
-    from moechat.app.settings import DEMO_DEFAULTS, for_demo
+    from moechat.app.settings import DEMO_DEFAULTS, for_demo, mib_words
 
     config = tmp_path / "config.toml"
     config.write_text("moe_cache_mib = 8\n")
@@ -890,7 +890,8 @@ def test_the_demo_has_its_own_defaults_below_anything_the_user_set(tmp_path: Pat
     # The second demo has its own size; the user's own model gets the plain defaults.
     assert for_demo(Settings(), "demo:gemma").moe_cache_mib == DEMO_DEFAULTS["gemma"]["moe_cache_mib"]
     assert DEMO_DEFAULTS["gemma"]["moe_cache_mib"] != DEMO_DEFAULTS["smollm2"]["moe_cache_mib"]
-    assert for_demo(Settings(), "m.gguf") == Settings() and Settings().moe_cache_mib == 0
+    # The user's own model gets the plain defaults: a cache sized by itself (auto).
+    assert for_demo(Settings(), "m.gguf") == Settings() and mib_words(Settings().moe_cache_mib) == "auto"
 
 
 def test_bad_settings_name_the_setting_and_source(tmp_path: Path) -> None:

@@ -27,6 +27,7 @@ class Dashboard(VerticalScroll):
         self._bound: MinBound | None = None  # MIN's hit rate and the cache's after the last reply
         self._totals: tuple[float, float, Recent | None] = (0.0, 0.0, None)  # t/s, MiB/token, recent window
         self._snap: StatsSnapshot | None = None  # the latest, to fold again on a resize
+        self.off_note = ""  # why there is no cache (auto's words), shown where the cache's numbers would be
 
     def compose(self) -> ComposeResult:
         yield Static(SCOPES[False], classes="title", id="cache-title")
@@ -58,7 +59,8 @@ class Dashboard(VerticalScroll):
         snap, (tps, uploaded_per_token_mib, recent) = self._snap, self._totals
         totals = self.query_one("#totals", RowsView)
         if snap is None:
-            totals.set_rows([[(f"no expert cache  |  {tps:.1f} t/s", "")]])
+            rows = [[(f"no expert cache  |  {tps:.1f} t/s", "")]]
+            totals.set_rows(rows + ([[(self.off_note, "")]] if self.off_note else []))
             return
         t = snap.total
         if recent is None:

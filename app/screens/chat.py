@@ -147,6 +147,7 @@ class ChatScreen(Screen[None]):
             return  # on_mount calls it
         info = self.moechat.engine.info
         self.conv.model = info.name
+        self.query_one(Dashboard).off_note = info.cache_note if info.cache_note.startswith("auto: off") else ""
         self.refresh_info()
         if info.template_note:
             self.notify(f"{info.template_note}; using the plain format", severity="warning")
@@ -170,7 +171,8 @@ class ChatScreen(Screen[None]):
         system = (s.system[:40] + "...") if len(s.system) > 40 else (s.system or "none")
         self.query_one("#info", Static).update(
             f"{info.name} ({info.arch}, {info.device}) | template: {info.template} | cache {mib:g} MiB, "
-            f"share {share:g}\nsystem: {system} | temp {s.temp:g}, top-k {s.top_k}, top-p {s.top_p:g}, "
+            f"share {share:g}{f' ({info.cache_note})' if info.cache_note else ''}"
+            f"\nsystem: {system} | temp {s.temp:g}, top-k {s.top_k}, top-p {s.top_p:g}, "
             f"min-p {s.min_p:g}"
             + (f", repeat penalty {s.repeat_penalty:g}" if s.repeat_penalty != 1 else "")
             + f", max {s.n_predict} tokens"

@@ -9,6 +9,7 @@ from ..errors import ParameterError
 from .policy import POLICIES
 
 MAX_BATCH = 32
+AUTO_MIB = -1.0  # `mib` for auto: sized at load from the device's memory (auto_size), never seen by the cache
 
 
 class CacheError(ParameterError):
@@ -17,10 +18,11 @@ class CacheError(ParameterError):
 
 @dataclass(frozen=True)
 class CacheSettings:
-    mib: float = 0.0  # 0: no cache
+    mib: float = 0.0  # 0: no cache; AUTO_MIB: sized at load from the device's memory
     cpu_share: float = 0.0
     device: str = "cpu"
     emulate_link_gbps: float = 0.0  # CPU device only: uploads also wait bytes / speed
+    emulate_device_mib: float = 0.0  # CPU device only: the device's memory, for auto and the slots' room
     trace: Path | None = None
     max_batch: int = MAX_BATCH
     load_mode: str = "mmap"  # mmap: experts stay in the file map; pinned: copied to pinned memory (CUDA)
@@ -38,8 +40,14 @@ class CacheSettings:
     prefetch: bool = False
 
     def validate(self) -> None:
-        if not self.mib >= 0:
-            raise CacheError("mib", f"the cache size must be >= 0 MiB, got {self.mib}")
+        if not (self.mib >= 0 or self.mib == AUTO_MIB):
+            raise CacheError("mib", f"the cache size must be >= 0 MiB or auto, got {self.mib}")
+        if not self.emulate_device_mib >= 0:
+            raise CacheError(
+                "emulate_device_mib", f"the emulated memory must be >= 0 MiB, got {self.emulate_device_mib}"
+            )
+        if self.emulate_device_mib and self.device != "cpu":
+            raise CacheError("emulate_device_mib", "an emulated device memory only applies to the CPU device")
         if not 0.0 <= self.cpu_share <= 1.0:
             raise CacheError("cpu_share", f"the CPU share must be in [0, 1], got {self.cpu_share}")
         if not self.emulate_link_gbps >= 0:
