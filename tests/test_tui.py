@@ -140,6 +140,18 @@ async def test_escape_stops_within_a_token_and_the_next_request_works(tmp_path: 
         assert screen.conv.messages[-1]["content"] == "The river rose in spring."
 
 
+async def test_a_cache_auto_left_off_says_why_on_the_info_line_and_the_dashboard(tmp_path: Path) -> None:
+    note = "auto: off (the CPU device holds every expert already)"
+    app = make_app(tmp_path, FakeEngine(WORDS, cache_note=note))
+    async with app.run_test(size=(140, 40)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "hi")
+        totals = screen.query_one("#totals", RowsView)
+        await until(pilot, lambda: "holds every expert" in " ".join(totals.lines))
+        assert totals.lines[0].startswith("no expert cache") and totals.lines[1] == note
+        assert note in on_screen(screen.query_one("#info", Static))
+
+
 async def test_regenerate_replaces_the_last_reply(tmp_path: Path) -> None:
     engine = FakeEngine(WORDS)
     app = make_app(tmp_path, engine)

@@ -35,7 +35,7 @@ N_LAYERS, N_EXPERT, K = 4, 8, 2
 class FakeEngine:
     def __init__(self, words: Sequence[str] = ("Hello", " there", ",", " friend", "."), *, delay: float = 0.0,
                  fail_after: int | None = None, sweep_delay: float = 0.0, n_ctx: int = 256,
-                 n_layers: int = N_LAYERS, n_expert: int = N_EXPERT) -> None:  # fmt: skip
+                 n_layers: int = N_LAYERS, n_expert: int = N_EXPERT, cache_note: str = "") -> None:  # fmt: skip
         self.words = list(words)
         self.n_layers, self.n_expert = n_layers, n_expert
         self.delay, self.fail_after, self.sweep_delay = delay, fail_after, sweep_delay
@@ -44,8 +44,9 @@ class FakeEngine:
         self.noise: list[tuple[float, ...]] = []  # scripted: each noise check's parts (t/s); steady when empty
         self.window_after = 4096  # tokens after which the MIN bound covers a window of recent ones
         self.info = ModelInfo("fake.gguf", "/nonexistent/fake.gguf", "0" * 64, "fakemoe", n_layers, n_expert, K,
-                              n_ctx, "cpu", "test machine", "gguf")  # fmt: skip
-        self.mib, self.share = 1.0, 0.0
+                              n_ctx, "cpu", "test machine", "gguf", cache_note=cache_note)  # fmt: skip
+        # "auto: off (...)": the engine runs without a cache (no snapshots), as auto leaves it on the CPU device.
+        self.mib, self.share = (0.0 if cache_note.startswith("auto: off") else 1.0), 0.0
         self.tokens = 0
         self.set_cache_calls: list[tuple[float, float]] = []
         self.replies = 0
@@ -91,6 +92,8 @@ class FakeEngine:
         yield DoneEvent(len(prompt), n, 0.01, time.perf_counter() - t0, reason)
 
     def snapshot(self) -> StatsSnapshot | None:
+        if not self.mib:
+            return None
         t = self.tokens
         layers = []
         for layer in range(self.n_layers):
