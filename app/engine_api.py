@@ -14,9 +14,10 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from moechat.engine.cache.stats import MinBound, StatsSnapshot
+from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import Event, SamplingParams
 from moechat.tuner.events import ConfirmEvent, SweepDone, SweepEvent
+from moechat.tuner.min_bound import MinBound
 from moechat.tuner.recommend import TuneReport
 
 logger = logging.getLogger(__name__)

@@ -34,11 +34,13 @@ from multiprocessing.connection import Connection
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from moechat.app.cadence import Cadence
 from moechat.app.engine_api import Message, ModelInfo
 from moechat.app.settings import Settings, cache_settings, error_line
-from moechat.engine.cache.stats import Cadence, MinBound, StatsSnapshot
+from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import DoneEvent, Event, SamplingParams
 from moechat.tuner.events import Cancelled, ConfirmEvent, SweepDone, SweepEvent
+from moechat.tuner.min_bound import MinBound
 from moechat.tuner.recommend import TuneReport
 
 if TYPE_CHECKING:

@@ -19,12 +19,12 @@ from moechat.app.conversations import Conversation, now_iso
 from moechat.engine.cache.stats import (
     RECENT_TOKENS,
     CountersSnapshot,
-    MinBound,
     Recent,
     RecentWindow,
     StatsSnapshot,
 )
 from moechat.engine.events import DoneEvent
+from moechat.tuner.min_bound import MinBound
 
 from moechat import __version__
 

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
-from moechat.engine.cache.stats import MinBound, StatsSnapshot
+from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import DoneEvent
 from moechat.tuner.events import ConfirmEvent, SweepEvent
+from moechat.tuner.min_bound import MinBound
 from moechat.tuner.recommend import TuneReport
 from textual.message import Message
 

@@ -19,15 +19,15 @@ from moechat.app.paths import app_paths
 from moechat.app.settings import Settings
 from moechat.app.tuned import file_identity
 from moechat.engine.cache.settings import CacheSettings
-from moechat.engine.cache.stats import MinBound, StatsSnapshot
+from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import Event, SamplingParams, TokenEvent
 from moechat.engine.generate import Model, generate
 from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
 from moechat.engine.prompt_cache import PromptCache
 from moechat.engine.text.chat_template import ChatTemplateError, plain_template
-from moechat.tuner.baselines import min_hit_rate
 from moechat.tuner.confirm import confirm
 from moechat.tuner.events import SWEEP_MAX_CTX, SWEEP_TOKENS, ConfirmEvent, SweepDone, SweepEvent
+from moechat.tuner.min_bound import MinBound, cache_bound
 from moechat.tuner.recommend import TuneReport, recommend
 from moechat.tuner.sweep import SweepSettings, calibrate, forget_runs
 
@@ -182,12 +182,7 @@ class RealEngine:
         c = self.lm.cache
         if c is None or self.split is not None:  # (a split: rank 0's log holds its own layers only)
             return None
-        # The cache's recent lookups, MIN starting from the slots as they were at the window's start.
-        w = c.log.window()
-        rate = min_hit_rate([g.info for g in c.groups], c.n_expert_used, c.settings.max_batch, w.records, w.preload)
-        if rate is None:
-            return None
-        return MinBound(rate, w.hits / w.lookups if w.lookups else 0.0, w.tokens, w.from_start)
+        return cache_bound(c)
 
     def set_cache(self, mib: float, share: float) -> None:
         settings = replace(self.base, mib=mib, cpu_share=share, trace=None)

@@ -12,10 +12,11 @@ import threading
 import time
 from collections.abc import Callable
 
+from moechat.app.cadence import Cadence
 from moechat.app.engine_api import ChatEngine
 from moechat.app.engine_api import Message as ChatMessage
 from moechat.app.messages import ContextTrimmed, ReplyDone, StatsUpdate, TokenText
-from moechat.engine.cache.stats import Cadence, StatsSnapshot
+from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import DoneEvent, SamplingParams, TokenEvent, tokens_per_second
 from textual.message import Message
 

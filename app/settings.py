@@ -111,7 +111,7 @@ def _setting(default: Any, group: str, spec: Spec) -> Any:
 @dataclass(frozen=True)
 class Settings:
     """Every setting: a field each, declared with its default, its group (engine, sampling, app) and its spec.
-    The flags, variables, config keys, groups and the README's list all come from these fields."""
+    The flags, variables, config keys, groups and docs/usage.md's list all come from these fields."""
 
     device: str = _setting("auto", "engine", _one_of(("auto", "cpu", "cuda"), "where the model runs"))
     moe_cache_mib: float = _setting(

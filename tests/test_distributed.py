@@ -129,7 +129,7 @@ def test_moechat_run_under_torchrun_is_one_process_to_the_user(tmp_path: Path) -
              "--moe-cache-mib", "0.5", "--moe-cache-cpu-share", "0.5"]  # fmt: skip
     one = subprocess.run([sys.executable, "-m", "moechat", *flags], capture_output=True, text=True, timeout=300)
     assert one.returncode == 0, one.stderr
-    # As the README starts it: the installed command, not `-m moechat`, which a clone's folder named
+    # As docs/usage.md starts it: the installed command, not `-m moechat`, which a clone's folder named
     # moechat in the working directory would shadow (run from the clone's parent, it failed to import).
     (tmp_path / "moechat").mkdir()
     script = shutil.which("moechat")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -146,10 +147,10 @@ def _options(parser: object) -> set[str]:
     return {o for a in parser._actions for o in a.option_strings}  # type: ignore[attr-defined]
 
 
-def test_every_flag_the_readme_names_exists_where_it_says() -> None:
-    """Command lines in the README's code blocks use flags of their subcommand; flags in its prose exist somewhere."""
+def test_every_flag_the_docs_name_exists_where_they_say() -> None:
+    """Command lines in the code blocks of the README and docs/usage.md use flags of their subcommand;
+    flags in their prose exist somewhere."""
     import argparse
-    import re
 
     from moechat.app.cli import COMMANDS, build_parser
 
@@ -157,16 +158,29 @@ def test_every_flag_the_readme_names_exists_where_it_says() -> None:
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     flags = {name: _options(p) for name, p in sub.choices.items()}
     top = _options(parser)
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    root = Path(__file__).resolve().parent.parent
+    readme = (root / "README.md").read_text() + (root / "docs" / "usage.md").read_text()
     blocks = re.findall(r"```bash\n(.*?)```", readme, re.S)
     checked = 0
     for line in (ln for b in blocks for ln in b.splitlines() if ln.startswith("moechat")):
         words = line.split("#")[0].split()
         command = words[1] if len(words) > 1 and words[1] in COMMANDS else "chat"
         for flag in re.findall(r"(?<![\w-])(--?[a-z][\w-]*)", " ".join(words[1:])):
-            assert flag in flags[command] | top, f"README: `{line}`: {command} has no {flag}"
+            assert flag in flags[command] | top, f"docs: `{line}`: {command} has no {flag}"
             checked += 1
     assert checked >= 10
     everywhere = set().union(*flags.values()) | top
     for flag in re.findall(r"`(--[a-z][\w-]*)", readme):
-        assert flag in everywhere, f"README names {flag}, which no command has"
+        assert flag in everywhere, f"the docs name {flag}, which no command has"
+
+
+def test_the_readmes_first_screen_says_how_to_set_up_run_and_test() -> None:
+    """A newcomer's first screen (40 lines): the two set-up commands, then the test command, which is
+    the one CI runs."""
+    root = Path(__file__).resolve().parent.parent
+    first = "\n".join((root / "README.md").read_text().splitlines()[:40])
+    blocks = [b.strip().splitlines() for b in re.findall(r"```bash\n(.*?)```", first, re.S)]
+    assert blocks[0] == ['pip install -e ".[demo,test]"', "moechat"]
+    assert blocks[1] == ["python -m pytest -q"]
+    ci = (root / ".ci" / "run").read_text().splitlines()
+    assert ci[-1] == blocks[1][0] and 'python -m pip install -q -e ".[demo,test]"' in ci

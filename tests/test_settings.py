@@ -20,6 +20,7 @@ from moechat.app.settings import (
     env_name,
     flag_name,
     from_args,
+    resolve,
     sampling_params,
 )
 from moechat.app.tune_cmd import TUNE_SETTINGS
@@ -140,12 +141,12 @@ def test_the_app_replies_with_the_settings_seed_and_sampling(tmp_path: Path) -> 
     assert (got.seed, got.temperature, got.top_k) == (11, 0.2, 5)
 
 
-def test_the_readme_lists_every_setting() -> None:
-    """The README's one list of settings is the declaration's, no more and no fewer."""
-    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
-    start = readme.index("Settings come from flags")
-    listed = re.findall(r"`([a-z_]+)`", readme[start : readme.index("--help` lists each", start)])
-    assert sorted(n for n in listed if n not in ("chat", "run", "tune")) == sorted(SPEC)
+def test_the_usage_page_lists_every_setting() -> None:
+    """docs/usage.md's one list of settings is the declaration's, no more and no fewer."""
+    usage = (Path(__file__).resolve().parents[1] / "docs" / "usage.md").read_text()
+    start = usage.index("Settings come from flags")
+    listed = re.findall(r"`([a-z_]+)`", usage[start : usage.index("--help` lists each", start)])
+    assert sorted(n for n in listed if n not in ("chat", "run", "serve", "tune")) == sorted(SPEC)
 
 
 def test_the_groups_hold_every_setting_once() -> None:
@@ -196,3 +197,70 @@ def test_tuned_settings_apply_to_their_model_only(tmp_path: Path, monkeypatch: p
     assert settings(tuned).moe_cache_cpu_share == 0.25  # a variable wins
     kept.write_text("moe_cache_mib = -3\n")  # a bad kept value is left out, with the user's default instead
     assert settings(tuned).moe_cache_mib == 7.0
+
+
+@pytest.mark.parametrize(
+    ("low", "high"),
+    [
+        ("default", "config"),
+        ("default", "env"),
+        ("default", "flag"),
+        ("config", "env"),
+        ("config", "flag"),
+        ("env", "flag"),
+    ],
+)
+def test_settings_layers(tmp_path: Path, low: str, high: str) -> None:
+    config = tmp_path / "config.toml"
+    values = {"default": None, "config": 0.3, "env": 0.6, "flag": 0.9}
+    if "config" in (low, high):
+        config.write_text(f"moe_cache_cpu_share = {values['config']}\n")
+    env = {"MOECHAT_MOE_CACHE_CPU_SHARE": str(values["env"])} if "env" in (low, high) else {}
+    flags = {"moe_cache_cpu_share": values["flag"]} if "flag" in (low, high) else {}
+    s, warnings = resolve(flags, env, config)
+    assert not warnings
+    assert s.moe_cache_cpu_share == values[high]
+    assert s.source("moe_cache_cpu_share").startswith({"config": str(config), "env": "env", "flag": "flag"}[high])
+
+
+def test_the_demo_has_its_own_defaults_below_anything_the_user_set(tmp_path: Path) -> None:
+    from moechat.app.settings import DEMO_DEFAULTS, for_demo, mib_words
+
+    config = tmp_path / "config.toml"
+    config.write_text("moe_cache_mib = 8\n")
+    s = for_demo(resolve({}, {"MOECHAT_MOE_CACHE_CPU_SHARE": "0.25"}, config)[0], None)
+    assert (s.moe_cache_mib, s.source("moe_cache_mib")) == (8.0, str(config))
+    assert (s.moe_cache_cpu_share, s.source("moe_cache_cpu_share")) == (0.25, "env MOECHAT_MOE_CACHE_CPU_SHARE")
+    s = for_demo(resolve({}, {}, config)[0], None)
+    assert s.moe_cache_cpu_share == DEMO_DEFAULTS["smollm2"]["moe_cache_cpu_share"] > 0
+    assert s.source("moe_cache_cpu_share") == "the demo's default"
+    # No setting at all: the demo runs with a cache, so the dashboard has something to show.
+    d = for_demo(Settings(), None)
+    assert d.moe_cache_mib == DEMO_DEFAULTS["smollm2"]["moe_cache_mib"] > 0 and d.cpu_kernels == "fast"
+    # The second demo has its own size; the user's own model gets the plain defaults.
+    assert for_demo(Settings(), "demo:gemma").moe_cache_mib == DEMO_DEFAULTS["gemma"]["moe_cache_mib"]
+    assert DEMO_DEFAULTS["gemma"]["moe_cache_mib"] != DEMO_DEFAULTS["smollm2"]["moe_cache_mib"]
+    # The user's own model gets the plain defaults: a cache sized by itself (auto).
+    assert for_demo(Settings(), "m.gguf") == Settings() and mib_words(Settings().moe_cache_mib) == "auto"
+
+
+def test_bad_settings_name_the_setting_and_source(tmp_path: Path) -> None:
+    from moechat.app.settings import SettingError, save_config
+
+    with pytest.raises(SettingError, match=r"moe_cache_mib from env MOECHAT_MOE_CACHE_MIB: -1.0 must be >= 0"):
+        resolve({}, {"MOECHAT_MOE_CACHE_MIB": "-1"}, None)
+    with pytest.raises(SettingError, match=r"moe_cache_cpu_share from flag --moe-cache-cpu-share"):
+        resolve({"moe_cache_cpu_share": 1.5}, {}, None)
+    config = tmp_path / "config.toml"
+    config.write_text('device = "tpu"\n')
+    with pytest.raises(SettingError, match=rf"device from {config}"):
+        resolve({}, {}, config)
+    # A corrupt file: a warning, the defaults, the file untouched; saving sets it aside.
+    config.write_text("moe_cache_mib = = 3\n")
+    s, warnings = resolve({}, {}, config)
+    assert s == Settings() and warnings and "not valid TOML" in warnings[0]
+    assert config.read_text() == "moe_cache_mib = = 3\n"
+    save_config(config, {"theme": "nord"})
+    aside = list(tmp_path.glob("config.toml.corrupt-*"))
+    assert len(aside) == 1 and aside[0].read_text() == "moe_cache_mib = = 3\n"
+    assert resolve({}, {}, config)[0].theme == "nord"

@@ -15,8 +15,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 from moechat.engine.cache.policy import bypasses
-from moechat.engine.cache.stats import GroupInfo
-from moechat.tuner.simulator import WARMUP_TOKENS, Group, Routing
+from moechat.tuner.simulator import WARMUP_TOKENS, Routing
 
 POLICIES = ("lru", "lfu", "min", "min-bypass")
 NEVER = 1 << 62
@@ -49,18 +48,6 @@ def _events(routing: Routing, n_slots: list[int], warmup: int) -> Iterator[tuple
             continue
         base = layer * g.n_expert
         yield gi, tuple(base + e for e in dict.fromkeys(ids)), seen > warmup
-
-
-def min_hit_rate(groups: Sequence[GroupInfo], n_expert_used: int, max_batch: int,
-                 records: Sequence[tuple[int, int, tuple[int, ...]]],
-                 preload: Sequence[tuple[int, int]] = ()) -> float | None:  # fmt: skip
-    """The hit rate MIN with bypass would have had on `records` with the slots of `groups` (a
-    cache's), starting with `preload` (layer, expert) in them as the cache did (a warm start); None
-    without a lookup that goes through a cache."""
-    routing = Routing(tuple(Group(g.layers, g.n_expert, g.expert_bytes) for g in groups), n_expert_used, max_batch,
-                      tuple(records))  # fmt: skip
-    res = simulate_baseline(routing, [g.n_slots for g in groups], "min-bypass", warmup=0, preload=preload)
-    return res.hit_rate if res.lookups else None
 
 
 def simulate_baseline(

@@ -13,7 +13,7 @@ from textual.message import Message
 from textual.visual import VisualType
 from textual.widgets import Markdown, Static, TextArea
 
-# MarkdownParagraph is not exported: tests/test_tui.py checks that Markdown still builds its
+# MarkdownParagraph is not exported: tests/test_tui_chat.py checks that Markdown still builds its
 # paragraphs from this class, so a Textual that changes it fails there, not on a user's screen.
 from textual.widgets._markdown import MarkdownParagraph
 

@@ -34,10 +34,10 @@ from .rules import (
     SECOND_USE,
     SECOND_USE_WINDOW,
     SHARE_ONE,
+    SMALL_BATCH,
     UPLOAD_CAP,
     UPLOAD_CAP_RULE,
 )
-from .stats import SMALL_BATCH
 
 # Header of `st`: sizes, counters, then where each region starts.
 H_SLOTS, H_EXPERT, H_LAYERS, H_FILLED, H_ADMIT, H_STAMP = 0, 1, 2, 3, 4, 5

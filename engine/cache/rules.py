@@ -19,3 +19,4 @@ ADMISSIONS: dict[str, int] = {"classlru": CLASSLRU, "second-use": SECOND_USE, "u
 POLICIES = tuple(ADMISSIONS)
 SHARE_ONE = 1 << 16  # the CPU share is kept in 1/65536
 LOGGED = 1 << 32  # in a compiled lookup's result: the lookup went into the lookup log
+SMALL_BATCH = 8  # the counters split batches at 8 tokens, like the seed

@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-SMALL_BATCH = 8  # statistics split batches at 8 tokens, like the seed
+from .rules import SMALL_BATCH
 
 
 @dataclass(slots=True)  # counted at every lookup: slots make each increment cheaper
@@ -200,42 +198,6 @@ def summary_lines(snap: StatsSnapshot) -> list[str]:
             f"bypassed = {tot.bypassed}"
         )
     return lines
-
-
-class Cadence:
-    """When a publisher of snapshots sends: at most once every `every` seconds, and a full update
-    (one the costly views redraw for) at most once every `full_every`; the last of a stream always
-    goes, full. The one throttle of the snapshots' way to the screen: the engine process and the
-    reply worker publish through it, the widgets draw what they are sent."""
-
-    def __init__(
-        self, every: float, full_every: float | None = None, clock: Callable[[], float] = time.monotonic
-    ) -> None:
-        self.every, self.full_every = every, max(every, full_every or every)
-        self._clock = clock
-        self._last = self._last_full = -float("inf")
-
-    def due(self, last: bool = False) -> tuple[bool, bool]:
-        """(send now, and whether it is a full update)."""
-        now = self._clock()
-        if not last and now - self._last < self.every:
-            return False, False
-        self._last = now
-        full = last or now - self._last_full >= self.full_every
-        if full:
-            self._last_full = now
-        return True, full
-
-
-@dataclass(frozen=True)
-class MinBound:
-    """MIN's hit rate (the offline optimum, with bypass) at the cache's size, and the cache's own, on the
-    same lookups: the session's from the warm start (`from_start`) or its last `tokens` tokens."""
-
-    rate: float
-    hit_rate: float
-    tokens: int
-    from_start: bool
 
 
 def merge_stages(stages: list[StatsSnapshot]) -> StatsSnapshot:

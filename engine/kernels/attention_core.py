@@ -26,11 +26,11 @@ from numba.core import cgutils
 
 from . import isa
 from .jit import intrinsic, njit, types
-from .qblocks import _B, F32, I8, I64, _vec
+from .llvm_ir import F32, I8, I64, VecBuilder, vec
 from .qtiles import lane_sums
 
 LANES = 16 if isa.AVX512 else 8  # floats a vector holds (on AVX2 eight: the accumulators fit the 16 registers)
-VF = _vec(F32, LANES)
+VF = vec(F32, LANES)
 
 
 def _array(context: Any, b: ir.IRBuilder, aty: Any, val: ir.Value) -> tuple[ir.Value, list[ir.Value], list[ir.Value]]:
@@ -58,7 +58,7 @@ def _key_scores_typing(typingctx, q, k_cache, kv, h0, per, first, col0, n_blocks
                      types.float32, p)  # fmt: skip
 
     def codegen(context, b, sig, args):
-        v = _B(b)
+        v = VecBuilder(b)
         qd, qshape, qst = _array(context, b, sig.args[0], args[0])
         kd, _, kst = _array(context, b, sig.args[1], args[1])
         pd, _, pst = _array(context, b, sig.args[9], args[9])
@@ -105,7 +105,7 @@ def _values_intrinsic(heads: int) -> Any:
         sig = types.void(p, v_cache, types.int64, types.int64, types.int64, types.int64, types.int64, out)
 
         def codegen(context, b, sig, args):
-            v = _B(b)
+            v = VecBuilder(b)
             pd, _, pst = _array(context, b, sig.args[0], args[0])
             vd, vshape, vst = _array(context, b, sig.args[1], args[1])
             od, _, ost = _array(context, b, sig.args[7], args[7])

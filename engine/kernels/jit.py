@@ -25,8 +25,8 @@ from typing import Any
 import platformdirs
 
 KERNEL_SOURCES = (
-    "jit.py", "isa.py", "qblocks.py", "qtiles.py", "qtiles8.py", "cpu.py", "attention_core.py", "layer_halves.py",
-    "moe_token.py", "codes.py", "../gguf/codebooks.py",
+    "jit.py", "isa.py", "llvm_ir.py", "qblocks.py", "qtiles.py", "qtiles8.py", "cpu.py", "attention_core.py",
+    "layer_halves.py", "moe_token.py", "codes.py", "../gguf/codebooks.py", "../cache/lru_core.py", "../cache/rules.py",
 )  # fmt: skip
 
 

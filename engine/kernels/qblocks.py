@@ -3,7 +3,7 @@
 Each entry turns one block of the file's bytes (a pointer to where it lies) into its weights, 32
 at a time, as small integers (LLVM vectors of 32 int8 lanes, unsigned 0..63 or signed) and their
 scale: weight = q * scale, plus a per-32 bias for the types with mins or offsets. From that one
-description come the two operations the kernels in `cpu_kernels.py` use (numba intrinsics,
+description come the two operations the kernels in `kernels.cpu` use (numba intrinsics,
 inlined where they are called, so LLVM sees the whole loop and vectorizes it for the machine's CPU):
 
 - `dot_row`: a row's dot products with one or four rows of activations quantized to int16 or
@@ -23,7 +23,7 @@ inlined where they are called, so LLVM sees the whole loop and vectorizes it for
   the number of tokens, so how many tokens share a row never changes a token's result.
 - `decode_row`: a row's weights as float32 (the tiles a float GEMM multiplies in prefill).
 
-The weights follow the reference dequantizer (`engine/quants.py`, bit-exact with gguf-py) except
+The weights follow the reference dequantizer (`gguf.dequant`, bit-exact with gguf-py) except
 that a scale and a min (or offset) are applied in one fused multiply-add: a weight can differ by
 one unit in the last place. The dot products' error is the activations' rounding: at most 1.5e-5
 (int16) or 0.4% (int8) of the largest activation of their group (256, or 32); the tests bound it
@@ -36,7 +36,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-import llvmlite.binding as llvm
 import numpy as np
 from gguf import GGML_QUANT_SIZES
 from gguf import GGMLQuantizationType as Q
@@ -47,18 +46,30 @@ from ..gguf.codebooks import IQ4_NL_VALUES, MXFP4_VALUES
 from ..gguf.quant_types import CPU, types_for
 from . import isa
 from .jit import intrinsic, njit, overload, prange, types
+from .llvm_ir import (
+    F32,
+    I8,
+    I16,
+    I32,
+    I64,
+    LANES,
+    V8_F32,
+    V_F32,
+    V_I8,
+    V_I16,
+    V_I32,
+    VecBuilder,
+    byte_ptr,
+    call_intrinsic,
+    hsum,
+    lanes_reduced,
+    literal_qtype,
+    pair_sums,
+    row_ptr,
+    vec,
+)
 
-LANES = 32  # weights per vector chunk
 SUPER = 256  # weights per super-block (the K-quants, IQ4_XS)
-
-I8, I16, I32, I64, F32 = ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64), ir.FloatType()
-
-
-def _vec(t: ir.Type, n: int = LANES) -> ir.VectorType:
-    return ir.VectorType(t, n)
-
-
-V_I8, V_I16, V_I32, V_F32, V8_F32 = _vec(I8), _vec(I16), _vec(I32), _vec(F32), _vec(F32, 8)
 
 _IQ4_NL = list(IQ4_NL_VALUES)
 _MXFP4 = list(MXFP4_VALUES)  # doubled; the scale is halved
@@ -73,89 +84,6 @@ _AVX2 = isa.AVX2
 _AVX512 = isa.AVX512
 # AVX512-VNNI: bytes times bytes summed in fours into int32 in one instruction (vpdpbusd).
 _VNNI = isa.VNNI
-# A float16 converts in one instruction with x86's F16C or on ARM; elsewhere with integer operations.
-_HALF = (llvm.get_process_triple().startswith(("x86_64", "amd64")) and bool(llvm.get_host_cpu_features().get("f16c"))
-         ) or llvm.get_process_triple().startswith(("aarch64", "arm64"))  # fmt: skip
-
-
-class _B:
-    """IR building shorthands over one llvmlite builder."""
-
-    def __init__(self, b: ir.IRBuilder) -> None:
-        self.b = b
-
-    def at(self, p: ir.Value, off: int | ir.Value) -> ir.Value:
-        return self.b.gep(p, [ir.Constant(I64, off) if isinstance(off, int) else off])
-
-    def load(self, p: ir.Value, off: int | ir.Value, t: ir.Type, n: int = LANES, align: int = 1) -> ir.Value:
-        return self.b.load(self.b.bitcast(self.at(p, off), _vec(t, n).as_pointer()), align=align)
-
-    def scalar(self, p: ir.Value, off: int, t: ir.Type) -> ir.Value:
-        return self.b.load(self.b.bitcast(self.at(p, off), t.as_pointer()), align=1)
-
-    def u8(self, p: ir.Value, off: int) -> ir.Value:
-        return self.b.zext(self.scalar(p, off, I8), I32)
-
-    def f16(self, p: ir.Value, off: int) -> ir.Value:
-        """A float16 as float32 (exact)."""
-        if _HALF:
-            return self.b.fpext(self.scalar(p, off, ir.HalfType()), F32)
-        # With integer operations: the magnitude's bits moved into float32's position are the value
-        # times 2^-112, for subnormals too.
-        h = self.b.zext(self.scalar(p, off, I16), I32)
-        mag = self.b.shl(self.b.and_(h, ir.Constant(I32, 0x7FFF)), ir.Constant(I32, 13))
-        is_special = self.b.icmp_unsigned("==", self.b.and_(h, ir.Constant(I32, 0x7C00)), ir.Constant(I32, 0x7C00))
-        mag = self.b.select(is_special, self.b.or_(mag, ir.Constant(I32, 0x7F800000)), mag)
-        v = self.b.fmul(self.b.bitcast(mag, F32), ir.Constant(F32, 2.0**112))
-        sign = self.b.shl(self.b.and_(h, ir.Constant(I32, 0x8000)), ir.Constant(I32, 16))
-        return self.b.bitcast(self.b.or_(self.b.bitcast(v, I32), sign), F32)
-
-    def splat(self, s: ir.Value, n: int = LANES) -> ir.Value:
-        v = self.b.insert_element(ir.Constant(_vec(s.type, n), ir.Undefined), s, ir.Constant(I32, 0))
-        return self.b.shuffle_vector(v, v, ir.Constant(_vec(I32, n), [0] * n))
-
-    def const(self, t: ir.Type, values: list[int] | int) -> ir.Constant:
-        return ir.Constant(_vec(t), values if isinstance(values, list) else [values] * LANES)
-
-    def nibbles(self, p: ir.Value, off: int) -> ir.Value:
-        """16 bytes at off -> 32 lanes: the low nibbles, then the high nibbles (the 32-weight blocks' order)."""
-        q = self.load(p, off, I8, 16)
-        lo = self.b.and_(q, ir.Constant(_vec(I8, 16), [15] * 16))
-        hi = self.b.lshr(q, ir.Constant(_vec(I8, 16), [4] * 16))
-        return self.b.shuffle_vector(lo, hi, ir.Constant(V_I32, list(range(LANES))))
-
-    def bits32(self, p: ir.Value, off: int) -> ir.Value:
-        """The 32 bits of a little-endian uint32 at off, one per lane, each moved to bit 4 (Q5_0/Q5_1's fifth bits)."""
-        qh = self.splat(self.scalar(p, off, I32))
-        bit = self.b.and_(self.b.lshr(qh, self.const(I32, list(range(LANES)))), self.const(I32, 1))
-        return self.b.shl(self.b.trunc(bit, V_I8), self.const(I8, 4))
-
-    def fma(self, a: ir.Value, b: ir.Value, c: ir.Value) -> ir.Value:
-        t = a.type
-        name = f"llvm.fma.v{t.count}f32"
-        fn = cgutils.get_or_insert_function(self.b.module, ir.FunctionType(t, [t, t, t]), name)
-        return self.b.call(fn, [a, b, c])
-
-    def table(self, idx: ir.Value, values: list[int]) -> ir.Value:
-        """Lanes idx (0..15) looked up in a 16-entry int8 table."""
-        if _AVX2:  # one 32-byte shuffle: each 16-byte half looks up its own copy of the table
-            return _call(self.b, "llvm.x86.avx2.pshuf.b", V_I8, [ir.Constant(V_I8, values * 2), idx])
-        if _X86:
-            fnty = ir.FunctionType(_vec(I8, 16), [_vec(I8, 16), _vec(I8, 16)])
-            fn = cgutils.get_or_insert_function(self.b.module, fnty, "llvm.x86.ssse3.pshuf.b.128")
-            tab = ir.Constant(_vec(I8, 16), values)
-            halves = []
-            for h in range(2):
-                part = self.b.shuffle_vector(idx, idx, ir.Constant(_vec(I32, 16), list(range(16 * h, 16 * h + 16))))
-                halves.append(self.b.call(fn, [tab, part]))
-            out = self.b.shuffle_vector(halves[0], halves[1], ir.Constant(V_I32, list(range(LANES))))
-        else:
-            tab = ir.Constant(_vec(I8, 16), values)
-            out = ir.Constant(V_I8, ir.Undefined)
-            for lane in range(LANES):
-                i = self.b.extract_element(idx, ir.Constant(I32, lane))
-                out = self.b.insert_element(out, self.b.extract_element(tab, i), ir.Constant(I32, lane))
-        return out
 
 
 class Chunk(NamedTuple):
@@ -188,10 +116,10 @@ class IntBlock(NamedTuple):
 # A block's integers and scales; with a pointer to the activations' scales of the block's chunks
 # (one per 32, float32), every scale already multiplied by its chunk's (dot products), else not
 # (the weights themselves).
-Chunks = Callable[[_B, ir.Value, ir.Value | None], Block]
+Chunks = Callable[[VecBuilder, ir.Value, ir.Value | None], Block]
 
 
-def _scaled(v: _B, s: ir.Value, dxp: ir.Value | None) -> ir.Value:
+def _scaled(v: VecBuilder, s: ir.Value, dxp: ir.Value | None) -> ir.Value:
     """Scales s (a float32 for one chunk, 8 floats for 8 chunks, 16 for 8 chunks' halves) times the chunks' dx."""
     if dxp is None:
         return s
@@ -199,7 +127,7 @@ def _scaled(v: _B, s: ir.Value, dxp: ir.Value | None) -> ir.Value:
         return v.b.fmul(s, v.b.load(dxp, align=4))
     dx = v.load(dxp, 0, F32, 8, align=4)
     if s.type.count == 16:
-        dx = v.b.shuffle_vector(dx, dx, ir.Constant(_vec(I32, 16), [i // 2 for i in range(16)]))
+        dx = v.b.shuffle_vector(dx, dx, ir.Constant(vec(I32, 16), [i // 2 for i in range(16)]))
     return v.b.fmul(s, dx)
 
 
@@ -208,35 +136,35 @@ def _scaled(v: _B, s: ir.Value, dxp: ir.Value | None) -> ir.Value:
 
 # Q4_0 and Q5_0 keep their integers unsigned and their offset as a bias: an unsigned weight times
 # an activation is one instruction on x86, a signed one three.
-def _q4_0(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+def _q4_0(v: VecBuilder, p: ir.Value, dxp: ir.Value | None) -> Block:
     d = v.f16(p, 0)
     return Block([Chunk(v.nibbles(p, 2), False, _scaled(v, d, dxp))], v.b.fmul(d, ir.Constant(F32, -8.0)))
 
 
-def _q4_1(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+def _q4_1(v: VecBuilder, p: ir.Value, dxp: ir.Value | None) -> Block:
     return Block([Chunk(v.nibbles(p, 4), False, _scaled(v, v.f16(p, 0), dxp))], v.f16(p, 2))
 
 
-def _q5_0(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+def _q5_0(v: VecBuilder, p: ir.Value, dxp: ir.Value | None) -> Block:
     d = v.f16(p, 0)
     q = v.b.or_(v.nibbles(p, 6), v.bits32(p, 2))
     return Block([Chunk(q, False, _scaled(v, d, dxp))], v.b.fmul(d, ir.Constant(F32, -16.0)))
 
 
-def _q5_1(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+def _q5_1(v: VecBuilder, p: ir.Value, dxp: ir.Value | None) -> Block:
     q = v.b.or_(v.nibbles(p, 8), v.bits32(p, 4))
     return Block([Chunk(q, False, _scaled(v, v.f16(p, 0), dxp))], v.f16(p, 2))
 
 
-def _q8_0(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+def _q8_0(v: VecBuilder, p: ir.Value, dxp: ir.Value | None) -> Block:
     return Block([Chunk(v.load(p, 2, I8), True, _scaled(v, v.f16(p, 0), dxp))], None)
 
 
-def _iq4_nl(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+def _iq4_nl(v: VecBuilder, p: ir.Value, dxp: ir.Value | None) -> Block:
     return Block([Chunk(v.table(v.nibbles(p, 2), _IQ4_NL), True, _scaled(v, v.f16(p, 0), dxp))], None)
 
 
-def _e8m0_half(v: _B, p: ir.Value) -> ir.Value:
+def _e8m0_half(v: VecBuilder, p: ir.Value) -> ir.Value:
     """MXFP4's E8M0 scale at p, 2^(e - 127), halved for the doubled code book: looked up in a table of the
     256 values (one load, where computing it with its two subnormal cases took seven instructions)."""
     b = v.b
@@ -248,7 +176,7 @@ def _e8m0_half(v: _B, p: ir.Value) -> ir.Value:
     return b.load(b.gep(tab, [ir.Constant(I32, 0), e]), align=4)
 
 
-def _mxfp4(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+def _mxfp4(v: VecBuilder, p: ir.Value, dxp: ir.Value | None) -> Block:
     return Block([Chunk(v.table(v.nibbles(p, 1), _MXFP4), True, _scaled(v, _e8m0_half(v, p), dxp))], None)
 
 
@@ -263,7 +191,7 @@ class QuadBlock(NamedTuple):
     offset: int
 
 
-def _mxfp4_quad(v: _B, ps: list[ir.Value]) -> QuadBlock:
+def _mxfp4_quad(v: VecBuilder, ps: list[ir.Value]) -> QuadBlock:
     # The code book plus 12 is 0..24: an unsigned byte times an activation is one instruction, where a
     # signed one took three (abs, sign, product); the offset comes back as a bias, as for Q4_0.
     b = v.b
@@ -271,17 +199,17 @@ def _mxfp4_quad(v: _B, ps: list[ir.Value]) -> QuadBlock:
 
     def cat(x: ir.Value, y: ir.Value) -> ir.Value:
         n = 2 * x.type.count
-        return b.shuffle_vector(x, y, ir.Constant(_vec(I32, n), list(range(n))))
+        return b.shuffle_vector(x, y, ir.Constant(vec(I32, n), list(range(n))))
 
     q = cat(cat(nib[0], nib[1]), cat(nib[2], nib[3]))  # <64 x i8>: 16 bytes a block
-    tab = ir.Constant(_vec(I8, 64), [c + 12 for c in _MXFP4] * 4)
+    tab = ir.Constant(vec(I8, 64), [c + 12 for c in _MXFP4] * 4)
 
     def look(idx: ir.Value) -> ir.Value:
-        return _call(b, "llvm.x86.avx512.pshuf.b.512", _vec(I8, 64), [tab, idx])
+        return call_intrinsic(b, "llvm.x86.avx512.pshuf.b.512", vec(I8, 64), [tab, idx])
 
-    lo = look(b.and_(q, ir.Constant(_vec(I8, 64), [15] * 64)))
-    hi = look(b.lshr(q, ir.Constant(_vec(I8, 64), [4] * 64)))
-    scales = ir.Constant(_vec(F32, 4), None)
+    lo = look(b.and_(q, ir.Constant(vec(I8, 64), [15] * 64)))
+    hi = look(b.lshr(q, ir.Constant(vec(I8, 64), [4] * 64)))
+    scales = ir.Constant(vec(F32, 4), None)
     for j, p in enumerate(ps):
         scales = b.insert_element(scales, _e8m0_half(v, p), ir.Constant(I32, j))
     return QuadBlock(lo, hi, scales, 12)
@@ -290,23 +218,23 @@ def _mxfp4_quad(v: _B, ps: list[ir.Value]) -> QuadBlock:
 # -- 256-weight super-blocks: eight chunks each --------------------------------------------------
 
 
-def _k_scales(v: _B, p: ir.Value) -> tuple[ir.Value, ir.Value]:
+def _k_scales(v: VecBuilder, p: ir.Value) -> tuple[ir.Value, ir.Value]:
     """Q4_K/Q5_K: the eight 6-bit scales and mins packed in the 12 bytes at 4, as <8 x float32>."""
     sc, mn = _k_scale_ints(v, p)
-    return v.b.uitofp(v.b.zext(sc, _vec(I32, 8)), V8_F32), v.b.uitofp(v.b.zext(mn, _vec(I32, 8)), V8_F32)
+    return v.b.uitofp(v.b.zext(sc, vec(I32, 8)), V8_F32), v.b.uitofp(v.b.zext(mn, vec(I32, 8)), V8_F32)
 
 
-def _k_scale_ints(v: _B, p: ir.Value) -> tuple[ir.Value, ir.Value]:
+def _k_scale_ints(v: VecBuilder, p: ir.Value) -> tuple[ir.Value, ir.Value]:
     """Q4_K/Q5_K: the eight 6-bit scales and mins packed in the 12 bytes at 4, as <8 x i8>."""
     b = v.b
     s = v.load(p, 4, I8, 16)  # bytes 4..19: the 12 packed bytes and 4 of the quants, never used
-    zero = ir.Constant(_vec(I8, 16), None)
+    zero = ir.Constant(vec(I8, 16), None)
 
     def pick(lanes: list[int]) -> ir.Value:  # lane 16: a zero
-        return b.shuffle_vector(s, zero, ir.Constant(_vec(I32, 8), lanes))
+        return b.shuffle_vector(s, zero, ir.Constant(vec(I32, 8), lanes))
 
     def c8(values: list[int]) -> ir.Constant:
-        return ir.Constant(_vec(I8, 8), values)
+        return ir.Constant(vec(I8, 8), values)
 
     def top2(x: ir.Value) -> ir.Value:  # a byte's top two bits, as bits 4 and 5
         return b.shl(b.lshr(x, c8([6] * 8)), c8([4] * 8))
@@ -319,7 +247,7 @@ def _k_scale_ints(v: _B, p: ir.Value) -> tuple[ir.Value, ir.Value]:
     return sc, mn
 
 
-def _k_block(v: _B, p: ir.Value, dxp: ir.Value | None, q: Callable[[int], ir.Value]) -> Block:
+def _k_block(v: VecBuilder, p: ir.Value, dxp: ir.Value | None, q: Callable[[int], ir.Value]) -> Block:
     """Q4_K/Q5_K: chunk j's integers q(j) (<32 x i8>, 0..31) scaled by d * scale_j, less dmin * min_j."""
     sc, mn = _k_scales(v, p)
     scales = _scaled(v, v.b.fmul(sc, v.splat(v.f16(p, 0), 8)), dxp)
@@ -327,45 +255,45 @@ def _k_block(v: _B, p: ir.Value, dxp: ir.Value | None, q: Callable[[int], ir.Val
     return Block(chunks, v.b.fneg(v.b.fmul(mn, v.splat(v.f16(p, 2), 8))))
 
 
-def _k_ints(v: _B, p: ir.Value, q: Callable[[int], ir.Value]) -> IntBlock:
+def _k_ints(v: VecBuilder, p: ir.Value, q: Callable[[int], ir.Value]) -> IntBlock:
     """Q4_K/Q5_K in integers: chunk j's q(j) times its 6-bit scale, d; the mins as the bias."""
     sc, mn = _k_scale_ints(v, p)
-    sc16 = v.b.zext(sc, _vec(I16, 8))
+    sc16 = v.b.zext(sc, vec(I16, 8))
     chunks = [IntChunk(q(j), False, v.b.shuffle_vector(sc16, sc16, ir.Constant(V_I32, [j] * LANES)))
               for j in range(8)]  # fmt: skip
-    bias = v.b.fneg(v.b.fmul(v.b.uitofp(v.b.zext(mn, _vec(I32, 8)), V8_F32), v.splat(v.f16(p, 2), 8)))
+    bias = v.b.fneg(v.b.fmul(v.b.uitofp(v.b.zext(mn, vec(I32, 8)), V8_F32), v.splat(v.f16(p, 2), 8)))
     return IntBlock(chunks, v.f16(p, 0), bias)
 
 
-def _q4_k_q(v: _B, p: ir.Value, j: int) -> ir.Value:
+def _q4_k_q(v: VecBuilder, p: ir.Value, j: int) -> ir.Value:
     packed = v.load(p, 16 + 32 * (j // 2), I8)  # chunks 2c and 2c + 1: low and high nibbles
     return v.b.and_(packed, v.const(I8, 15)) if j % 2 == 0 else v.b.lshr(packed, v.const(I8, 4))
 
 
-def _q5_k_q(v: _B, p: ir.Value, j: int) -> ir.Value:
+def _q5_k_q(v: VecBuilder, p: ir.Value, j: int) -> ir.Value:
     packed = v.load(p, 48 + 32 * (j // 2), I8)
     nib = v.b.and_(packed, v.const(I8, 15)) if j % 2 == 0 else v.b.lshr(packed, v.const(I8, 4))
     high = v.b.shl(v.b.and_(v.b.lshr(v.load(p, 16, I8), v.const(I8, j)), v.const(I8, 1)), v.const(I8, 4))
     return v.b.or_(nib, high)
 
 
-def _q4_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+def _q4_k(v: VecBuilder, p: ir.Value, dxp: ir.Value | None) -> Block:
     return _k_block(v, p, dxp, lambda j: _q4_k_q(v, p, j))
 
 
-def _q4_k_ints(v: _B, p: ir.Value) -> IntBlock:
+def _q4_k_ints(v: VecBuilder, p: ir.Value) -> IntBlock:
     return _k_ints(v, p, lambda j: _q4_k_q(v, p, j))
 
 
-def _q5_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+def _q5_k(v: VecBuilder, p: ir.Value, dxp: ir.Value | None) -> Block:
     return _k_block(v, p, dxp, lambda j: _q5_k_q(v, p, j))
 
 
-def _q5_k_ints(v: _B, p: ir.Value) -> IntBlock:
+def _q5_k_ints(v: VecBuilder, p: ir.Value) -> IntBlock:
     return _k_ints(v, p, lambda j: _q5_k_q(v, p, j))
 
 
-def _q6_k_qs(v: _B, p: ir.Value) -> list[tuple[ir.Value, int]]:
+def _q6_k_qs(v: VecBuilder, p: ir.Value) -> list[tuple[ir.Value, int]]:
     """Q6_K's eight chunks: (integers -32..31, the index s of its first scale: s for weights 0..15, s + 1 after)."""
     b = v.b
     out = []
@@ -379,24 +307,24 @@ def _q6_k_qs(v: _B, p: ir.Value) -> list[tuple[ir.Value, int]]:
     return out
 
 
-def _q6_k(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+def _q6_k(v: VecBuilder, p: ir.Value, dxp: ir.Value | None) -> Block:
     b = v.b
     # 16 scales, each over 16 weights
-    sc = _scaled(v, b.fmul(b.sitofp(v.load(p, 192, I8, 16), _vec(F32, 16)), v.splat(v.f16(p, 208), 16)), dxp)
-    chunks = [Chunk(q, True, b.shuffle_vector(sc, sc, ir.Constant(_vec(I32, 8), [s] * 4 + [s + 1] * 4)))
+    sc = _scaled(v, b.fmul(b.sitofp(v.load(p, 192, I8, 16), vec(F32, 16)), v.splat(v.f16(p, 208), 16)), dxp)
+    chunks = [Chunk(q, True, b.shuffle_vector(sc, sc, ir.Constant(vec(I32, 8), [s] * 4 + [s + 1] * 4)))
               for q, s in _q6_k_qs(v, p)]  # fmt: skip
     return Block(chunks, None)
 
 
-def _q6_k_ints(v: _B, p: ir.Value) -> IntBlock:
+def _q6_k_ints(v: VecBuilder, p: ir.Value) -> IntBlock:
     b = v.b
-    sc16 = b.sext(v.load(p, 192, I8, 16), _vec(I16, 16))
+    sc16 = b.sext(v.load(p, 192, I8, 16), vec(I16, 16))
     chunks = [IntChunk(q, True, b.shuffle_vector(sc16, sc16, ir.Constant(V_I32, [s] * 16 + [s + 1] * 16)))
               for q, s in _q6_k_qs(v, p)]  # fmt: skip
     return IntBlock(chunks, v.f16(p, 208), None)
 
 
-def _iq4_xs(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
+def _iq4_xs(v: VecBuilder, p: ir.Value, dxp: ir.Value | None) -> Block:
     b = v.b
     sc = _iq4_xs_scales(v, p)
     scales = _scaled(v, b.fmul(b.sitofp(sc, V8_F32), v.splat(v.f16(p, 0), 8)), dxp)
@@ -405,21 +333,21 @@ def _iq4_xs(v: _B, p: ir.Value, dxp: ir.Value | None) -> Block:
     return Block(chunks, None)
 
 
-def _iq4_xs_scales(v: _B, p: ir.Value) -> ir.Value:
+def _iq4_xs_scales(v: VecBuilder, p: ir.Value) -> ir.Value:
     """IQ4_XS's eight scales, -32..31, as <8 x i32>."""
     b = v.b
     # The eight 6-bit scales: low nibbles of the 4 bytes at 4, high 2 bits of the uint16 at 2.
     lo = v.load(p, 4, I8, 4)
-    lo = b.shuffle_vector(lo, lo, ir.Constant(_vec(I32, 8), [i // 2 for i in range(8)]))
-    lo = b.lshr(lo, ir.Constant(_vec(I8, 8), [4 * (i % 2) for i in range(8)]))
-    lo = b.and_(lo, ir.Constant(_vec(I8, 8), [15] * 8))
-    hi = b.lshr(v.splat(b.zext(v.scalar(p, 2, I16), I32), 8), ir.Constant(_vec(I32, 8), [2 * i for i in range(8)]))
-    hi = b.shl(b.and_(hi, ir.Constant(_vec(I32, 8), [3] * 8)), ir.Constant(_vec(I32, 8), [4] * 8))
-    return b.sub(b.or_(b.zext(lo, _vec(I32, 8)), hi), ir.Constant(_vec(I32, 8), [32] * 8))
+    lo = b.shuffle_vector(lo, lo, ir.Constant(vec(I32, 8), [i // 2 for i in range(8)]))
+    lo = b.lshr(lo, ir.Constant(vec(I8, 8), [4 * (i % 2) for i in range(8)]))
+    lo = b.and_(lo, ir.Constant(vec(I8, 8), [15] * 8))
+    hi = b.lshr(v.splat(b.zext(v.scalar(p, 2, I16), I32), 8), ir.Constant(vec(I32, 8), [2 * i for i in range(8)]))
+    hi = b.shl(b.and_(hi, ir.Constant(vec(I32, 8), [3] * 8)), ir.Constant(vec(I32, 8), [4] * 8))
+    return b.sub(b.or_(b.zext(lo, vec(I32, 8)), hi), ir.Constant(vec(I32, 8), [32] * 8))
 
 
-def _iq4_xs_ints(v: _B, p: ir.Value) -> IntBlock:
-    sc16 = v.b.trunc(_iq4_xs_scales(v, p), _vec(I16, 8))
+def _iq4_xs_ints(v: VecBuilder, p: ir.Value) -> IntBlock:
+    sc16 = v.b.trunc(_iq4_xs_scales(v, p), vec(I16, 8))
     chunks = [IntChunk(v.table(v.nibbles(p, 8 + 16 * j), _IQ4_NL), True,
                        v.b.shuffle_vector(sc16, sc16, ir.Constant(V_I32, [j] * LANES))) for j in range(8)]  # fmt: skip
     return IntBlock(chunks, v.f16(p, 0), None)
@@ -432,9 +360,9 @@ class Layout:
     chunks: Chunks  # a block's weights as integers and scales, 32 at a time
     # A super-block's integers with integer scales (see IntBlock): with the activations' one scale per
     # 256, its dot products stay integers over the whole block (int16 activations)
-    ints: Callable[[_B, ir.Value], IntBlock] | None = None
+    ints: Callable[[VecBuilder, ir.Value], IntBlock] | None = None
     # Four 32-weight blocks at once in 64-byte vectors (int8 activations, AVX-512), where a type has it
-    quad: Callable[[_B, list[ir.Value]], QuadBlock] | None = None
+    quad: Callable[[VecBuilder, list[ir.Value]], QuadBlock] | None = None
 
 
 def _layout(qtype: Q, chunks: Chunks) -> Layout:
@@ -446,17 +374,13 @@ _CHUNKS: dict[Q, Chunks] = {
     Q.Q4_0: _q4_0, Q.Q4_1: _q4_1, Q.Q5_0: _q5_0, Q.Q5_1: _q5_1, Q.Q8_0: _q8_0, Q.IQ4_NL: _iq4_nl, Q.MXFP4: _mxfp4,
     Q.Q4_K: _q4_k, Q.Q5_K: _q5_k, Q.Q6_K: _q6_k, Q.IQ4_XS: _iq4_xs,
 }  # fmt: skip
-_INTS: dict[Q, Callable[[_B, ir.Value], IntBlock]] = {
+_INTS: dict[Q, Callable[[VecBuilder, ir.Value], IntBlock]] = {
     Q.Q4_K: _q4_k_ints, Q.Q5_K: _q5_k_ints, Q.Q6_K: _q6_k_ints, Q.IQ4_XS: _iq4_xs_ints,
 }  # fmt: skip
-_QUADS: dict[Q, Callable[[_B, list[ir.Value]], QuadBlock]] = {Q.MXFP4: _mxfp4_quad}
+_QUADS: dict[Q, Callable[[VecBuilder, list[ir.Value]], QuadBlock]] = {Q.MXFP4: _mxfp4_quad}
 # One entry per quant type the registry (gguf.quant_types) gives the CPU kernels: its whole block layout.
 # A type claimed there without its chunks here fails at import.
 LAYOUTS: dict[Q, Layout] = {t: _layout(t, _CHUNKS[t]) for t in sorted(types_for(CPU))}
-
-
-def has_kernel(qtype: Q) -> bool:
-    return qtype in LAYOUTS
 
 
 # -- activations as the dot products read them ---------------------------------------------------
@@ -573,62 +497,19 @@ def _quantize_impl(x: Any, bits: Any, parallel: bool) -> Any:
 # -- intrinsics ----------------------------------------------------------------------------------
 
 
-def _data(context: Any, builder: ir.IRBuilder, aty: Any, arr: ir.Value, byte_off: ir.Value) -> ir.Value:
-    """An i8* to byte `byte_off` of an array's data."""
-    data = context.make_array(aty)(context, builder, arr).data
-    return builder.gep(builder.bitcast(data, I8.as_pointer()), [byte_off])
-
-
-def row_ptr(context: Any, b: ir.IRBuilder, aty: Any, arr: ir.Value, row: ir.Value, t: ir.Type) -> ir.Value:
-    """A t* to the first element of row `row` of a 2-D array."""
-    a = context.make_array(aty)(context, b, arr)
-    stride = cgutils.unpack_tuple(b, a.strides, 2)[0]
-    return b.bitcast(b.gep(b.bitcast(a.data, I8.as_pointer()), [b.mul(row, stride)]), t.as_pointer())
-
-
-def _lanes_reduced(b: ir.IRBuilder, v: ir.Value, op: Callable[[ir.Value, ir.Value], ir.Value]) -> ir.Value:
-    """The lanes of v combined by op, halves pairwise: for an exact op (integer add, maximum) the order
-    does not show."""
-    n = v.type.count
-    while n > 1:
-        n //= 2
-        lo = b.shuffle_vector(v, v, ir.Constant(_vec(I32, n), list(range(n))))
-        hi = b.shuffle_vector(v, v, ir.Constant(_vec(I32, n), list(range(n, 2 * n))))
-        v = op(lo, hi)
-    return b.extract_element(v, ir.Constant(I32, 0))
-
-
-def _hsum(b: ir.IRBuilder, v: ir.Value) -> ir.Value:
-    """The lanes' sum in one fixed tree (halves added pairwise)."""
-    return _lanes_reduced(b, v, b.fadd)
-
-
-def _pairs(b: ir.IRBuilder, m: ir.Value) -> ir.Value:
-    """Adjacent lanes summed: n lanes -> n / 2."""
-    n = m.type.count
-    even = b.shuffle_vector(m, m, ir.Constant(_vec(I32, n // 2), list(range(0, n, 2))))
-    odd = b.shuffle_vector(m, m, ir.Constant(_vec(I32, n // 2), list(range(1, n, 2))))
-    return b.add(even, odd)
-
-
-def _call(b: ir.IRBuilder, name: str, ret: ir.Type, args: list[ir.Value]) -> ir.Value:
-    fn = cgutils.get_or_insert_function(b.module, ir.FunctionType(ret, [a.type for a in args]), name)
-    return b.call(fn, args)
-
-
-_ONES16 = ir.Constant(_vec(I16, 16), [1] * 16)
+_ONES16 = ir.Constant(vec(I16, 16), [1] * 16)
 # A row's blocks are asked for this many bytes before they are read: on Intel's server cores
 # (Emerald Rapids) the hardware's own prefetchers leave one stream a core well short of the memory's
 # speed (design.md); where they do not (Zen 4) the prefetch costs nothing measurable.
 PREFETCH_AHEAD = 2048
 
 
-def _prefetch(v: _B, p: ir.Value, span: int) -> None:
+def _prefetch(v: VecBuilder, p: ir.Value, span: int) -> None:
     """Ask for the cache lines PREFETCH_AHEAD bytes past the `span` bytes at p, into L1 (past a
     matrix's end too: a prefetch never faults)."""
     read, keep, data = ir.Constant(I32, 0), ir.Constant(I32, 3), ir.Constant(I32, 1)
     for off in range(0, span, 64):
-        _call(v.b, "llvm.prefetch.p0i8", ir.VoidType(), [v.at(p, PREFETCH_AHEAD + off), read, keep, data])
+        call_intrinsic(v.b, "llvm.prefetch.p0i8", ir.VoidType(), [v.at(p, PREFETCH_AHEAD + off), read, keep, data])
 
 
 def _c_rows(x: Any) -> bool:
@@ -640,7 +521,7 @@ def _folded_row(context: Any, b: ir.IRBuilder, aty: Any, args: Any,
                 step: Callable[[ir.Value, ir.Value], ir.Value]) -> ir.Value:  # fmt: skip
     """x[row, col:col + n] (args: x, row, col, n; n a multiple of 32) folded 32 floats at a time into one
     <32 x float32> accumulator from zeros: acc = step(acc, chunk)."""
-    v = _B(b)
+    v = VecBuilder(b)
     p = v.at(row_ptr(context, b, aty, args[0], args[1], F32), args[2])
     acc = cgutils.alloca_once_value(b, ir.Constant(V_F32, None))
     with cgutils.for_range(b, b.udiv(args[3], ir.Constant(I64, LANES))) as c:
@@ -657,11 +538,11 @@ def _abs_max_typing(typingctx: Any, x: Any, row: Any, col: Any, n: Any) -> Any:
 
     def codegen(context: Any, b: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
         def maxnum(x: ir.Value, y: ir.Value) -> ir.Value:
-            return _call(b, f"llvm.maxnum.v{x.type.count}f32", x.type, [x, y])
+            return call_intrinsic(b, f"llvm.maxnum.v{x.type.count}f32", x.type, [x, y])
 
         acc = _folded_row(context, b, sig.args[0], args,
-                          lambda acc, xs: maxnum(acc, _call(b, "llvm.fabs.v32f32", V_F32, [xs])))  # fmt: skip
-        return _lanes_reduced(b, acc, maxnum)
+                          lambda acc, xs: maxnum(acc, call_intrinsic(b, "llvm.fabs.v32f32", V_F32, [xs])))  # fmt: skip
+        return lanes_reduced(b, acc, maxnum)
 
     return sig, codegen
 
@@ -675,13 +556,13 @@ def _round32_typing(typingctx: Any, x: Any, row: Any, col: Any, inv: Any, xq: An
     sig = types.int64(x, types.int64, types.int64, types.float32, xq, types.int64)
 
     def codegen(context: Any, b: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        v = _B(b)
+        v = VecBuilder(b)
         xs = v.load(v.at(row_ptr(context, b, sig.args[0], args[0], args[1], F32), args[2]), 0, F32, align=4)
-        r = _call(b, "llvm.rint.v32f32", V_F32, [b.fmul(xs, v.splat(args[3]))])
+        r = call_intrinsic(b, "llvm.rint.v32f32", V_F32, [b.fmul(xs, v.splat(args[3]))])
         q = b.fptosi(r, V_I32)
         dst = v.at(row_ptr(context, b, sig.args[4], args[4], args[1], qt), args[5])
-        b.store(b.trunc(q, _vec(qt)), b.bitcast(dst, _vec(qt).as_pointer()), align=1)
-        return b.sext(_lanes_reduced(b, q, b.add), I64)
+        b.store(b.trunc(q, vec(qt)), b.bitcast(dst, vec(qt).as_pointer()), align=1)
+        return b.sext(lanes_reduced(b, q, b.add), I64)
 
     return sig, codegen
 
@@ -698,10 +579,10 @@ def _squares_typing(typingctx: Any, x: Any, row: Any, n: Any) -> Any:
     sig = types.float32(x, types.int64, types.int64)
 
     def codegen(context: Any, b: ir.IRBuilder, sig: Any, args: Any) -> ir.Value:
-        v = _B(b)
+        v = VecBuilder(b)
         acc = _folded_row(context, b, sig.args[0], [args[0], args[1], ir.Constant(I64, 0), args[2]],
                           lambda acc, xs: v.fma(xs, xs, acc))  # fmt: skip
-        return _hsum(b, acc)
+        return hsum(b, acc)
 
     return sig, codegen
 
@@ -737,7 +618,7 @@ def _sum_squares(x, row, n):
     return loop
 
 
-def _dot32(v: _B, q: ir.Value, magnitude: ir.Value, signed: bool, x: ir.Value) -> ir.Value:
+def _dot32(v: VecBuilder, q: ir.Value, magnitude: ir.Value, signed: bool, x: ir.Value) -> ir.Value:
     """32 weights' integers q times 32 int8 activations x, summed in fours: <8 x i32> (lane i:
     weights 4i..4i+3). `magnitude` is |q| (for signed q). On x86 with AVX2: pmaddubsw (unsigned
     times signed bytes, summed in pairs; the weights' ranges keep it from saturating) and pmaddwd;
@@ -745,29 +626,29 @@ def _dot32(v: _B, q: ir.Value, magnitude: ir.Value, signed: bool, x: ir.Value) -
     b = v.b
     if _AVX2:
         if signed:  # |q| times x with q's sign
-            x = _call(b, "llvm.x86.avx2.psign.b", V_I8, [x, q])
+            x = call_intrinsic(b, "llvm.x86.avx2.psign.b", V_I8, [x, q])
         if _VNNI:  # the same sums in one instruction (and no int16 step to saturate)
-            v8 = _vec(I32, 8)
-            return _call(b, "llvm.x86.avx512.vpdpbusd.256", v8,
+            v8 = vec(I32, 8)
+            return call_intrinsic(b, "llvm.x86.avx512.vpdpbusd.256", v8,
                          [ir.Constant(v8, None), b.bitcast(magnitude, v8), b.bitcast(x, v8)])  # fmt: skip
-        p16 = _call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [magnitude, x])
-        return _call(b, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8), [p16, _ONES16])
+        p16 = call_intrinsic(b, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [magnitude, x])
+        return call_intrinsic(b, "llvm.x86.avx2.pmadd.wd", vec(I32, 8), [p16, _ONES16])
     wide = b.sext(q, V_I16) if signed else b.zext(q, V_I16)
-    p16 = _pairs(b, b.mul(wide, b.sext(x, V_I16)))  # exact: |q * x| <= 128 * 127, twice
-    return _pairs(b, b.sext(p16, _vec(I32, 16)))
+    p16 = pair_sums(b, b.mul(wide, b.sext(x, V_I16)))  # exact: |q * x| <= 128 * 127, twice
+    return pair_sums(b, b.sext(p16, vec(I32, 16)))
 
 
-def _dot32_wide(v: _B, q: ir.Value, signed: bool, x: ir.Value) -> ir.Value:
+def _dot32_wide(v: VecBuilder, q: ir.Value, signed: bool, x: ir.Value) -> ir.Value:
     """32 weights' integers q times 32 int16 activations x, summed in pairs: <16 x i32> (pmaddwd)."""
     b = v.b
     wide = b.sext(q, V_I32) if signed else b.zext(q, V_I32)
-    return _pairs(b, b.mul(wide, b.sext(x, V_I32)))
+    return pair_sums(b, b.mul(wide, b.sext(x, V_I32)))
 
 
-def _magnitude(v: _B, chunk: Chunk) -> ir.Value:
+def _magnitude(v: VecBuilder, chunk: Chunk) -> ir.Value:
     if not (_AVX2 and chunk.signed):
         return chunk.q
-    return _call(v.b, "llvm.abs.v32i8", V_I8, [chunk.q, ir.Constant(ir.IntType(1), 0)])
+    return call_intrinsic(v.b, "llvm.abs.v32i8", V_I8, [chunk.q, ir.Constant(ir.IntType(1), 0)])
 
 
 def _decode_intrinsic(layout: Layout) -> Any:
@@ -777,10 +658,10 @@ def _decode_intrinsic(layout: Layout) -> Any:
         sig = types.void(w, types.int64, types.int64, y, types.int64)
 
         def codegen(context, builder, sig, args):
-            v = _B(builder)
+            v = VecBuilder(builder)
             b = builder
-            wp = _data(context, b, sig.args[0], args[0], args[1])
-            yp = b.bitcast(_data(context, b, sig.args[3], args[3], args[4]), F32.as_pointer())
+            wp = byte_ptr(context, b, sig.args[0], args[0], args[1])
+            yp = b.bitcast(byte_ptr(context, b, sig.args[3], args[3], args[4]), F32.as_pointer())
             with cgutils.for_range(b, args[2]) as loop:
                 block = layout.chunks(v, v.at(wp, b.mul(loop.index, ir.Constant(I64, layout.size))), None)
                 row = v.at(yp, b.mul(loop.index, ir.Constant(I64, layout.weights)))
@@ -820,9 +701,9 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
         sig = types.UniTuple(types.float32, nt)(w, types.int64, types.int64, xq, dx, bs, rows)
 
         def codegen(context, builder, sig, args):
-            v = _B(builder)
+            v = VecBuilder(builder)
             b = builder
-            wp = _data(context, b, sig.args[0], args[0], args[1])
+            wp = byte_ptr(context, b, sig.args[0], args[0], args[1])
             rows = cgutils.unpack_tuple(b, args[6], nt) if nt > 1 else [args[6]]
 
             xps = [row_ptr(context, b, sig.args[3], args[3], r, act) for r in rows]
@@ -831,11 +712,11 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
             # Two accumulators, for even and odd chunks: two chains of dependent FMAs, not one.
             acc8 = [[cgutils.alloca_once_value(b, ir.Constant(V8_F32, None)) for _ in range(2)] for _ in range(nt)]
             acc16 = [
-                [cgutils.alloca_once_value(b, ir.Constant(_vec(F32, 16), None)) for _ in range(2)] for _ in range(nt)
+                [cgutils.alloca_once_value(b, ir.Constant(vec(F32, 16), None)) for _ in range(2)] for _ in range(nt)
             ]
             accb = [cgutils.alloca_once_value(b, ir.Constant(V8_F32, None)) for _ in range(nt)]
             accs = [cgutils.alloca_once_value(b, ir.Constant(F32, None)) for _ in range(nt)]
-            accq = [cgutils.alloca_once_value(b, ir.Constant(_vec(F32, 4), None)) for _ in range(nt)]
+            accq = [cgutils.alloca_once_value(b, ir.Constant(vec(F32, 4), None)) for _ in range(nt)]
             used: set[str] = set()
 
             def block_dots(index: ir.Value, par: int) -> None:
@@ -868,15 +749,15 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
                             m = _dot32_wide(v, q, signed, x)  # <16 x i32>
                             if isinstance(scale.type, ir.VectorType):
                                 acc = acc16[t][(c + par) % 2]
-                                scale = b.shuffle_vector(scale, scale, ir.Constant(_vec(I32, 16), [0] * 8 + [4] * 8))
-                                b.store(v.fma(b.sitofp(m, _vec(F32, 16)), scale, b.load(acc)), acc)
+                                scale = b.shuffle_vector(scale, scale, ir.Constant(vec(I32, 16), [0] * 8 + [4] * 8))
+                                b.store(v.fma(b.sitofp(m, vec(F32, 16)), scale, b.load(acc)), acc)
                                 used.add("16")
                             elif _AVX512:  # one scale, 16 lanes in one register: no halves to add first
                                 acc = acc16[t][(c + par) % 2]
-                                b.store(v.fma(b.sitofp(m, _vec(F32, 16)), v.splat(scale, 16), b.load(acc)), acc)
+                                b.store(v.fma(b.sitofp(m, vec(F32, 16)), v.splat(scale, 16), b.load(acc)), acc)
                                 used.add("16")
                             else:  # one scale: the two halves' integer sums first
-                                halves = [b.shuffle_vector(m, m, ir.Constant(_vec(I32, 8), list(range(h, h + 8))))
+                                halves = [b.shuffle_vector(m, m, ir.Constant(vec(I32, 8), list(range(h, h + 8))))
                                           for h in (0, 8)]  # fmt: skip
                                 acc = acc8[t][(c + par) % 2]
                                 b.store(v.fma(b.sitofp(b.add(*halves), V8_F32), v.splat(scale, 8), b.load(acc)), acc)
@@ -890,36 +771,36 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
                                 b.store(_fma1(b, block.bias, bsum, b.load(accs[t])), accs[t])
                                 used.add("s")
 
-            def quad_dots(index: ir.Value, four: Callable[[_B, list[ir.Value]], QuadBlock]) -> None:
+            def quad_dots(index: ir.Value, four: Callable[[VecBuilder, list[ir.Value]], QuadBlock]) -> None:
                 """Blocks index..index+3 (`four`: their quad) into acc16[t][0], their offsets' bias into accq[t]."""
                 size = ir.Constant(I64, layout.size)
                 quad_p = [v.at(wp, b.mul(b.add(index, ir.Constant(I64, j)), size)) for j in range(4)]
                 _prefetch(v, quad_p[0], 4 * layout.size)
                 quad = four(v, quad_p)
                 first = b.mul(index, ir.Constant(I64, LANES))  # the first block's first weight
-                bias = b.fmul(quad.scales, ir.Constant(_vec(F32, 4), [-float(quad.offset)] * 4))
-                v16 = _vec(I32, 16)
+                bias = b.fmul(quad.scales, ir.Constant(vec(F32, 4), [-float(quad.offset)] * 4))
+                v16 = vec(I32, 16)
                 # activations 0..15 of each of the four blocks, then 16..31: the order of lo and hi
                 halves = [[32 * j + h + i for j in range(4) for i in range(16)] for h in (0, 16)]
                 for t in range(nt):
                     xa = v.load(xps[t], first, I8, 64)
                     xb = v.load(xps[t], b.add(first, ir.Constant(I64, 64)), I8, 64)
-                    xs = [b.shuffle_vector(xa, xb, ir.Constant(_vec(I32, 64), h)) for h in halves]
+                    xs = [b.shuffle_vector(xa, xb, ir.Constant(vec(I32, 64), h)) for h in halves]
                     if _VNNI:
                         sums = ir.Constant(v16, None)
                         for w, x in zip((quad.lo, quad.hi), xs, strict=True):
-                            sums = _call(b, "llvm.x86.avx512.vpdpbusd.512", v16,
+                            sums = call_intrinsic(b, "llvm.x86.avx512.vpdpbusd.512", v16,
                                          [sums, b.bitcast(w, v16), b.bitcast(x, v16)])  # fmt: skip
                     else:  # |pair| <= 2 * 24 * 127 each, the two halves' sum < 2^15: exact in int16
-                        p16 = [_call(b, "llvm.x86.avx512.pmaddubs.w.512", _vec(I16, 32), [w, x])
+                        p16 = [call_intrinsic(b, "llvm.x86.avx512.pmaddubs.w.512", vec(I16, 32), [w, x])
                                for w, x in zip((quad.lo, quad.hi), xs, strict=True)]  # fmt: skip
-                        ones = ir.Constant(_vec(I16, 32), [1] * 32)
-                        sums = _call(b, "llvm.x86.avx512.pmaddw.d.512", v16, [b.add(*p16), ones])
+                        ones = ir.Constant(vec(I16, 32), [1] * 32)
+                        sums = call_intrinsic(b, "llvm.x86.avx512.pmaddw.d.512", v16, [b.add(*p16), ones])
                     # lanes 4j..4j+3: block j's sums
                     scale = b.fmul(quad.scales, v.load(dps[t], index, F32, 4, align=4))
                     scale = b.shuffle_vector(scale, scale, ir.Constant(v16, [j // 4 for j in range(16)]))
                     acc = acc16[t][0]
-                    b.store(v.fma(b.sitofp(sums, _vec(F32, 16)), scale, b.load(acc)), acc)
+                    b.store(v.fma(b.sitofp(sums, vec(F32, 16)), scale, b.load(acc)), acc)
                     bsum = v.load(bps[t], index, F32, 4, align=4)
                     b.store(v.fma(bias, bsum, b.load(accq[t])), accq[t])
                 used.update(("16", "q"))
@@ -946,15 +827,15 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
                     block_dots(loop.index, 0)
             outs = []
             for t in range(nt):
-                parts = [_hsum(b, b.fadd(b.load(acc8[t][0]), b.load(acc8[t][1])))]
+                parts = [hsum(b, b.fadd(b.load(acc8[t][0]), b.load(acc8[t][1])))]
                 if "16" in used:
-                    parts.append(_hsum(b, b.fadd(b.load(acc16[t][0]), b.load(acc16[t][1]))))
+                    parts.append(hsum(b, b.fadd(b.load(acc16[t][0]), b.load(acc16[t][1]))))
                 if "b" in used:
-                    parts.append(_hsum(b, b.load(accb[t])))
+                    parts.append(hsum(b, b.load(accb[t])))
                 if "s" in used:
                     parts.append(b.load(accs[t]))
                 if "q" in used:
-                    parts.append(_hsum(b, b.load(accq[t])))
+                    parts.append(hsum(b, b.load(accq[t])))
                 total = parts[0]
                 for part in parts[1:]:
                     total = b.fadd(total, part)
@@ -968,7 +849,7 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
     return dot
 
 
-def _int_block(v: _B, block: IntBlock, bits: int, first: ir.Value, chunk0: ir.Value, xps: list[ir.Value],
+def _int_block(v: VecBuilder, block: IntBlock, bits: int, first: ir.Value, chunk0: ir.Value, xps: list[ir.Value],
                dps: list[ir.Value], bps: list[ir.Value], acc: list[ir.Value],
                accb: list[ir.Value]) -> None:  # fmt: skip
     """One super-block's dot products with each token's activations of one scale per 256 (weights and
@@ -986,16 +867,16 @@ def _int_block(v: _B, block: IntBlock, bits: int, first: ir.Value, chunk0: ir.Va
         ws = [b.mul(b.sext(c.q, V_I16) if c.signed else b.zext(c.q, V_I16), c.scale) for c in chunks]
     else:
         # the scale of each pair of weights, and each chunk's magnitudes, once for all tokens
-        pair_scales = [b.shuffle_vector(c.scale, c.scale, ir.Constant(_vec(I32, 16), list(range(0, 32, 2))))
+        pair_scales = [b.shuffle_vector(c.scale, c.scale, ir.Constant(vec(I32, 16), list(range(0, 32, 2))))
                        for c in chunks]  # fmt: skip
-        mags = [_call(b, "llvm.abs.v32i8", V_I8, [c.q, ir.Constant(ir.IntType(1), 0)]) if c.signed else c.q
+        mags = [call_intrinsic(b, "llvm.abs.v32i8", V_I8, [c.q, ir.Constant(ir.IntType(1), 0)]) if c.signed else c.q
                 for c in chunks]  # fmt: skip
     for t in range(len(xps)):
         terms = []
         if bits == 16:
             for c, w in enumerate(ws):
                 x = v.load(xps[t], b.add(first, ir.Constant(I64, c * LANES)), I16, align=2)
-                terms.append(_pairs(b, b.mul(b.sext(w, V_I32), b.sext(x, V_I32))))  # <16 x i32>
+                terms.append(pair_sums(b, b.mul(b.sext(w, V_I32), b.sext(x, V_I32))))  # <16 x i32>
         else:
             xs = []
             for c, chunk in enumerate(chunks):
@@ -1013,34 +894,34 @@ def _int_block(v: _B, block: IntBlock, bits: int, first: ir.Value, chunk0: ir.Va
             parts = [b.add(parts[i], parts[i + 1]) for i in range(0, len(parts), 2)]
         total = parts[0]
         if total.type.count == 8:
-            total = b.shuffle_vector(total, ir.Constant(total.type, None), ir.Constant(_vec(I32, 16), list(range(16))))
+            total = b.shuffle_vector(total, ir.Constant(total.type, None), ir.Constant(vec(I32, 16), list(range(16))))
         scale = v.splat(b.fmul(block.d, b.load(v.at(dps[t], chunk0), align=4)), 16)
-        b.store(v.fma(b.sitofp(total, _vec(F32, 16)), scale, b.load(acc[t])), acc[t])
+        b.store(v.fma(b.sitofp(total, vec(F32, 16)), scale, b.load(acc[t])), acc[t])
         if block.bias is not None:
             bsum = v.load(bps[t], chunk0, F32, 8, align=4)
             b.store(v.fma(block.bias, bsum, b.load(accb[t])), accb[t])
 
 
-def _byte_products(v: _B, mags: list[ir.Value], xs: list[ir.Value], scales: list[ir.Value]) -> list[ir.Value]:
+def _byte_products(v: VecBuilder, mags: list[ir.Value], xs: list[ir.Value], scales: list[ir.Value]) -> list[ir.Value]:
     """Per chunk (or pair of chunks), sum over pairs of scale * (mag * x + mag' * x'): int32 vectors."""
     b = v.b
     if _AVX512:  # two chunks per instruction
         out = []
         for c in range(0, len(mags), 2):
-            cat = ir.Constant(_vec(I32, 64), list(range(64)))
+            cat = ir.Constant(vec(I32, 64), list(range(64)))
             pair = [b.shuffle_vector(mags[c], mags[c + 1], cat), b.shuffle_vector(xs[c], xs[c + 1], cat)]
-            p16 = _call(b, "llvm.x86.avx512.pmaddubs.w.512", _vec(I16, 32), pair)
+            p16 = call_intrinsic(b, "llvm.x86.avx512.pmaddubs.w.512", vec(I16, 32), pair)
             s16 = b.shuffle_vector(scales[c], scales[c + 1], ir.Constant(V_I32, list(range(32))))
-            out.append(_call(b, "llvm.x86.avx512.pmaddw.d.512", _vec(I32, 16), [p16, s16]))
+            out.append(call_intrinsic(b, "llvm.x86.avx512.pmaddw.d.512", vec(I32, 16), [p16, s16]))
         return out
     if _AVX2:
-        return [_call(b, "llvm.x86.avx2.pmadd.wd", _vec(I32, 8),
-                      [_call(b, "llvm.x86.avx2.pmadd.ub.sw", _vec(I16, 16), [m, x]), s])
+        return [call_intrinsic(b, "llvm.x86.avx2.pmadd.wd", vec(I32, 8),
+                      [call_intrinsic(b, "llvm.x86.avx2.pmadd.ub.sw", vec(I16, 16), [m, x]), s])
                 for m, x, s in zip(mags, xs, scales, strict=True)]  # fmt: skip
     out = []
     for m, x, s in zip(mags, xs, scales, strict=True):
-        p16 = _pairs(b, b.mul(b.zext(m, V_I16), b.sext(x, V_I16)))  # <16 x i16>, exact
-        out.append(_pairs(b, b.mul(b.sext(p16, _vec(I32, 16)), b.sext(s, _vec(I32, 16)))))
+        p16 = pair_sums(b, b.mul(b.zext(m, V_I16), b.sext(x, V_I16)))  # <16 x i16>, exact
+        out.append(pair_sums(b, b.mul(b.sext(p16, vec(I32, 16)), b.sext(s, vec(I32, 16)))))
     return out
 
 
@@ -1054,11 +935,6 @@ TOKENS = 4  # tokens per pass over a row: each chunk of weights is unpacked once
 _DECODE = {t: _decode_intrinsic(lay) for t, lay in LAYOUTS.items()}
 _DOTS = {(t, nt, bits): _dot_intrinsic(lay, nt, bits) for t, lay in LAYOUTS.items() for nt in (1, TOKENS)
          for bits in (8, 16)}  # fmt: skip
-
-
-def _literal(code: Any) -> Q | None:
-    """The quant type of a constant type code (None: numba retries with the constant's literal type)."""
-    return Q(code.literal_value) if isinstance(code, types.IntegerLiteral) else None
 
 
 def dot_row(code: int, w: np.ndarray, w_off: int, k: int, xq: np.ndarray, dx: np.ndarray, bs: np.ndarray,
@@ -1080,7 +956,7 @@ def decode_row(code: int, w: np.ndarray, w_off: int, k: int, y: np.ndarray, y_of
 # numba compares an overload's signature with its implementation's: neither has annotations.
 @overload(dot_row, inline="always")
 def _dot_row(code, w, w_off, k, xq, dx, bs, rows):
-    qtype = _literal(code)
+    qtype = literal_qtype(code)
     if qtype is None:
         return None
     per_block = LAYOUTS[qtype].weights
@@ -1095,7 +971,7 @@ def _dot_row(code, w, w_off, k, xq, dx, bs, rows):
 
 @overload(decode_row, inline="always")
 def _decode_row(code, w, w_off, k, y, y_off):
-    qtype = _literal(code)
+    qtype = literal_qtype(code)
     if qtype is None:
         return None
     per_block = LAYOUTS[qtype].weights

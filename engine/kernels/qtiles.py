@@ -24,32 +24,30 @@ from llvmlite import ir
 from numba.core import cgutils
 
 from .jit import intrinsic, overload, types
-from .qblocks import (
-    _B,
+from .llvm_ir import (
     F32,
     I8,
     I16,
     I32,
     I64,
     LANES,
-    LAYOUTS,
-    SUPER,
     V8_F32,
     V_I16,
     V_I32,
-    Layout,
-    _data,
-    _hsum,
-    _literal,
-    _pairs,
-    _vec,
+    VecBuilder,
+    byte_ptr,
+    hsum,
+    literal_qtype,
+    pair_sums,
     row_ptr,
+    vec,
 )
+from .qblocks import LAYOUTS, SUPER, Layout
 
 TILE_ROWS = 2  # rows per tile: each activation chunk loaded once for them
 TILE_TOKENS = 4  # tokens per tile: each weight chunk loaded once for them
 CHUNKS = SUPER // LANES
-V16_F32 = _vec(F32, 16)
+V16_F32 = vec(F32, 16)
 
 
 def tiled(qtype: Q) -> bool:
@@ -58,12 +56,12 @@ def tiled(qtype: Q) -> bool:
 
 
 @functools.cache
-def _has_bias(qtype: Q) -> bool:
+def has_bias(qtype: Q) -> bool:
     """Whether the type's integer form has a per-chunk bias (the mins): asked of the layout itself."""
     ints = LAYOUTS[qtype].ints
     assert ints is not None  # callers check tiled()
     fn = ir.Function(ir.Module(), ir.FunctionType(ir.VoidType(), [I8.as_pointer()]), "probe")
-    return ints(_B(ir.IRBuilder(fn.append_basic_block())), fn.args[0]).bias is not None
+    return ints(VecBuilder(ir.IRBuilder(fn.append_basic_block())), fn.args[0]).bias is not None
 
 
 def hsums(b: ir.IRBuilder, vs: list[ir.Value]) -> list[ir.Value]:
@@ -88,7 +86,7 @@ def lane_sums(b: ir.IRBuilder, vs: list[ir.Value]) -> list[tuple[ir.Value, int]]
             n = 2 if pair else 1
             lo = [s * m * width + j * width + lane for s in range(n) for j in range(m) for lane in range(half)]
             hi = [i_ + half for i_ in lo]
-            mask = ir.Constant(_vec(I32, len(lo)), lo), ir.Constant(_vec(I32, len(hi)), hi)
+            mask = ir.Constant(vec(I32, len(lo)), lo), ir.Constant(vec(I32, len(hi)), hi)
             merged.append((b.fadd(b.shuffle_vector(x, y, mask[0]), b.shuffle_vector(x, y, mask[1])), n * m))
             i += n
         phys, width = merged, half
@@ -106,8 +104,8 @@ def _unpack_intrinsic(layout: Layout) -> Any:
         sig = types.void(w, types.int64, types.int64, ws, wd, wb, types.int64)
 
         def codegen(context, builder, sig, args):
-            v, b = _B(builder), builder
-            wp = _data(context, b, sig.args[0], args[0], args[1])
+            v, b = VecBuilder(builder), builder
+            wp = byte_ptr(context, b, sig.args[0], args[0], args[1])
             wsp, wdp, wbp = (row_ptr(context, b, sig.args[i], args[i], args[6], t) for i, t in ((3, I16), (4, F32),
                                                                                               (5, F32)))  # fmt: skip
             with cgutils.for_range(b, args[2]) as loop:
@@ -130,7 +128,7 @@ def _unpack_intrinsic(layout: Layout) -> Any:
 
 
 def _tile_intrinsic(qtype: Q) -> Any:
-    n_r, n_t, bias = TILE_ROWS, TILE_TOKENS, _has_bias(qtype)
+    n_r, n_t, bias = TILE_ROWS, TILE_TOKENS, has_bias(qtype)
 
     @intrinsic
     def tiles(typingctx, ws, wd, wb, n_blocks, xq, dx, bs, a_in, c0, nc, out):
@@ -141,12 +139,12 @@ def _tile_intrinsic(qtype: Q) -> Any:
         sig = types.void(ws, wd, wb, types.int64, xq, dx, bs, a_in, types.int64, types.int64, out)
 
         def codegen(context, builder, sig, args):
-            v, b = _B(builder), builder
+            v, b = VecBuilder(builder), builder
             i64 = functools.partial(ir.Constant, I64)
             n_blocks, c0, nc = args[3], args[8], args[9]
             wsp, wdp, wbp = ([row_ptr(context, b, sig.args[i], args[i], i64(r), t) for r in range(n_r)]
                              for i, t in ((0, I16), (1, F32), (2, F32)))  # fmt: skip
-            a_p = b.bitcast(_data(context, b, sig.args[7], args[7], i64(0)), I64.as_pointer())
+            a_p = b.bitcast(byte_ptr(context, b, sig.args[7], args[7], i64(0)), I64.as_pointer())
             pairs = [(r, t) for r in range(n_r) for t in range(n_t)]
             # dot_row's super-block accumulators per (row, token): products (16 lanes), biases (8)
             acc = {p: cgutils.alloca_once(b, V16_F32) for p in pairs}
@@ -170,7 +168,7 @@ def _tile_intrinsic(qtype: Q) -> Any:
                         wv = [b.sext(v.load(p, off, I16, align=2), V_I32) for p in wsp]
                         xv = [b.sext(v.load(p, off, I16, align=2), V_I32) for p in xps]
                         for r, t in pairs:  # integers: any order of adds gives dot_row's sum
-                            term = _pairs(b, b.mul(wv[r], xv[t]))  # <16 x i32>
+                            term = pair_sums(b, b.mul(wv[r], xv[t]))  # <16 x i32>
                             sums[r, t] = b.add(sums[r, t], term) if c else term
                     for r, t in pairs:
                         d = b.load(v.at(wdp[r], loop.index), align=4)
@@ -185,7 +183,7 @@ def _tile_intrinsic(qtype: Q) -> Any:
                             b.store(v.fma(wbias, bsum, b.load(accb[r, t])), accb[r, t])
                 # dot_row's final sums, lane for lane: its unused 8-lane accumulators, the products, the biases
                 zero8, zero16 = ir.Constant(V8_F32, None), ir.Constant(V16_F32, None)
-                unused = _hsum(b, b.fadd(zero8, zero8))
+                unused = hsum(b, b.fadd(zero8, zero8))
                 products = hsums(b, [b.fadd(b.load(acc[p]), zero16) for p in pairs])
                 biases = hsums(b, [b.load(accb[p]) for p in pairs])
                 outp = [row_ptr(context, b, sig.args[10], args[10], b.add(j, i64(t)), F32) for t in range(n_t)]
@@ -235,7 +233,7 @@ def _scratch(k):
 
 @overload(unpack_row, inline="always")
 def _unpack_row(code, w, w_off, k, ws, wd, wb, r):
-    qtype = _literal(code)
+    qtype = literal_qtype(code)
     if qtype not in _UNPACK:
         return None
     unpack = _UNPACK[qtype]
@@ -248,7 +246,7 @@ def _unpack_row(code, w, w_off, k, ws, wd, wb, r):
 
 @overload(tile_dots, inline="always")
 def _tile_dots(code, ws, wd, wb, k, xq, dx, bs, a_in, c0, nc, out):
-    qtype = _literal(code)
+    qtype = literal_qtype(code)
     if qtype not in _TILE:
         return None
     tiles = _TILE[qtype]

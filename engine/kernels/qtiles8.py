@@ -32,14 +32,15 @@ from numba.core import cgutils
 
 from . import isa
 from .jit import intrinsic, njit, overload, prange, types
-from .qblocks import _B, F32, I8, I32, I64, LANES, LAYOUTS, SUPER, V8_F32, _call, _data, _literal, _vec, row_ptr
+from .llvm_ir import F32, I8, I32, I64, LANES, V8_F32, VecBuilder, byte_ptr, call_intrinsic, literal_qtype, row_ptr, vec
+from .qblocks import LAYOUTS, SUPER
 from .qtiles import TILE_ROWS, TILE_TOKENS, hsums
 
 PASSES = SUPER // 64  # vpdpbusd passes per super-block
 GROUPS = 16  # lanes: groups of 16 weights
-V16_I32 = _vec(I32, GROUPS)
-V16_F32 = _vec(F32, GROUPS)
-V64_I8 = _vec(I8, 64)
+V16_I32 = vec(I32, GROUPS)
+V16_F32 = vec(F32, GROUPS)
+V64_I8 = vec(I8, 64)
 # ORDER[c * 64 + 4 * lane + b]: the weight (within its super-block) in byte b of that lane in pass c
 ORDER = np.array([16 * lane + 4 * c + b for c in range(PASSES) for lane in range(GROUPS) for b in range(4)], np.int64)
 
@@ -62,22 +63,22 @@ def _unpack8_intrinsic(qtype: Q) -> Any:
         sig = types.void(w, types.int64, types.int64, ws, wsc, wcor, wd, wb, types.int64)
 
         def codegen(context, builder, sig, args):
-            v, b = _B(builder), builder
-            wp = _data(context, b, sig.args[0], args[0], args[1])
+            v, b = VecBuilder(builder), builder
+            wp = byte_ptr(context, b, sig.args[0], args[0], args[1])
             wsp, scp, corp, wdp, wbp = (row_ptr(context, b, sig.args[i], args[i], args[8], t)
                                         for i, t in ((3, I8), (4, I32), (5, I32), (6, F32), (7, F32)))  # fmt: skip
-            cat2 = ir.Constant(_vec(I32, 64), list(range(64)))
-            cat4 = ir.Constant(_vec(I32, 128), list(range(128)))
+            cat2 = ir.Constant(vec(I32, 64), list(range(64)))
+            cat4 = ir.Constant(vec(I32, 128), list(range(128)))
             with cgutils.for_range(b, args[2]) as loop:
                 i = loop.index
                 block = ints(v, v.at(wp, b.mul(i, ir.Constant(I64, layout.size))))
                 qs = [c.q for c in block.chunks]  # 8 x <32 x i8>
                 halves = [b.shuffle_vector(qs[j], qs[j + 1], cat2) for j in range(0, 8, 2)]  # 4 x <64 x i8>
                 quarters = [b.shuffle_vector(halves[j], halves[j + 1], cat4) for j in (0, 2)]  # 2 x <128 x i8>
-                whole = b.shuffle_vector(quarters[0], quarters[1], ir.Constant(_vec(I32, 256), list(range(256))))
+                whole = b.shuffle_vector(quarters[0], quarters[1], ir.Constant(vec(I32, 256), list(range(256))))
                 first = b.mul(i, ir.Constant(I64, SUPER))
                 for c in range(PASSES):
-                    mask = ir.Constant(_vec(I32, 64), [int(o) for o in ORDER[64 * c : 64 * c + 64]])
+                    mask = ir.Constant(vec(I32, 64), [int(o) for o in ORDER[64 * c : 64 * c + 64]])
                     dst = v.at(wsp, b.add(first, ir.Constant(I64, 64 * c)))
                     b.store(b.shuffle_vector(whole, whole, mask), b.bitcast(dst, V64_I8.as_pointer()), align=1)
                 sc = ir.Constant(V16_I32, None)
@@ -87,9 +88,9 @@ def _unpack8_intrinsic(qtype: Q) -> Any:
                     h = 16 * (lane % 2)
                     s = b.sext(b.extract_element(chunk.scale, ir.Constant(I32, h)), I32)
                     sc = b.insert_element(sc, s, ir.Constant(I32, lane))
-                    part = b.shuffle_vector(chunk.q, chunk.q, ir.Constant(_vec(I32, 16), list(range(h, h + 16))))
-                    wide = b.sext(part, _vec(I32, 16))
-                    total = _call(b, "llvm.vector.reduce.add.v16i32", I32, [wide])
+                    part = b.shuffle_vector(chunk.q, chunk.q, ir.Constant(vec(I32, 16), list(range(h, h + 16))))
+                    wide = b.sext(part, vec(I32, 16))
+                    total = call_intrinsic(b, "llvm.vector.reduce.add.v16i32", I32, [wide])
                     cor = b.insert_element(cor, b.mul(total, ir.Constant(I32, -128)), ir.Constant(I32, lane))
                 lanes0 = b.mul(i, ir.Constant(I64, GROUPS))
                 b.store(sc, b.bitcast(v.at(scp, lanes0), V16_I32.as_pointer()), align=4)
@@ -107,7 +108,7 @@ def _unpack8_intrinsic(qtype: Q) -> Any:
 
 def _tile8_intrinsic(qtype: Q) -> Any:
     n_r, n_t = TILE_ROWS, TILE_TOKENS
-    bias = _has_bias(qtype)
+    bias = has_bias(qtype)
     chunks = SUPER // LANES
 
     @intrinsic
@@ -119,12 +120,12 @@ def _tile8_intrinsic(qtype: Q) -> Any:
                          types.int64, out)  # fmt: skip
 
         def codegen(context, builder, sig, args):
-            v, b = _B(builder), builder
+            v, b = VecBuilder(builder), builder
             i64 = functools.partial(ir.Constant, I64)
             n_blocks, koff, c0, nc = args[5], args[9], args[11], args[12]
             wsp, scp, corp, wdp, wbp = ([row_ptr(context, b, sig.args[i], args[i], i64(r), t) for r in range(n_r)]
                                         for i, t in ((0, I8), (1, I32), (2, I32), (3, F32), (4, F32)))  # fmt: skip
-            a_p = b.bitcast(_data(context, b, sig.args[10], args[10], i64(0)), I64.as_pointer())
+            a_p = b.bitcast(byte_ptr(context, b, sig.args[10], args[10], i64(0)), I64.as_pointer())
             pairs = [(r, t) for r in range(n_r) for t in range(n_t)]
             acc = {p: cgutils.alloca_once(b, V16_F32) for p in pairs}
             accb = {p: cgutils.alloca_once(b, V8_F32) for p in pairs}
@@ -149,7 +150,9 @@ def _tile8_intrinsic(qtype: Q) -> Any:
                         wv = [b.bitcast(v.load(p, off, I8, 64), V16_I32) for p in wsp]
                         xv = [b.bitcast(v.load(p, off, I8, 64), V16_I32) for p in xps]
                         for r, t in pairs:  # unsigned activations, signed weights
-                            sums[r, t] = _call(b, "llvm.x86.avx512.vpdpbusd.512", V16_I32, [sums[r, t], xv[t], wv[r]])
+                            sums[r, t] = call_intrinsic(
+                                b, "llvm.x86.avx512.vpdpbusd.512", V16_I32, [sums[r, t], xv[t], wv[r]]
+                            )
                     chunk0 = b.mul(loop.index, i64(chunks))
                     for r in range(n_r):
                         sc = v.load(scp[r], lanes0, I32, GROUPS, align=4)
@@ -178,8 +181,8 @@ def _tile8_intrinsic(qtype: Q) -> Any:
 
 
 @functools.cache
-def _has_bias(qtype: Q) -> bool:
-    from .qtiles import _has_bias as has
+def has_bias(qtype: Q) -> bool:
+    from .qtiles import has_bias as has
 
     return has(qtype)
 
@@ -244,7 +247,7 @@ def _scratch8(k):
 
 @overload(unpack_row8, inline="always")
 def _unpack_row8(code, w, w_off, k, sc, r):
-    qtype = _literal(code)
+    qtype = literal_qtype(code)
     if qtype not in _UNPACK8:
         return None
     unpack = _UNPACK8[qtype]
@@ -257,7 +260,7 @@ def _unpack_row8(code, w, w_off, k, sc, r):
 
 @overload(tile_dots8, inline="always")
 def _tile_dots8(code, sc, k, xp, dx, bs, a_in, c0, nc, out):
-    qtype = _literal(code)
+    qtype = literal_qtype(code)
     if qtype not in _TILE8:
         return None
     tiles = _TILE8[qtype]

@@ -19,14 +19,14 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType as Q
 
+from ..gguf.quant_types import CPU, supports
 from ..kernels import cpu as cpu_kernels
-from ..kernels.qblocks import has_kernel
 from ..nn.activations import activation_code
 from .expert_tensors import LayerExperts
 
 
 def fusable(lx: LayerExperts, act: Callable[..., object]) -> bool:
-    return activation_code(act) is not None and all(has_kernel(t.qtype) for t in (lx.gate, lx.up, lx.down))
+    return activation_code(act) is not None and all(supports(t.qtype, CPU) for t in (lx.gate, lx.up, lx.down))
 
 
 def bias_rows(t: torch.Tensor | None) -> np.ndarray | None:

@@ -12,10 +12,10 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..gguf.dequant import dequantize
+from ..gguf.quant_types import CPU, supports
 from ..gguf.reader import GGUFError
 from ..kernels.cpu import dequantize_rows
 from ..kernels.layer_halves import FEW_ROWS, rms_rows
-from ..kernels.qblocks import has_kernel
 
 if TYPE_CHECKING:
     from ..gguf.sources import Source
@@ -40,7 +40,7 @@ class QuantRows:
         self.device = torch.device("cpu")
 
     def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
-        if self.device.type == "cpu" and has_kernel(self.qtype):
+        if self.device.type == "cpu" and supports(self.qtype, CPU):
             # One compiled call (the kernels' decoder gives the dequantizer's bits): the dequantizer's torch
             # ops took 0.2-0.4 ms a token on a Q4_K embedding of 2048 columns.
             raw = self.raw.numpy()[rows.numpy()]  # [T, row bytes]

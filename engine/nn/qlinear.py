@@ -19,11 +19,11 @@ import torch.nn.functional as F
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from ..gguf.dequant import dequantize
+from ..gguf.quant_types import CPU, supports
 from ..kernels import cpu as cpu_kernels
 from ..kernels import device as device_kernels
 from ..kernels.codes import GEMM_TOKENS
 from ..kernels.layer_halves import ffn_block
-from ..kernels.qblocks import has_kernel
 from .activations import activation_code
 from .layers import host_rows
 
@@ -34,7 +34,7 @@ class QLinear:
     """y = x @ W.T for a quantized matrix W [N, K] read from its bytes [N, row_bytes]."""
 
     def __init__(self, raw: np.ndarray, qtype: GGMLQuantizationType, bits: int = 16, prompt_bits: int = 16) -> None:
-        if not has_kernel(qtype):
+        if not supports(qtype, CPU):
             raise ValueError(f"no CPU kernel for {qtype.name}")
         block, size = GGML_QUANT_SIZES[qtype]
         self.raw = np.ascontiguousarray(raw)  # a view of the file's map: no copy

@@ -15,9 +15,9 @@ from typing import Any
 
 from torch import nn
 
+from ..gguf.quant_types import CPU, supports
 from ..gguf.reader import GGUFError
 from ..gguf.sources import Layout, Source
-from ..kernels.qblocks import has_kernel
 
 DENSE, LINEAR, ROWS = "dense", "linear", "rows"
 
@@ -40,7 +40,7 @@ def want(layout: Layout, name: str, form: str = DENSE) -> Any:
     t = layout.tensors.get(name)
     if t is None:
         raise GGUFError(f"{layout.path}: tensor '{name}' is missing")
-    if form == LINEAR and not (has_kernel(t.qtype) and len(t.shape) == 2):
+    if form == LINEAR and not (supports(t.qtype, CPU) and len(t.shape) == 2):
         form = DENSE
     return Pending(name, form)
 

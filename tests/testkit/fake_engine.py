@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from moechat.app.engine_api import Message, ModelInfo
-from moechat.engine.cache.stats import CountersSnapshot, GroupInfo, LayerSnapshot, MinBound, StatsSnapshot
+from moechat.engine.cache.stats import CountersSnapshot, GroupInfo, LayerSnapshot, StatsSnapshot
 from moechat.engine.events import DoneEvent, Event, SamplingParams, TokenEvent
 from moechat.tuner.events import (
     N_ARMS,
@@ -26,6 +26,7 @@ from moechat.tuner.events import (
     SweepDone,
     SweepEvent,
 )
+from moechat.tuner.min_bound import MinBound
 from moechat.tuner.recommend import Recommendation, Row, TuneReport
 from moechat.tuner.time_model import TimeModel
 

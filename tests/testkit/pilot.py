@@ -11,8 +11,9 @@ from typing import Any
 from moechat.app.screens.chat import ChatScreen
 from moechat.app.settings import Settings
 from moechat.app.tui import MoechatApp
-from moechat.widgets.chat_log import ChatInput
+from moechat.widgets.chat_log import ChatInput, Turn
 from textual.pilot import Pilot
+from textual.widgets import Markdown, Static
 
 from .fake_engine import FakeEngine
 
@@ -49,3 +50,20 @@ async def say(pilot: Pilot[int], screen: ChatScreen, text: str) -> None:
         await pilot.press(ch if ch != " " else "space")
     await pilot.press("enter")
     await until(pilot, lambda: len(screen.conv.messages) >= n + 2 and not screen.generating)
+
+
+WORDS = ["The", " river", " rose", " in", " spring", "."]
+
+
+def on_screen(widget: Static) -> str:
+    """The lines the widget draws in its region (what is cut off is not there)."""
+    return " ".join(widget.render_line(y).text.strip() for y in range(widget.size.height))
+
+
+def drawn(widget: Static) -> str:
+    """The text a Static draws (its content is what it was given, before any markup is read)."""
+    return str(widget.visual)
+
+
+def reply_markdown(screen: ChatScreen) -> str:
+    return screen.query(Turn).last().query_one(Markdown).source
