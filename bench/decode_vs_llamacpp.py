@@ -1,6 +1,6 @@
 """Decode and prefill t/s of moechat (CPU device, default settings) vs llama.cpp on the same GGUF.
 
-    pip install 'moechat[peer]'     # llama-cpp-python from source; see docs/measurements.md for flags
+    pip install 'moechat[peer]'     # llama-cpp-python from source; docs/measurements.md says which flags
     python bench/decode_vs_llamacpp.py [--threads 2] [--big]
 
 Rows, each timed in alternating runs of both engines with the same thread count and the same

@@ -11,7 +11,7 @@ import pytest
 import torch
 from moechat.engine.events import GREEDY, DoneEvent, TokenEvent
 from moechat.engine.generate import generate
-from moechat.engine.kernels.qblocks import has_kernel
+from moechat.engine.gguf.quant_types import CPU, supports
 from moechat.engine.loader import LoadedModel, load_model
 from moechat.engine.nn.layers import QuantRows
 from moechat.engine.nn.qlinear import QLinear
@@ -90,13 +90,13 @@ def test_quantized_matrices_run_from_the_file_bytes(model: LoadedModel) -> None:
     """The fast path is really taken: no float copy of a quantized matrix a kernel can read."""
     host = model.model.host_experts
     layer = next(iter(host.layers))
-    assert host.fused[layer] == has_kernel(host.layers[layer].gate.qtype)
+    assert host.fused[layer] == supports(host.layers[layer].gate.qtype, CPU)
     attn = model.model.blocks[0].attn
     q = ("attn_q_a", attn.q_a) if model.config.kv_lora_rank else ("attn_q", getattr(attn, "wq", None))
     if model.config.is_recurrent(0):  # linear attention
         q = ("attn_qkv", attn.w_qkv)
     for w, name in ((q[1], f"blk.0.{q[0]}.weight"), (model.model.output, "output.weight")):
-        assert isinstance(w, QLinear) == has_kernel(model.gguf.tensors[name].qtype), name
+        assert isinstance(w, QLinear) == supports(model.gguf.tensors[name].qtype, CPU), name
     assert isinstance(model.model.embed, QuantRows)  # rows looked up in the file, whatever their type
 
 

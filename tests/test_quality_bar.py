@@ -19,7 +19,7 @@ from testkit import quality
 
 # llama.cpp's mean KL to our exact path over quality.TOKENS tokens of the text: `python bench/quality.py`
 # (llama-cpp-python 0.3.36 built with AVX-512/VNNI, no repacked buffers, 2 threads, AMD EPYC Zen 4,
-# 2026-12-03; docs/measurements.md, "The quality bar").
+# 2026-12-03; docs/measurements.md, "Quality").
 LLAMA_CPP_KL = {"SmolLM2-135M-Instruct.Q4_1.gguf": 2.898e-3, "gemma-3-270m-q4_k_m.gguf": 4.873e-3}
 PERPLEXITY_WITHIN = 0.01
 KL_TIMES_LLAMA_CPP = 1.5
