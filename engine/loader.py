@@ -44,6 +44,7 @@ class LoadedModel:
     cpu_dequant_mib: float = 0.0  # as loaded: the tuner's arms reuse the model and key their runs on these
     cpu_kernels: str = "fast"
     fit: auto_size.Fit | None = None  # how auto sized the cache, when it did
+    own_layers: range | None = None  # a split model's stage: auto sizes its cache from its own layers' needs
 
     def close(self) -> None:
         if self.cache is not None:
@@ -68,7 +69,8 @@ class LoadedModel:
             if self.model.device.type == "cuda":
                 torch.cuda.empty_cache()
         if settings is not None:
-            settings, self.fit = auto_size.resolve(self.gguf, self.config, self.n_ctx, settings)
+            settings, self.fit = auto_size.resolve(self.gguf, self.config, self.n_ctx, settings,
+                                                   layers=self.own_layers)  # fmt: skip
             if self.fit is not None:
                 for line in self.fit.lines():
                     logger.info("%s", line)
@@ -259,7 +261,8 @@ def load_model(
                 compile_ahead.warm_policy()  # the cache's lookup, before a first reply waits for it
         compile_ahead.stop(helper)
         compile_ahead.mark_compiled(model_kind, compiled.started)
-        lm = LoadedModel(gguf, cfg, model, tok, template, n_ctx, None, cpu_dequant_mib, cpu_kernels)
+        lm = LoadedModel(gguf, cfg, model, tok, template, n_ctx, None, cpu_dequant_mib, cpu_kernels,
+                         own_layers=own_layers)  # fmt: skip
         lm.set_cache(cache)  # the one place the executor is swapped for the cache
     except BaseException:
         compile_ahead.stop(helper)

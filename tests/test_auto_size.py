@@ -133,3 +133,32 @@ def test_inspect_fit_prints_the_plan(model: Path) -> None:
 
 
 torch.set_grad_enabled(False)
+
+
+def test_a_stage_of_a_split_model_sizes_its_cache_from_its_own_layers(tmp_path: Path) -> None:
+    """Each host of a split model holds its own layers: auto counts their weights, KV cache and experts
+    (and the embedding and head on the stage from layer 0), not the whole model's."""
+    path = tiny_moe(tmp_path / "m4.gguf", n_expert=16, n_layers=4)
+    whole = load_model(path, n_ctx=N_CTX)
+    parts = _parts(whole)
+    emulated = parts.dense + parts.kv + parts.activations + 0.25 * parts.experts
+    one_host = auto_size.fit(whole.gguf, whole.config, N_CTX, CacheSettings(mib=AUTO_MIB, emulate_device_mib=emulated))
+    fits = []
+    for layers in (range(0, 2), range(2, 4)):
+        lm = load_model(path, n_ctx=N_CTX, own_layers=layers,
+                        cache=CacheSettings(mib=AUTO_MIB, emulate_device_mib=emulated))  # fmt: skip
+        assert lm.fit is not None and lm.cache is not None and lm.own_layers == layers
+        stage = lm.fit
+        own = auto_size.expert_bytes(lm.gguf, lm.config.n_layers, layers)[0] / 2**20
+        assert stage.experts == pytest.approx(own) and own == pytest.approx(parts.experts / 2)
+        assert stage.kv == pytest.approx(parts.kv / 2, rel=0.01) and stage.dense < parts.dense
+        # Half the experts and part of the dense weights in the same memory: a larger share of its experts
+        # cached than the whole model would have on one host.
+        assert stage.cache / stage.experts > one_host.cache / one_host.experts > 0
+        # The stage's cache holds its own layers only, and what auto gave it.
+        assert {layer for g in lm.cache.groups for layer in g.info.layers} <= set(layers)
+        fits.append(stage)
+        lm.close()
+    first, second = fits
+    assert first.dense > second.dense  # the stage from layer 0 holds the embedding and the head
+    whole.close()

@@ -13,6 +13,9 @@ is left, less a margin, and never more than all the experts:
 - MARGIN of what is left stays free (the allocator's rounding, buffers not counted above), and on
   CUDA also CUDA_RESERVE_MIB for the libraries' workspaces, allocated at their first use.
 
+A stage of a model split over hosts counts what it holds: its own layers' weights, KV cache and
+experts, and from layer 0 the embedding and head (each host sizes its own cache).
+
 On the CPU device without an emulated memory the experts are in the device's memory already: auto
 means no cache there, and says so (`Fit.note`). With an emulated device memory, a cache larger than
 the memory left (before the margin) is refused as CUDA's allocator would refuse it (`check_room`).
@@ -37,14 +40,16 @@ MIB = 2**20
 _EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 
 
-def expert_bytes(gguf: GGUFFile, n_layers: int | None = None) -> tuple[int, dict[int, int]]:
+def expert_bytes(gguf: GGUFFile, n_layers: int | None = None,
+                 layers: range | None = None) -> tuple[int, dict[int, int]]:  # fmt: skip
     """Total bytes of expert weights, and bytes of one expert per layer, over the first `n_layers`
-    layers (the ones decoding runs: not a file's trailing NextN blocks)."""
+    layers (the ones decoding runs: not a file's trailing NextN blocks), and of those `layers` only
+    (a stage of a split model) where given."""
     total = 0
     per_layer: dict[int, int] = defaultdict(int)
     for t in gguf.tensors.values():
         m = _EXPERT_TENSOR.match(t.name)
-        if m and (n_layers is None or int(m.group(1)) < n_layers):
+        if m and (n_layers is None or int(m.group(1)) < n_layers) and (layers is None or int(m.group(1)) in layers):
             total += t.n_bytes
             per_layer[int(m.group(1))] += t.n_bytes // t.shape[0]
     return total, dict(per_layer)
@@ -90,12 +95,18 @@ class Fit:
         ]
 
 
-def fit(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, settings: CacheSettings, free_mib: float | None = None) -> Fit:
+def fit(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, settings: CacheSettings, free_mib: float | None = None,
+        layers: range | None = None) -> Fit:  # fmt: skip
     """The parts of the model at `gguf` on the cache's device and the size auto gives the cache. On CUDA the
-    dense weights are there already: `free_mib` is the memory free after them (None: ask the device now)."""
-    experts, _ = expert_bytes(gguf, cfg.n_layers)
-    dense = sum(t.n_bytes for t in gguf.tensors.values()) - experts
+    dense weights are there already: `free_mib` is the memory free after them (None: ask the device now).
+    `layers`: a split model's stage, which holds its own layers' weights, KV cache and experts (and, from
+    layer 0, the embedding and head) in its host's memory."""
+    experts, _ = expert_bytes(gguf, cfg.n_layers, layers)
+    names = gguf.layer_tensors(layers) if layers is not None else gguf.tensors.keys()
+    dense = sum(gguf.tensors[n].n_bytes for n in names) - experts
     kv = kv_cache_bytes(cfg, n_ctx) + recurrent_state_bytes(cfg)
+    if layers is not None:  # the stage's share of the layers' caches
+        kv = kv * len(range(cfg.n_layers)[layers.start : layers.stop]) // cfg.n_layers
     act = activation_bytes(cfg, n_ctx)
     parts = (dense / MIB, kv / MIB, act / MIB, experts / MIB)
     if settings.device == "cpu" and not settings.emulate_device_mib:
@@ -127,17 +138,17 @@ def fit(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, settings: CacheSettings, f
     return Fit(settings.device, memory, emulated, *parts[:3], parts[3], room, margin, cache, note)
 
 
-def resolve(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, settings: CacheSettings,
-            free_mib: float | None = None) -> tuple[CacheSettings, Fit | None]:  # fmt: skip
+def resolve(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, settings: CacheSettings, free_mib: float | None = None,
+            layers: range | None = None) -> tuple[CacheSettings, Fit | None]:  # fmt: skip
     """The settings with auto replaced by its size (and the fit it came from), or as they are; an explicit size
-    on an emulated device memory is checked against the room there (`check_room`)."""
+    on an emulated device memory is checked against the room there (`check_room`). `layers`: see `fit`."""
     from dataclasses import replace
 
     if settings.mib == AUTO_MIB:
-        f = fit(gguf, cfg, n_ctx, settings, free_mib)
+        f = fit(gguf, cfg, n_ctx, settings, free_mib, layers)
         return replace(settings, mib=f.cache), f
     if settings.emulate_device_mib and settings.mib > 0:
-        check_room(settings.mib, fit(gguf, cfg, n_ctx, settings))
+        check_room(settings.mib, fit(gguf, cfg, n_ctx, settings, layers=layers))
     return settings, None
 
 
