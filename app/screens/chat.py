@@ -16,7 +16,7 @@ from moechat.app.export import reply_record, reply_stats
 from moechat.app.messages import BoundUpdate, ContextTrimmed, ReplyDone, ReplyFailed, StatsUpdate, TokenText
 from moechat.app.reply_stream import stats_update, stream_reply
 from moechat.app.screens.dialogs import OpenChat, SettingsDialog
-from moechat.app.screens.host import ScreenHost
+from moechat.app.screens.host import ScreenHost, host_of
 from moechat.app.screens.wizard import TuneWizard
 from moechat.app.settings import sampling_params
 from moechat.engine.events import SamplingParams
@@ -76,7 +76,7 @@ class ChatScreen(Screen[None]):
 
     @property
     def moechat(self) -> ScreenHost:
-        return self.app  # the app meets ScreenHost
+        return host_of(self)
 
     def compose(self) -> ComposeResult:
         with Horizontal():

@@ -6,7 +6,7 @@ from dataclasses import replace
 from typing import Any, ClassVar
 
 from moechat.app.conversations import Conversation
-from moechat.app.screens.host import ScreenHost
+from moechat.app.screens.host import ScreenHost, host_of
 from moechat.app.settings import SettingError, Settings, coerce
 from textual import on
 from textual.app import ComposeResult
@@ -56,7 +56,7 @@ class SettingsDialog(ModalScreen[bool]):
 
     @property
     def moechat(self) -> ScreenHost:
-        return self.app  # the app meets ScreenHost
+        return host_of(self)
 
     def compose(self) -> ComposeResult:
         with Vertical():

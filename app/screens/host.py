@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import threading
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 from moechat.app.conversations import Conversation, ConversationStore
 from moechat.app.engine_api import ChatEngine
 from moechat.app.export import SessionStats
 from moechat.app.paths import AppPaths
 from moechat.app.settings import Settings
+from textual.screen import Screen
 
 
 class ScreenHost(Protocol):
@@ -39,3 +40,8 @@ class ScreenHost(Protocol):
     def save_session(self) -> None: ...
 
     def export_all(self, folder: Path | None = None) -> list[Path]: ...
+
+
+def host_of(screen: Screen[Any]) -> ScreenHost:
+    """The app behind a screen: Textual types it as any App; moechat's meets ScreenHost."""
+    return cast(ScreenHost, screen.app)

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import ClassVar
 
 from moechat.app.messages import CacheApplied, ConfirmUpdate, SweepFailed, SweepUpdate, TuneReady
-from moechat.app.screens.host import ScreenHost
+from moechat.app.screens.host import ScreenHost, host_of
 from moechat.app.tuned import save_tuned
 from moechat.tuner.events import (
     N_ARMS,
@@ -78,7 +78,7 @@ class TuneWizard(Screen[bool]):
 
     @property
     def moechat(self) -> ScreenHost:
-        return self.app  # the app meets ScreenHost
+        return host_of(self)
 
     def compose(self) -> ComposeResult:
         with VerticalScroll():
