@@ -10,6 +10,7 @@ folder lays the checkout out as installed, through links, and mypy checks `-p mo
 
 from __future__ import annotations
 
+import ast
 import os
 import subprocess
 import sys
@@ -17,7 +18,15 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-ROOTS = ("app", "engine", "widgets", "tuner", "assets", "demo")  # setup.py's: each installed as moechat.<folder>
+
+
+def _roots() -> tuple[str, ...]:
+    """setup.py's ROOTS (the folders installed as moechat.<folder>), read without running setup()."""
+    tree = ast.parse((ROOT / "setup.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "ROOTS" for t in node.targets):
+            return tuple(ast.literal_eval(node.value))
+    raise SystemExit("setup.py declares no ROOTS")
 
 
 def main() -> int:
@@ -26,7 +35,7 @@ def main() -> int:
         package.mkdir()
         for f in (ROOT / "moechat").glob("*.py"):
             (package / f.name).symlink_to(f)
-        for name in ROOTS:
+        for name in _roots():
             (package / name).symlink_to(ROOT / name, target_is_directory=True)
         cmd = [sys.executable, "-m", "mypy", "--config-file", str(ROOT / "pyproject.toml"), "-p", "moechat"]
         return subprocess.call(cmd, cwd=tmp, env={**os.environ, "MYPYPATH": tmp})

@@ -49,9 +49,10 @@ def expert_bytes(gguf: GGUFFile, n_layers: int | None = None,
     per_layer: dict[int, int] = defaultdict(int)
     for t in gguf.tensors.values():
         m = _EXPERT_TENSOR.match(t.name)
-        if m and (n_layers is None or int(m.group(1)) < n_layers) and (layers is None or int(m.group(1)) in layers):
+        layer = int(m.group(1)) if m else -1
+        if m and (n_layers is None or layer < n_layers) and (layers is None or layer in layers):
             total += t.n_bytes
-            per_layer[int(m.group(1))] += t.n_bytes // t.shape[0]
+            per_layer[layer] += t.n_bytes // t.shape[0]
     return total, dict(per_layer)
 
 

@@ -65,7 +65,7 @@ def has_bias(qtype: Q) -> bool:
 
 
 def hsums(b: ir.IRBuilder, vs: list[ir.Value]) -> list[ir.Value]:
-    """Each vector's `qblocks._hsum`, bit for bit (the same lanes added in the same tree), with the
+    """Each vector's `llvm_ir.hsum`, bit for bit (the same lanes added in the same tree), with the
     vectors reduced side by side: two half-reduced vectors share one add, so n sums of 16 lanes take
     about 3n instructions instead of 8n."""
     return [b.extract_element(v, ir.Constant(I32, j)) for v, m in lane_sums(b, vs) for j in range(m)]

@@ -34,7 +34,7 @@ from . import isa
 from .jit import intrinsic, njit, overload, prange, types
 from .llvm_ir import F32, I8, I32, I64, LANES, V8_F32, VecBuilder, byte_ptr, call_intrinsic, literal_qtype, row_ptr, vec
 from .qblocks import LAYOUTS, SUPER
-from .qtiles import TILE_ROWS, TILE_TOKENS, hsums
+from .qtiles import TILE_ROWS, TILE_TOKENS, has_bias, hsums
 
 PASSES = SUPER // 64  # vpdpbusd passes per super-block
 GROUPS = 16  # lanes: groups of 16 weights
@@ -178,13 +178,6 @@ def _tile8_intrinsic(qtype: Q) -> Any:
         return sig, codegen
 
     return tiles
-
-
-@functools.cache
-def has_bias(qtype: Q) -> bool:
-    from .qtiles import has_bias as has
-
-    return has(qtype)
 
 
 _UNPACK8 = {t: _unpack8_intrinsic(t) for t, lay in LAYOUTS.items() if lay.ints is not None} if isa.VNNI else {}
