@@ -173,7 +173,9 @@ def build_demo(
         if not 1 <= k <= n_expert:
             raise DemoError(f"{k} experts per token of {n_expert}")
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(target.name + ".partial")
+        # Two first starts at once (two terminals, or test workers) each write their own file; the last
+        # rename wins with the same bytes.
+        tmp = target.with_name(f"{target.name}.{os.getpid()}.partial")
         w = GGUFWriter(str(tmp), arch)
         copy_metadata(src, w, arch, skip=("general.name",))
         w.add_uint32(f"{arch}.expert_count", n_expert)

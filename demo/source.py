@@ -50,7 +50,7 @@ def _blocks(path: Path) -> Iterator[bytes]:
 def _write_checked(blocks: Iterable[bytes], target: Path, sha256: str) -> Path:
     """Write `blocks` to `target` (atomically), refusing them unless their sha256 matches."""
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = target.with_suffix(".partial")
+    tmp = target.with_name(f"{target.name}.{os.getpid()}.partial")  # two first starts at once each write their own
     digest = hashlib.sha256()
     with tmp.open("wb") as out:
         for block in blocks:

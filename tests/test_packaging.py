@@ -181,6 +181,6 @@ def test_the_readmes_first_screen_says_how_to_set_up_run_and_test() -> None:
     first = "\n".join((root / "README.md").read_text().splitlines()[:40])
     blocks = [b.strip().splitlines() for b in re.findall(r"```bash\n(.*?)```", first, re.S)]
     assert blocks[0] == ['pip install -e ".[demo,test]"', "moechat"]
-    assert blocks[1] == ["python -m pytest -q"]
+    assert blocks[1] == ["python -m pytest -q -n 2"]
     ci = (root / ".ci" / "run").read_text().splitlines()
     assert ci[-1] == blocks[1][0] and 'python -m pip install -q -e ".[demo,test]"' in ci
