@@ -12,34 +12,6 @@ from moechat.engine.loader import load_model
 from moechat.engine.models import compile_ahead
 from testkit.ggufgen import Q, tiny_moe
 
-COUNT_COMPILES = """
-import sys, torch
-from moechat.engine.loader import load_model
-from moechat.engine.generate import decode_one
-notes = []
-lm = load_model(sys.argv[1], n_ctx=64, progress=notes.append)
-kv = lm.new_cache()
-with torch.inference_mode():
-    decode_one(lm.model, int(lm.model(torch.tensor([1, 2]), 0, kv)[-1].argmax()), kv)
-print(len(notes))
-"""
-
-
-@pytest.mark.slow
-def test_the_helper_compiles_exactly_the_kernels_a_first_load_needs(tmp_path: Path) -> None:
-    """From an empty kernel cache the helper alone compiles; a load after it then compiles nothing
-    (its kernels are the same specializations, loaded from the disk cache)."""
-    path = tiny_moe(tmp_path / "m.gguf")
-    env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "kernels"), "MOECHAT_COMPILE_AHEAD": "0"}
-    helper = subprocess.run([sys.executable, "-m", compile_ahead.__name__, str(path), "64", "fast"], env=env,
-                            capture_output=True, timeout=600)  # fmt: skip
-    assert helper.returncode == 0, helper.stderr.decode()[-2000:]
-    assert any((tmp_path / "kernels").rglob("*.nbi"))  # it wrote the disk cache
-    load = subprocess.run([sys.executable, "-c", COUNT_COMPILES, str(path)], env=env, capture_output=True, text=True,
-                          timeout=600)  # fmt: skip
-    assert load.returncode == 0, load.stderr[-2000:]
-    assert int(load.stdout.split()[-1]) == 0
-
 
 def test_a_load_starts_the_helper_once_per_kind_of_model(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """A model whose kind was never compiled here starts the helper, stops it once its own forward is
@@ -82,7 +54,7 @@ def test_kernels_cache_in_the_folder_named_after_their_sources_even_when_numba_c
     env.update(XDG_CACHE_HOME=str(tmp_path), PYTHONPATH=str(Path(__file__).parent))
     subprocess.run([sys.executable, "-c", KERNEL_FOLDER], env=env, check=True, timeout=600)
     folder = tmp_path / "moechat" / "kernels"  # platformdirs' cache folder under XDG_CACHE_HOME
-    assert any(p.name.startswith("cpu._matmul_kernel") for p in folder.rglob("*.nbi")), list(tmp_path.rglob("*"))
+    assert any(p.name.startswith("cpu._experts_kernel") for p in folder.rglob("*.nbi")), list(tmp_path.rglob("*"))
 
 
 FIRST_PROMPT = """
@@ -99,18 +71,34 @@ print(notes)
 """
 
 
+HELPER = """
+import sys
+from moechat.engine.kernels.jit import compile_notes
+from pathlib import Path
+from moechat.engine.models.compile_ahead import compile_passes
+notes = []
+with compile_notes(notes.append):
+    compile_passes(Path(sys.argv[1]), 64, "fast")
+print(len(notes))
+"""
+
+
 @pytest.mark.slow
-def test_a_load_compiles_the_experts_kernels_a_first_prompt_needs(tmp_path: Path) -> None:
-    """The load's one token takes the one-call MoE path and the compiled layer halves; a prompt's
-    experts run the general kernels and its dense matrices the tiles (Q4_K attention: a kernel the
-    experts' Q6_K down does not compile), which the load compiles too, with the activation widths
-    the model then runs: a first reply waits for no compile."""
+def test_a_load_compiles_what_a_first_prompt_needs_and_the_helper_nothing_else(tmp_path: Path) -> None:
+    """From an empty kernel cache, without the helper: the load's one token takes the one-call MoE path
+    and the compiled layer halves; a prompt's experts run the general kernels and its dense matrices the
+    tiles (Q4_K attention: a kernel the experts' Q6_K down does not compile), which the load compiles
+    too, with the activation widths the model then runs: a first reply waits for no compile. Then the
+    helper, in that cache, compiles nothing: every kernel it builds is one of the load's, the same
+    specializations, so what it compiles first on its core is what the load then loads from disk."""
     path = tiny_moe(tmp_path / "m.gguf", expert_type=Q.Q4_K, dense_type=Q.Q4_K, down_type=Q.Q6_K)
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "kernels"), "MOECHAT_COMPILE_AHEAD": "0"}
     r = subprocess.run([sys.executable, "-c", FIRST_PROMPT, str(path)], env=env, capture_output=True, text=True,
                        timeout=600)  # fmt: skip
     assert r.returncode == 0, r.stderr[-2000:]
-    late = r.stdout.strip()
-    # nothing compiles late: the load warmed the kernels with the widths it runs (the attention block
-    # once compiled again here, warmed with int16 before the default's int8 was set)
-    assert late == "[]", late
+    assert r.stdout.strip() == "[]"  # nothing compiled late
+    assert any((tmp_path / "kernels").rglob("*.nbi"))  # the load wrote the disk cache
+    helper = subprocess.run([sys.executable, "-c", HELPER, str(path)], env=env, capture_output=True, text=True,
+                            timeout=600)  # fmt: skip
+    assert helper.returncode == 0, helper.stderr[-2000:]
+    assert int(helper.stdout.split()[-1]) == 0

@@ -32,7 +32,7 @@ import numpy as np
 from gguf import GGMLQuantizationType as Q
 
 from .codes import ACT_GELU_TANH, ACT_SILU, SWIGLU_ALPHA, SWIGLU_LIMIT
-from .jit import njit, prange
+from .jit import njit, overload, prange, types
 from .qblocks import SUPER, TOKENS, decode_row, dot_row, quantize_many
 from .qtiles import TILE_ROWS, TILE_TOKENS, scratch, tile_dots, tiled, unpack_row
 from .qtiles8 import ordered, scratch8, tile_dots8, tiled8, unpack_row8
@@ -88,11 +88,8 @@ def _token_block(j0: int, nc: int) -> tuple[int, int]:
 
 
 @njit(inline="always")
-def tile_products(code: int, w: np.ndarray, m: int, r: int, k: int, q: Any, a_in: np.ndarray, c0: int, nc: int,
-                  sc: Any, acc: np.ndarray) -> None:  # fmt: skip
-    """acc[j, i] = row r + i of matrix m times activation row a_in[c0 + j], i < TILE_ROWS, j < nc
-    (>= TILE_TOKENS): the rows unpacked once into the scratch sc, then tiles. The same results as
-    `dots` (see qtiles)."""
+def _tile_products16(code: int, w: np.ndarray, m: int, r: int, k: int, q: Any, a_in: np.ndarray, c0: int, nc: int,
+                     sc: Any, acc: np.ndarray) -> None:  # fmt: skip
     xq, dx, bs = q
     ws, wd, wb = sc
     for i in range(TILE_ROWS):
@@ -101,14 +98,36 @@ def tile_products(code: int, w: np.ndarray, m: int, r: int, k: int, q: Any, a_in
 
 
 @njit(inline="always")
-def tile_products8(code: int, w: np.ndarray, m: int, r: int, k: int, q: Any, xp: np.ndarray, a_in: np.ndarray,
-                   c0: int, nc: int, sc: Any, acc: np.ndarray) -> None:  # fmt: skip
-    """`tile_products` with int8 activations (`qtiles8`: xp the activations `ordered`): within float32
-    rounding of `dots`' int8 results."""
+def _tile_products8(code: int, w: np.ndarray, m: int, r: int, k: int, q: Any, xp: np.ndarray, a_in: np.ndarray,
+                    c0: int, nc: int, sc: Any, acc: np.ndarray) -> None:  # fmt: skip
     _, dx, bs = q
     for i in range(TILE_ROWS):
         unpack_row8(code, w, _row(w, m, r + i), k, sc, i)
     tile_dots8(code, sc, k, xp, dx, bs, a_in, c0, nc, acc)
+
+
+def tile_products(code: int, w: np.ndarray, m: int, r: int, k: int, q: Any, xp: np.ndarray, a_in: np.ndarray,
+                  c0: int, nc: int, sc: Any, acc: np.ndarray) -> None:  # fmt: skip
+    """acc[j, i] = row r + i of matrix m times activation row a_in[c0 + j], i < TILE_ROWS, j < nc
+    (>= TILE_TOKENS): the rows unpacked once into the scratch sc, then tiles. A `scratch` gives int16
+    tiles, the same results as `dots` (see qtiles); a `scratch8` int8 ones (qtiles8: xp the activations
+    `ordered`), within float32 rounding of `dots`' int8 results. Compiled code only."""
+    raise NotImplementedError("tile_products runs in compiled code")
+
+
+@overload(tile_products, inline="always")
+def _tile_products(code, w, m, r, k, q, xp, a_in, c0, nc, sc, acc):
+    if len(sc) == 5:  # scratch8's (ws, wsc, wcor, wd, wb)
+
+        def impl(code, w, m, r, k, q, xp, a_in, c0, nc, sc, acc):
+            _tile_products8(code, w, m, r, k, q, xp, a_in, c0, nc, sc, acc)
+
+    else:
+
+        def impl(code, w, m, r, k, q, xp, a_in, c0, nc, sc, acc):
+            _tile_products16(code, w, m, r, k, q, a_in, c0, nc, sc, acc)
+
+    return impl
 
 
 _NO_ORDER = np.zeros((0, 0), np.uint8)
@@ -126,7 +145,7 @@ def _ordered(q: Any, rows: np.ndarray, k: int, eight: bool) -> np.ndarray:
 def _gate_up_out(g: np.ndarray, v: np.ndarray, r0: int, u: int, eid: np.ndarray, a_out: np.ndarray, c0: int,
                  bias_g: np.ndarray, bias_u: np.ndarray, act_code: int, out: np.ndarray) -> None:  # fmt: skip
     """Gate and up products g, v [n, width] of the assignments c0.. and rows r0.. -> out, through the
-    activation: each assignment's run of rows written in one pass (see `_staged`)."""
+    activation, with the biases."""
     for i in range(g.shape[0]):
         a = a_out[c0 + i]
         for c in range(g.shape[1]):
@@ -135,91 +154,6 @@ def _gate_up_out(g: np.ndarray, v: np.ndarray, r0: int, u: int, eid: np.ndarray,
                 gv += bias_g[eid[u], r0 + c]
                 uv += bias_u[eid[u], r0 + c]
             out[a, r0 + c] = act(act_code, gv, uv)
-
-
-@njit(inline="always")
-def _staged(nc: int) -> bool:
-    """Whether a work item's results go through a block [tokens, ROWS] first. Its tokens' output rows
-    lie a row length apart, and where that is a multiple of 4 KiB (2048 or 4096 floats) writing a
-    column of them evicts itself from the core's cache: staged, each token's run of rows is written
-    at once. A token or three write directly (no block to allocate: decode)."""
-    return nc >= TILE_TOKENS
-
-
-@functools.cache
-def _gate_up_kernel(gate_type: Q, up_type: Q, bits: int) -> Any:
-    # The kernels close over type codes (ints): numba compiles them as constants, and caches each
-    # type's kernel on disk apart (a closure over a compiled function would defeat that cache).
-    code_g, code_u = int(gate_type), int(up_type)
-    # A prompt's experts meet many tokens each: their rows unpacked once, then multiplied in tiles
-    # (int16, or int8 where the CPU has VNNI).
-    eight = bits == 8 and tiled8(gate_type) and tiled8(up_type)
-    tiles = (bits == 16 and tiled(gate_type) and tiled(up_type)) or eight
-
-    @njit(parallel=True, fastmath=False)
-    def gate_up(gate, up, x, x_rows, sel, eid, ptr, a_in, a_out, bias_g, bias_u, act_code, out):
-        n_rows, k = gate.shape[1], x.shape[1]
-        n_tiles = (n_rows + ROWS - 1) // ROWS
-        q = quantize_many(x, x_rows, bits)
-        xp = _ordered(q, x_rows, k, eight and k % SUPER == 0)
-        for job in prange(sel.shape[0] * n_tiles):
-            u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
-            if not _staged(nc):
-                ag = np.empty(nc, np.float32)
-                au = np.empty(nc, np.float32)
-                for r in range(r0, r1):
-                    dots(code_g, gate, _row(gate, m, r), k, q, a_in, c0, nc, ag)
-                    dots(code_u, up, _row(up, m, r), k, q, a_in, c0, nc, au)
-                    _gate_up_out(ag.reshape(nc, 1), au.reshape(nc, 1), r, u, eid, a_out, c0, bias_g, bias_u,
-                                 act_code, out)  # fmt: skip
-                continue
-            # A block of tokens at a time: their activations stay in the core's cache while every
-            # row of the work item meets them.
-            tb = min(nc, TOKEN_BLOCK)
-            rg, ru = np.empty((tb, ROWS), np.float32), np.empty((tb, ROWS), np.float32)  # [tokens, rows]
-            done = r0  # rows done in tiles
-            if eight:
-                if k % SUPER == 0:
-                    sg8, su8 = scratch8(k), scratch8(k)
-                    n_tiled = (r1 - r0) // TILE_ROWS * TILE_ROWS
-                    for j0 in range(0, nc, TOKEN_BLOCK):
-                        j, n = _token_block(j0, nc)
-                        for r in range(r0, r0 + n_tiled, TILE_ROWS):
-                            c = r - r0
-                            tile_products8(
-                                code_g, gate, m, r, k, q, xp, a_in, c0 + j, n, sg8, rg[:n, c : c + TILE_ROWS]
-                            )
-                            tile_products8(code_u, up, m, r, k, q, xp, a_in, c0 + j, n, su8, ru[:n, c : c + TILE_ROWS])
-                        _gate_up_out(rg[:n, :n_tiled], ru[:n, :n_tiled], r0, u, eid, a_out, c0 + j, bias_g, bias_u,
-                                     act_code, out)  # fmt: skip
-                    done += n_tiled
-            elif tiles:  # noqa: SIM102 - as above
-                if k % SUPER == 0:
-                    sg, su = scratch(k), scratch(k)
-                    n_tiled = (r1 - r0) // TILE_ROWS * TILE_ROWS
-                    for j0 in range(0, nc, TOKEN_BLOCK):
-                        j, n = _token_block(j0, nc)
-                        for r in range(r0, r0 + n_tiled, TILE_ROWS):
-                            c = r - r0
-                            tile_products(code_g, gate, m, r, k, q, a_in, c0 + j, n, sg, rg[:n, c : c + TILE_ROWS])
-                            tile_products(code_u, up, m, r, k, q, a_in, c0 + j, n, su, ru[:n, c : c + TILE_ROWS])
-                        _gate_up_out(rg[:n, :n_tiled], ru[:n, :n_tiled], r0, u, eid, a_out, c0 + j, bias_g, bias_u,
-                                     act_code, out)  # fmt: skip
-                    done += n_tiled
-            if done < r1:
-                ag = np.empty(tb, np.float32)
-                au = np.empty(tb, np.float32)
-                for j in range(0, nc, TOKEN_BLOCK):
-                    n = min(TOKEN_BLOCK, nc - j)
-                    for r in range(done, r1):
-                        dots(code_g, gate, _row(gate, m, r), k, q, a_in, c0 + j, n, ag)
-                        dots(code_u, up, _row(up, m, r), k, q, a_in, c0 + j, n, au)
-                        rg[:n, r - done] = ag[:n]
-                        ru[:n, r - done] = au[:n]
-                    _gate_up_out(rg[:n, : r1 - done], ru[:n, : r1 - done], done, u, eid, a_out, c0 + j, bias_g,
-                                 bias_u, act_code, out)  # fmt: skip
-
-    return gate_up
 
 
 @njit(inline="always")
@@ -241,61 +175,112 @@ def _matmul_out(res: np.ndarray, r0: int, u: int, eid: np.ndarray, a_out: np.nda
                 dst[c] = src[c] * s
 
 
+def _finish(g: np.ndarray, v: np.ndarray, r0: int, u: int, eid: np.ndarray, a_out: np.ndarray, c0: int,
+            bias0: np.ndarray, bias1: np.ndarray, scale: np.ndarray, act_code: int | None,
+            out: np.ndarray) -> None:  # fmt: skip
+    """A work item's products -> out: gate's and up's through the activation `act_code`, or, where it is
+    None, one matrix's (g; v is g) with its bias and scale. Compiled code only."""
+    raise NotImplementedError("_finish runs in compiled code")
+
+
+@overload(_finish, inline="always")
+def _finish_overload(g, v, r0, u, eid, a_out, c0, bias0, bias1, scale, act_code, out):
+    if isinstance(act_code, types.NoneType):
+
+        def one(g, v, r0, u, eid, a_out, c0, bias0, bias1, scale, act_code, out):
+            _matmul_out(g, r0, u, eid, a_out, c0, bias0, scale, out)
+
+        return one
+
+    def pair(g, v, r0, u, eid, a_out, c0, bias0, bias1, scale, act_code, out):
+        _gate_up_out(g, v, r0, u, eid, a_out, c0, bias0, bias1, act_code, out)
+
+    return pair
+
+
+@njit(inline="always")
+def _staged(nc: int) -> bool:
+    """Whether a work item's results go through a block [tokens, ROWS] first. Its tokens' output rows
+    lie a row length apart, and where that is a multiple of 4 KiB (2048 or 4096 floats) writing a
+    column of them evicts itself from the core's cache: staged, each token's run of rows is written
+    at once. A token or three write directly (no block to allocate: decode)."""
+    return nc >= TILE_TOKENS
+
+
 @functools.cache
-def _matmul_kernel(qtype: Q, bits: int) -> Any:
-    code = int(qtype)
-    eight = bits == 8 and tiled8(qtype)
-    tiles = (bits == 16 and tiled(qtype)) or eight
+def _experts_kernel(qtypes: tuple[Q, ...], bits: int) -> Any:
+    """The one kernel of the selected matrices' products (module doc): one matrix (`matmul`: act_code
+    None, each output scaled) or two, gate and up (`gate_up`: through the activation `act_code`), both
+    read row for row in the same pass."""
+    # The kernels close over type codes and flags (ints, bools): numba compiles them as constants, prunes
+    # the branches they rule out, and caches each type's kernel on disk apart (a closure over a compiled
+    # function would defeat that cache).
+    pair = len(qtypes) == 2
+    code0, code1 = int(qtypes[0]), int(qtypes[-1])
+    # A prompt's experts meet many tokens each: their rows unpacked once, then multiplied in tiles
+    # (int16, or int8 where the CPU has VNNI).
+    eight = bits == 8 and all(tiled8(t) for t in qtypes)
+    tiles = (bits == 16 and all(tiled(t) for t in qtypes)) or eight
 
     @njit(parallel=True, fastmath=False)
-    def matmul(w, x, x_rows, sel, eid, ptr, a_in, a_out, bias, scale, out):
-        n_rows, k = w.shape[1], x.shape[1]
+    def experts(w0, w1, x, x_rows, sel, eid, ptr, a_in, a_out, bias0, bias1, scale, act_code, out):
+        n_rows, k = w0.shape[1], x.shape[1]
         n_tiles = (n_rows + ROWS - 1) // ROWS
         q = quantize_many(x, x_rows, bits)
         xp = _ordered(q, x_rows, k, eight and k % SUPER == 0)
         for job in prange(sel.shape[0] * n_tiles):
             u, m, c0, nc, r0, r1 = _job(job, n_tiles, n_rows, sel, ptr)
             if not _staged(nc):
-                acc = np.empty(nc, np.float32)
+                a0 = np.empty(nc, np.float32)
+                a1 = np.empty(nc, np.float32) if pair else a0
                 for r in range(r0, r1):
-                    dots(code, w, _row(w, m, r), k, q, a_in, c0, nc, acc)
-                    _matmul_out(acc.reshape(nc, 1), r, u, eid, a_out, c0, bias, scale, out)
+                    dots(code0, w0, _row(w0, m, r), k, q, a_in, c0, nc, a0)
+                    if pair:
+                        dots(code1, w1, _row(w1, m, r), k, q, a_in, c0, nc, a1)
+                    _finish(a0.reshape(nc, 1), a1.reshape(nc, 1), r, u, eid, a_out, c0, bias0, bias1, scale, act_code,
+                            out)  # fmt: skip
                 continue
-            tb = min(nc, TOKEN_BLOCK)  # as in gate_up
-            res = np.empty((tb, ROWS), np.float32)  # [tokens, rows]
-            done = r0
-            if eight:
+            # A block of tokens at a time: their activations stay in the core's cache while every
+            # row of the work item meets them.
+            tb = min(nc, TOKEN_BLOCK)
+            res0 = np.empty((tb, ROWS), np.float32)  # [tokens, rows]
+            res1 = np.empty((tb, ROWS), np.float32) if pair else res0
+            done = r0  # rows done in tiles
+            if tiles:  # noqa: SIM102 - the flag is a constant numba prunes by, the width is not
                 if k % SUPER == 0:
-                    sc8 = scratch8(k)
+                    if eight:
+                        s0 = scratch8(k)
+                        s1 = scratch8(k) if pair else s0
+                    else:
+                        s0 = scratch(k)
+                        s1 = scratch(k) if pair else s0
                     n_tiled = (r1 - r0) // TILE_ROWS * TILE_ROWS
                     for j0 in range(0, nc, TOKEN_BLOCK):
                         j, n = _token_block(j0, nc)
                         for r in range(r0, r0 + n_tiled, TILE_ROWS):
                             c = r - r0
-                            tile_products8(code, w, m, r, k, q, xp, a_in, c0 + j, n, sc8, res[:n, c : c + TILE_ROWS])
-                        _matmul_out(res[:n, :n_tiled], r0, u, eid, a_out, c0 + j, bias, scale, out)
-                    done += n_tiled
-            elif tiles:  # noqa: SIM102 - as above
-                if k % SUPER == 0:
-                    sc = scratch(k)
-                    n_tiled = (r1 - r0) // TILE_ROWS * TILE_ROWS
-                    for j0 in range(0, nc, TOKEN_BLOCK):
-                        j, n = _token_block(j0, nc)
-                        for r in range(r0, r0 + n_tiled, TILE_ROWS):
-                            c = r - r0
-                            tile_products(code, w, m, r, k, q, a_in, c0 + j, n, sc, res[:n, c : c + TILE_ROWS])
-                        _matmul_out(res[:n, :n_tiled], r0, u, eid, a_out, c0 + j, bias, scale, out)
+                            tile_products(code0, w0, m, r, k, q, xp, a_in, c0 + j, n, s0, res0[:n, c : c + TILE_ROWS])
+                            if pair:
+                                tile_products(
+                                    code1, w1, m, r, k, q, xp, a_in, c0 + j, n, s1, res1[:n, c : c + TILE_ROWS]
+                                )
+                        _finish(res0[:n, :n_tiled], res1[:n, :n_tiled], r0, u, eid, a_out, c0 + j, bias0, bias1,
+                                scale, act_code, out)  # fmt: skip
                     done += n_tiled
             if done < r1:
-                acc = np.empty(tb, np.float32)
+                a0 = np.empty(tb, np.float32)
                 for j in range(0, nc, TOKEN_BLOCK):
                     n = min(TOKEN_BLOCK, nc - j)
                     for r in range(done, r1):
-                        dots(code, w, _row(w, m, r), k, q, a_in, c0 + j, n, acc)
-                        res[:n, r - done] = acc[:n]
-                    _matmul_out(res[:n, : r1 - done], done, u, eid, a_out, c0 + j, bias, scale, out)
+                        dots(code0, w0, _row(w0, m, r), k, q, a_in, c0 + j, n, a0)
+                        res0[:n, r - done] = a0[:n]
+                        if pair:
+                            dots(code1, w1, _row(w1, m, r), k, q, a_in, c0 + j, n, a0)
+                            res1[:n, r - done] = a0[:n]
+                    _finish(res0[:n, : r1 - done], res1[:n, : r1 - done], done, u, eid, a_out, c0 + j, bias0,
+                            bias1, scale, act_code, out)  # fmt: skip
 
-    return matmul
+    return experts
 
 
 @functools.cache
@@ -412,8 +397,8 @@ def gate_up(
     """
     bg = _NO_BIAS if bias_g is None else bias_g
     bu = _NO_BIAS if bias_u is None else bias_u
-    kernel = _gate_up_kernel(gate_type, up_type, bits)
-    kernel(_blocks(gate), _blocks(up), _acts(x), x_rows, sel, eid, ptr, a_in, a_out, bg, bu, act, out)
+    kernel = _experts_kernel((gate_type, up_type), bits)
+    kernel(_blocks(gate), _blocks(up), _acts(x), x_rows, sel, eid, ptr, a_in, a_out, bg, bu, _NO_SCALE, act, out)
 
 
 def matmul(
@@ -423,7 +408,8 @@ def matmul(
 ) -> None:  # fmt: skip
     """out[a_out] = scale[a_out] * (x[a_in] @ w[sel].T + b) for every selected matrix (x_rows as for gate_up)."""
     b, s = _NO_BIAS if bias is None else bias, _NO_SCALE if scale is None else scale
-    _matmul_kernel(qtype, bits)(_blocks(w), _acts(x), x_rows, sel, eid, ptr, a_in, a_out, b, s, out)
+    w = _blocks(w)
+    _experts_kernel((qtype,), bits)(w, w, _acts(x), x_rows, sel, eid, ptr, a_in, a_out, b, _NO_BIAS, s, None, out)
 
 
 def tiles_read(qtype: Q, k: int, bits: int) -> bool:
@@ -444,7 +430,7 @@ def dense(w: np.ndarray, qtype: Q, x: np.ndarray, bits: int = 16) -> np.ndarray:
     t = x.shape[0]
     out = np.empty((t, w.shape[0]), np.float32)
     one, ptr, rows = one_matrix(t)
-    _matmul_kernel(qtype, bits)(_blocks(w)[None], _acts(x), rows, one, one, ptr, rows, rows, _NO_BIAS, _NO_SCALE, out)
+    matmul(w[None], qtype, x, rows, one, one, ptr, rows, rows, out, bits=bits)
     return out
 
 

@@ -16,7 +16,8 @@ or there never changes it.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Callable
+from typing import Any, NamedTuple
 
 import numpy as np
 from gguf import GGMLQuantizationType as Q
@@ -127,68 +128,107 @@ def _unpack_intrinsic(layout: Layout) -> Any:
     return unpack
 
 
+Pair = tuple[int, int]  # (row of the tile, token of the group)
+PAIRS: list[Pair] = [(r, t) for r in range(TILE_ROWS) for t in range(TILE_TOKENS)]
+
+
+class Group(NamedTuple):
+    """What a tile intrinsic does for one group of TILE_TOKENS tokens (see `tile_loop`)."""
+
+    products: Callable[[dict[Pair, ir.Value]], None]  # adds each pair's products into its 16-lane accumulator
+    bias_sums: list[ir.Value]  # per token: its activations' per-chunk sums (float32), for the mins
+
+
+def tile_loop(
+    context: Any, b: ir.IRBuilder, sig: Any, args: Any, *, a_in: int, c0: ir.Value, nc: ir.Value, out: int,
+    n_blocks: ir.Value, bias_rows: list[ir.Value] | None, group: Callable[[list[ir.Value]], Group],
+    dot_row_sums: bool,
+) -> None:  # fmt: skip
+    """The loop every tile intrinsic shares: activation rows a_in[c0 + j], j < nc (>= TILE_TOKENS),
+    TILE_TOKENS at a time, the last group overlapping the one before (the same values again). For each
+    group, `group(tokens)` says how its products are made; the rows' biases (`bias_rows`, per chunk,
+    where the type has mins) times the tokens' sums go into accumulators of their own, in a loop of
+    their own (fewer accumulators live in the products' loop); then each (row, token)'s float sum goes
+    to out[j + token, row]. `dot_row_sums`: summed as dot_row sums (bit for bit the int16 dots),
+    else products plus biases."""
+    v = VecBuilder(b)
+    i64 = functools.partial(ir.Constant, I64)
+    n_t = TILE_TOKENS
+    a_p = b.bitcast(byte_ptr(context, b, sig.args[a_in], args[a_in], i64(0)), I64.as_pointer())
+    acc = {p: cgutils.alloca_once(b, V16_F32) for p in PAIRS}
+    accb = {p: cgutils.alloca_once(b, V8_F32) for p in PAIRS}
+    last = b.sub(nc, i64(n_t))
+    with cgutils.for_range(b, b.udiv(b.add(nc, i64(n_t - 1)), i64(n_t))) as loop:
+        j = b.mul(loop.index, i64(n_t))
+        j = b.select(b.icmp_signed(">", j, last), last, j)
+        tokens = [b.load(v.at(a_p, b.add(c0, b.add(j, i64(t))))) for t in range(n_t)]
+        g = group(tokens)
+        for p in PAIRS:
+            b.store(ir.Constant(V16_F32, None), acc[p])
+            b.store(ir.Constant(V8_F32, None), accb[p])
+        g.products(acc)
+        if bias_rows is not None:
+            with cgutils.for_range(b, n_blocks) as blocks:
+                chunk0 = b.mul(blocks.index, i64(CHUNKS))
+                for r, t in PAIRS:
+                    wbias = v.load(bias_rows[r], chunk0, F32, 8, align=4)
+                    bsum = v.load(g.bias_sums[t], chunk0, F32, 8, align=4)
+                    b.store(v.fma(wbias, bsum, b.load(accb[r, t])), accb[r, t])
+        if dot_row_sums:  # dot_row's final sums, lane for lane: its unused 8-lane accumulators, products, biases
+            zero8, zero16 = ir.Constant(V8_F32, None), ir.Constant(V16_F32, None)
+            unused = hsum(b, b.fadd(zero8, zero8))
+            products = hsums(b, [b.fadd(b.load(acc[p]), zero16) for p in PAIRS])
+        else:
+            products = hsums(b, [b.load(acc[p]) for p in PAIRS])
+        biases = hsums(b, [b.load(accb[p]) for p in PAIRS])
+        outp = [row_ptr(context, b, sig.args[out], args[out], b.add(j, i64(t)), F32) for t in range(n_t)]
+        for (r, t), s, sb in zip(PAIRS, products, biases, strict=True):
+            total = b.fadd(b.fadd(unused, s), sb) if dot_row_sums else b.fadd(s, sb)
+            b.store(total, v.at(outp[t], i64(r)), align=4)
+
+
 def _tile_intrinsic(qtype: Q) -> Any:
-    n_r, n_t, bias = TILE_ROWS, TILE_TOKENS, has_bias(qtype)
+    n_r, bias = TILE_ROWS, has_bias(qtype)
 
     @intrinsic
     def tiles(typingctx, ws, wd, wb, n_blocks, xq, dx, bs, a_in, c0, nc, out):
         """The scratch's TILE_ROWS rows times activation rows a_in[c0 + j], j < nc (>= TILE_TOKENS),
         of quantize_rows' int16 (xq, dx, bs) -> out[j, row] (rows of out may lie apart, its
-        elements not): TILE_TOKENS tokens at a time, the last group overlapping the one before (the
-        same values again)."""
+        elements not): TILE_TOKENS tokens at a time (`tile_loop`)."""
         sig = types.void(ws, wd, wb, types.int64, xq, dx, bs, a_in, types.int64, types.int64, out)
 
         def codegen(context, builder, sig, args):
             v, b = VecBuilder(builder), builder
             i64 = functools.partial(ir.Constant, I64)
-            n_blocks, c0, nc = args[3], args[8], args[9]
+            n_blocks = args[3]
             wsp, wdp, wbp = ([row_ptr(context, b, sig.args[i], args[i], i64(r), t) for r in range(n_r)]
                              for i, t in ((0, I16), (1, F32), (2, F32)))  # fmt: skip
-            a_p = b.bitcast(byte_ptr(context, b, sig.args[7], args[7], i64(0)), I64.as_pointer())
-            pairs = [(r, t) for r in range(n_r) for t in range(n_t)]
-            # dot_row's super-block accumulators per (row, token): products (16 lanes), biases (8)
-            acc = {p: cgutils.alloca_once(b, V16_F32) for p in pairs}
-            accb = {p: cgutils.alloca_once(b, V8_F32) for p in pairs}
-            last = b.sub(nc, i64(n_t))
-            with cgutils.for_range(b, b.udiv(b.add(nc, i64(n_t - 1)), i64(n_t))) as group:
-                j = b.mul(group.index, i64(n_t))
-                j = b.select(b.icmp_signed(">", j, last), last, j)
-                tokens = [b.load(v.at(a_p, b.add(c0, b.add(j, i64(t))))) for t in range(n_t)]
+
+            def group(tokens: list[ir.Value]) -> Group:
                 xps, dps, bps = ([row_ptr(context, b, sig.args[i], args[i], tok, t) for tok in tokens]
                                  for i, t in ((4, I16), (5, F32), (6, F32)))  # fmt: skip
-                for p in pairs:
-                    b.store(ir.Constant(V16_F32, None), acc[p])
-                    b.store(ir.Constant(V8_F32, None), accb[p])
-                with cgutils.for_range(b, n_blocks) as loop:
-                    first = b.mul(loop.index, i64(SUPER))
-                    chunk0 = b.mul(loop.index, i64(CHUNKS))
-                    sums: dict[tuple[int, int], ir.Value] = {}
-                    for c in range(CHUNKS):
-                        off = b.add(first, i64(c * LANES))
-                        wv = [b.sext(v.load(p, off, I16, align=2), V_I32) for p in wsp]
-                        xv = [b.sext(v.load(p, off, I16, align=2), V_I32) for p in xps]
-                        for r, t in pairs:  # integers: any order of adds gives dot_row's sum
-                            term = pair_sums(b, b.mul(wv[r], xv[t]))  # <16 x i32>
-                            sums[r, t] = b.add(sums[r, t], term) if c else term
-                    for r, t in pairs:
-                        d = b.load(v.at(wdp[r], loop.index), align=4)
-                        scale = v.splat(b.fmul(d, b.load(v.at(dps[t], chunk0), align=4)), 16)
-                        b.store(v.fma(b.sitofp(sums[r, t], V16_F32), scale, b.load(acc[r, t])), acc[r, t])
-                if bias:  # a loop of its own: fewer accumulators live in the products' loop
+
+                def products(acc: dict[Pair, ir.Value]) -> None:  # dot_row's super-block accumulators per pair
                     with cgutils.for_range(b, n_blocks) as loop:
+                        first = b.mul(loop.index, i64(SUPER))
                         chunk0 = b.mul(loop.index, i64(CHUNKS))
-                        for r, t in pairs:
-                            wbias = v.load(wbp[r], chunk0, F32, 8, align=4)
-                            bsum = v.load(bps[t], chunk0, F32, 8, align=4)
-                            b.store(v.fma(wbias, bsum, b.load(accb[r, t])), accb[r, t])
-                # dot_row's final sums, lane for lane: its unused 8-lane accumulators, the products, the biases
-                zero8, zero16 = ir.Constant(V8_F32, None), ir.Constant(V16_F32, None)
-                unused = hsum(b, b.fadd(zero8, zero8))
-                products = hsums(b, [b.fadd(b.load(acc[p]), zero16) for p in pairs])
-                biases = hsums(b, [b.load(accb[p]) for p in pairs])
-                outp = [row_ptr(context, b, sig.args[10], args[10], b.add(j, i64(t)), F32) for t in range(n_t)]
-                for (r, t), s, sb in zip(pairs, products, biases, strict=True):
-                    b.store(b.fadd(b.fadd(unused, s), sb), v.at(outp[t], i64(r)), align=4)
+                        sums: dict[Pair, ir.Value] = {}
+                        for c in range(CHUNKS):
+                            off = b.add(first, i64(c * LANES))
+                            wv = [b.sext(v.load(p, off, I16, align=2), V_I32) for p in wsp]
+                            xv = [b.sext(v.load(p, off, I16, align=2), V_I32) for p in xps]
+                            for r, t in PAIRS:  # integers: any order of adds gives dot_row's sum
+                                term = pair_sums(b, b.mul(wv[r], xv[t]))  # <16 x i32>
+                                sums[r, t] = b.add(sums[r, t], term) if c else term
+                        for r, t in PAIRS:
+                            d = b.load(v.at(wdp[r], loop.index), align=4)
+                            scale = v.splat(b.fmul(d, b.load(v.at(dps[t], chunk0), align=4)), 16)
+                            b.store(v.fma(b.sitofp(sums[r, t], V16_F32), scale, b.load(acc[r, t])), acc[r, t])
+
+                return Group(products, bps)
+
+            tile_loop(context, b, sig, args, a_in=7, c0=args[8], nc=args[9], out=10, n_blocks=n_blocks,
+                      bias_rows=wbp if bias else None, group=group, dot_row_sums=True)  # fmt: skip
             return context.get_dummy_value()
 
         return sig, codegen

@@ -34,7 +34,7 @@ from . import isa
 from .jit import intrinsic, njit, overload, prange, types
 from .llvm_ir import F32, I8, I32, I64, LANES, V8_F32, VecBuilder, byte_ptr, call_intrinsic, literal_qtype, row_ptr, vec
 from .qblocks import LAYOUTS, SUPER
-from .qtiles import TILE_ROWS, TILE_TOKENS, has_bias, hsums
+from .qtiles import PAIRS, TILE_ROWS, TILE_TOKENS, Group, Pair, has_bias, tile_loop
 
 PASSES = SUPER // 64  # vpdpbusd passes per super-block
 GROUPS = 16  # lanes: groups of 16 weights
@@ -107,72 +107,56 @@ def _unpack8_intrinsic(qtype: Q) -> Any:
 
 
 def _tile8_intrinsic(qtype: Q) -> Any:
-    n_r, n_t = TILE_ROWS, TILE_TOKENS
-    bias = has_bias(qtype)
+    n_r, bias = TILE_ROWS, has_bias(qtype)
     chunks = SUPER // LANES
 
     @intrinsic
     def tiles(typingctx, ws, wsc, wcor, wd, wb, n_blocks, xp, dx, bs, koff, a_in, c0, nc, out):
         """The scratch's TILE_ROWS rows times activation rows a_in[c0 + j], j < nc (>= TILE_TOKENS), of
         `ordered` (xp) and quantize_rows' int8 scales (dx, bs: the per-256 ones from column koff)
-        -> out[j, row], TILE_TOKENS tokens at a time (the last group overlapping the one before)."""
+        -> out[j, row], TILE_TOKENS tokens at a time (`qtiles.tile_loop`)."""
         sig = types.void(ws, wsc, wcor, wd, wb, types.int64, xp, dx, bs, types.int64, a_in, types.int64,
                          types.int64, out)  # fmt: skip
 
         def codegen(context, builder, sig, args):
             v, b = VecBuilder(builder), builder
             i64 = functools.partial(ir.Constant, I64)
-            n_blocks, koff, c0, nc = args[5], args[9], args[11], args[12]
+            n_blocks, koff = args[5], args[9]
             wsp, scp, corp, wdp, wbp = ([row_ptr(context, b, sig.args[i], args[i], i64(r), t) for r in range(n_r)]
                                         for i, t in ((0, I8), (1, I32), (2, I32), (3, F32), (4, F32)))  # fmt: skip
-            a_p = b.bitcast(byte_ptr(context, b, sig.args[10], args[10], i64(0)), I64.as_pointer())
-            pairs = [(r, t) for r in range(n_r) for t in range(n_t)]
-            acc = {p: cgutils.alloca_once(b, V16_F32) for p in pairs}
-            accb = {p: cgutils.alloca_once(b, V8_F32) for p in pairs}
-            last = b.sub(nc, i64(n_t))
-            with cgutils.for_range(b, b.udiv(b.add(nc, i64(n_t - 1)), i64(n_t))) as group:
-                j = b.mul(group.index, i64(n_t))
-                j = b.select(b.icmp_signed(">", j, last), last, j)
-                tokens = [b.load(v.at(a_p, b.add(c0, b.add(j, i64(t))))) for t in range(n_t)]
+
+            def group(tokens: list[ir.Value]) -> Group:
                 xps = [row_ptr(context, b, sig.args[6], args[6], tok, I8) for tok in tokens]
                 dps, bps = ([v.at(row_ptr(context, b, sig.args[i], args[i], tok, F32), koff) for tok in tokens]
                             for i in (7, 8))  # fmt: skip
-                for p in pairs:
-                    b.store(ir.Constant(V16_F32, None), acc[p])
-                    b.store(ir.Constant(V8_F32, None), accb[p])
-                with cgutils.for_range(b, n_blocks) as loop:
-                    first = b.mul(loop.index, i64(SUPER))
-                    lanes0 = b.mul(loop.index, i64(GROUPS))
-                    cors = [v.load(p, lanes0, I32, GROUPS, align=4) for p in corp]
-                    sums = {(r, t): cors[r] for r, t in pairs}
-                    for c in range(PASSES):
-                        off = b.add(first, i64(64 * c))
-                        wv = [b.bitcast(v.load(p, off, I8, 64), V16_I32) for p in wsp]
-                        xv = [b.bitcast(v.load(p, off, I8, 64), V16_I32) for p in xps]
-                        for r, t in pairs:  # unsigned activations, signed weights
-                            sums[r, t] = call_intrinsic(
-                                b, "llvm.x86.avx512.vpdpbusd.512", V16_I32, [sums[r, t], xv[t], wv[r]]
-                            )
-                    chunk0 = b.mul(loop.index, i64(chunks))
-                    for r in range(n_r):
-                        sc = v.load(scp[r], lanes0, I32, GROUPS, align=4)
-                        d = b.load(v.at(wdp[r], loop.index), align=4)
-                        for t in range(n_t):
-                            scale = v.splat(b.fmul(d, b.load(v.at(dps[t], chunk0), align=4)), GROUPS)
-                            whole = b.sitofp(b.mul(sums[r, t], sc), V16_F32)
-                            b.store(v.fma(whole, scale, b.load(acc[r, t])), acc[r, t])
-                if bias:
+
+                def products(acc: dict[Pair, ir.Value]) -> None:
                     with cgutils.for_range(b, n_blocks) as loop:
+                        first = b.mul(loop.index, i64(SUPER))
+                        lanes0 = b.mul(loop.index, i64(GROUPS))
+                        cors = [v.load(p, lanes0, I32, GROUPS, align=4) for p in corp]
+                        sums = {(r, t): cors[r] for r, t in PAIRS}
+                        for c in range(PASSES):
+                            off = b.add(first, i64(64 * c))
+                            wv = [b.bitcast(v.load(p, off, I8, 64), V16_I32) for p in wsp]
+                            xv = [b.bitcast(v.load(p, off, I8, 64), V16_I32) for p in xps]
+                            for r, t in PAIRS:  # unsigned activations, signed weights
+                                sums[r, t] = call_intrinsic(
+                                    b, "llvm.x86.avx512.vpdpbusd.512", V16_I32, [sums[r, t], xv[t], wv[r]]
+                                )
                         chunk0 = b.mul(loop.index, i64(chunks))
-                        for r, t in pairs:
-                            wbias = v.load(wbp[r], chunk0, F32, 8, align=4)
-                            bsum = v.load(bps[t], chunk0, F32, 8, align=4)
-                            b.store(v.fma(wbias, bsum, b.load(accb[r, t])), accb[r, t])
-                products = hsums(b, [b.load(acc[p]) for p in pairs])
-                biases = hsums(b, [b.load(accb[p]) for p in pairs])
-                outp = [row_ptr(context, b, sig.args[13], args[13], b.add(j, i64(t)), F32) for t in range(n_t)]
-                for (r, t), s, sb in zip(pairs, products, biases, strict=True):
-                    b.store(b.fadd(s, sb), v.at(outp[t], i64(r)), align=4)
+                        for r in range(n_r):
+                            sc = v.load(scp[r], lanes0, I32, GROUPS, align=4)
+                            d = b.load(v.at(wdp[r], loop.index), align=4)
+                            for t in range(TILE_TOKENS):
+                                scale = v.splat(b.fmul(d, b.load(v.at(dps[t], chunk0), align=4)), GROUPS)
+                                whole = b.sitofp(b.mul(sums[r, t], sc), V16_F32)
+                                b.store(v.fma(whole, scale, b.load(acc[r, t])), acc[r, t])
+
+                return Group(products, bias_sums=bps)
+
+            tile_loop(context, b, sig, args, a_in=10, c0=args[11], nc=args[12], out=13, n_blocks=n_blocks,
+                      bias_rows=wbp if bias else None, group=group, dot_row_sums=False)  # fmt: skip
             return context.get_dummy_value()
 
         return sig, codegen
