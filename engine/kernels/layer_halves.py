@@ -396,16 +396,35 @@ def router_logits(h, router, router_bias):
 @njit
 def route_compiled(h, router, router_bias, gating, k, weights_norm, scale):
     """route_rows in compiled code: ids int64 [T, k], weights float32 [T, k]."""
-    return select_compiled(router_logits(h, router, router_bias), gating, k, weights_norm, scale)
+    return select_compiled(router_logits(h, router, router_bias), gating, k, weights_norm, scale, _NONE, 1, 1)
+
+
+@njit(inline="always")
+def _take_largest(values, k, taken, out):
+    """out[:k] = the indices of the k largest values, descending; a tie goes to the lower index. `taken`
+    (as long as values, all False) marks them."""
+    for j in range(k):
+        best = -1
+        for e in range(values.shape[0]):
+            if not taken[e] and (best < 0 or values[e] > values[best]):
+                best = e
+        taken[best] = True
+        out[j] = best
 
 
 @njit
-def select_compiled(logits, gating, k, weights_norm, scale):
-    """The k experts of each row of router logits [T, n_expert] and their weights: ids int64 [T, k],
-    weights float32 [T, k]."""
+def select_compiled(logits, gating, k, weights_norm, scale, choice_bias, n_groups, groups_used):
+    """The routing rule of every family (`moe.routing.route` runs it too): the k experts of each row of
+    router logits [T, n_expert] and their weights, ids int64 [T, k], weights float32 [T, k].
+
+    `gating` turns the logits into probabilities (softmax, sigmoid, or none: the selected ones are
+    softmaxed after, or, selection only, the plain top k weighing 1 each); `choice_bias` (empty: none) is added to them for the choice only;
+    with `n_groups` > 1 only the `groups_used` groups whose two best scores sum highest compete. The
+    weights are the chosen experts' probabilities, normalised to sum 1 where `weights_norm`, times `scale`."""
     t_n, n = logits.shape
     ids = np.empty((t_n, k), np.int64)
     weights = np.empty((t_n, k), np.float32)
+    per_group = n // n_groups
     for t in range(t_n):
         probs = logits[t].copy()
         if gating == GATING_SOFTMAX:
@@ -413,16 +432,25 @@ def select_compiled(logits, gating, k, weights_norm, scale):
             probs /= probs.sum()
         elif gating == GATING_SIGMOID:
             probs = np.float32(1) / (np.float32(1) + np.exp(-logits[t]))
+        select_only = gating == GATING_SELECT  # the plain top k of the logits: no bias, no groups
+        scores = probs + choice_bias if choice_bias.size and not select_only else probs
         taken = np.zeros(n, np.bool_)
-        for j in range(k):  # the k largest, descending; a tie goes to the lower id
-            best = -1
-            for e in range(n):
-                if not taken[e] and (best < 0 or probs[e] > probs[best]):
-                    best = e
-            taken[best] = True
-            ids[t, j] = best
-            weights[t, j] = probs[best]
-        if gating == GATING_SELECT:  # selection only: every weight 1, unscaled
+        if n_groups > 1 and not select_only:  # a group's score: the sum of its two best; the other groups' experts are out
+            group_scores = np.empty(n_groups, np.float32)
+            two = np.empty(2, np.int64)
+            for g in range(n_groups):
+                part = scores[g * per_group : (g + 1) * per_group]
+                _take_largest(part, 2, np.zeros(per_group, np.bool_), two)
+                group_scores[g] = part[two[0]] + part[two[1]]
+            kept = np.zeros(n_groups, np.bool_)
+            _take_largest(group_scores, groups_used, kept, np.empty(groups_used, np.int64))
+            for g in range(n_groups):
+                if not kept[g]:
+                    taken[g * per_group : (g + 1) * per_group] = True  # never chosen
+        _take_largest(scores, k, taken, ids[t])
+        for j in range(k):
+            weights[t, j] = probs[ids[t, j]]
+        if select_only:  # every weight 1, unscaled
             weights[t, :] = 1
             continue
         if gating == GATING_SOFTMAX_SELECTED:

@@ -295,8 +295,8 @@ class MoeFFN(Routed):
         return route(F.linear(h, self.router, self.router_bias), cfg, self.choice_bias)  # [T, k] each
 
     def _compiled_routing(self, h: torch.Tensor, rows: int) -> bool:
-        """Whether up to `rows` rows of h route in compiled code (`route_rows`): float32 on the CPU, and
-        no choice bias or expert groups (DeepSeek's grouped choice has no compiled form)."""
+        """Whether up to `rows` rows of h route in one compiled call with their logits (`route_rows`):
+        float32 on the CPU, and no choice bias or expert groups (which that call does not take)."""
         return (self._routing_compiles() and h.shape[0] <= rows and h.device.type == "cpu"
                 and h.dtype == torch.float32)  # fmt: skip
 

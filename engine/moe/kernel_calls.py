@@ -1,9 +1,9 @@
-"""A MoE layer's selected experts in three kernel calls: gate and up with the activation, then down.
+"""A MoE layer's selected experts in three kernel calls: gate and up with the activation, down, the sum.
 
 `run_fused` computes the weighted contribution of every (token, selected expert) pair among the
 `experts` it is given, into rows `t * k + j` of `contrib` [T*k, E]: the host experts call it with
 all of a layer's selected experts, the expert cache with its slots for the hits and with the host
-copy for the misses left to the CPU, each part filling its own rows. `cpu_kernels.sum_by_token` then
+copy for the misses left to the CPU, each part filling its own rows. `kernels.cpu.sum_by_token` then
 sums each token's rows in ascending expert order, so the result never depends on where an
 expert ran (cache on or off, any CPU share: bit-identical).
 
