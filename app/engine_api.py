@@ -16,8 +16,8 @@ from typing import Protocol
 
 from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import Event, SamplingParams
+from moechat.tuner.baselines import MinBound
 from moechat.tuner.events import ConfirmEvent, SweepDone, SweepEvent
-from moechat.tuner.min_bound import MinBound
 from moechat.tuner.recommend import TuneReport
 
 logger = logging.getLogger(__name__)

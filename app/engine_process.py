@@ -39,8 +39,8 @@ from moechat.app.engine_api import Message, ModelInfo
 from moechat.app.settings import Settings, cache_settings, error_line
 from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import DoneEvent, Event, SamplingParams
+from moechat.tuner.baselines import MinBound
 from moechat.tuner.events import Cancelled, ConfirmEvent, SweepDone, SweepEvent
-from moechat.tuner.min_bound import MinBound
 from moechat.tuner.recommend import TuneReport
 
 if TYPE_CHECKING:

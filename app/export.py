@@ -24,7 +24,7 @@ from moechat.engine.cache.stats import (
     StatsSnapshot,
 )
 from moechat.engine.events import DoneEvent
-from moechat.tuner.min_bound import MinBound
+from moechat.tuner.baselines import MinBound
 
 from moechat import __version__
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import DoneEvent
+from moechat.tuner.baselines import MinBound
 from moechat.tuner.events import ConfirmEvent, SweepEvent
-from moechat.tuner.min_bound import MinBound
 from moechat.tuner.recommend import TuneReport
 from textual.message import Message
 

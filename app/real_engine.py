@@ -25,9 +25,9 @@ from moechat.engine.generate import Model, generate
 from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
 from moechat.engine.prompt_cache import PromptCache
 from moechat.engine.text.chat_template import ChatTemplateError, plain_template
+from moechat.tuner.baselines import MinBound, cache_bound
 from moechat.tuner.confirm import confirm
 from moechat.tuner.events import SWEEP_MAX_CTX, SWEEP_TOKENS, ConfirmEvent, SweepDone, SweepEvent
-from moechat.tuner.min_bound import MinBound, cache_bound
 from moechat.tuner.recommend import TuneReport, recommend
 from moechat.tuner.sweep import SweepSettings, calibrate, forget_runs
 

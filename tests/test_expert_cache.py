@@ -462,7 +462,7 @@ def test_the_min_window_is_bounded_and_counts_what_the_cache_counted(tmp_path: P
     window's start) is never below them."""
     from moechat.app.real_engine import RealEngine
     from moechat.engine.cache.lookup_log import LookupLog
-    from moechat.tuner.min_bound import min_hit_rate
+    from moechat.tuner.baselines import min_hit_rate
 
     path = tiny_moe(tmp_path / "m.gguf", n_expert=8)
     lm = load_model(path, n_ctx=256, cache=CacheSettings(mib=EXPERT_MIB / 3, cpu_share=0.5))

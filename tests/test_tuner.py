@@ -599,7 +599,7 @@ def test_after_a_warm_start_min_starts_from_the_same_slots(tmp_path: Path) -> No
     """The bound is MIN on the lookups the hit rate counts, from the cache's own start: a warm-started
     cache's slots are MIN's too, so the bound never falls below the hit rate beside it."""
     from moechat.app.real_engine import RealEngine
-    from moechat.tuner.min_bound import min_hit_rate
+    from moechat.tuner.baselines import min_hit_rate
 
     path = tiny_moe(tmp_path / "m.gguf", n_layers=3, n_expert=16, n_expert_used=2)
     warm = tmp_path / "warm.json"

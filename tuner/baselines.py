@@ -5,6 +5,13 @@ no policy can avoid, LRU and LFU are the textbook online policies. Requests are 
 experts of one (token, layer) lookup are served together and are never each other's victims.
 Two MIN variants: forced-admit (every miss is cached, as with CPU share 0) and with bypass (a
 miss may be served without caching it, which is what the CPU share does).
+
+MIN is also the bound the app shows after each reply (`MinBound`, `cache_bound`): the hit rate MIN with
+bypass would have had on the cache's recent lookups at the cache's size, beside the cache's own. Those
+lookups come from the cache's log (`engine/cache/lookup_log.py`: the compiled lookup appends to it, so
+it lives with the cache). The engine process sends the bound's type, and the dashboard, the exports
+and a server's clients show it; this module imports nothing heavier than numpy, so the UI process
+names the type and loads no torch.
 """
 
 from __future__ import annotations
@@ -13,9 +20,14 @@ import heapq
 from collections import OrderedDict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from moechat.engine.cache.policy import bypasses
-from moechat.tuner.simulator import WARMUP_TOKENS, Routing
+from moechat.tuner.simulator import WARMUP_TOKENS, Group, Routing
+
+if TYPE_CHECKING:
+    from moechat.engine.cache.expert_cache import ExpertCache
+    from moechat.engine.cache.stats import GroupInfo
 
 POLICIES = ("lru", "lfu", "min", "min-bypass")
 NEVER = 1 << 62
@@ -181,3 +193,37 @@ class _Cache:
         if found is None:
             raise ValueError("no expert can be evicted: the cache is smaller than one lookup")
         del self.state[found[2]]  # its heap entry is stale from now on
+
+
+@dataclass(frozen=True)
+class MinBound:
+    """MIN's hit rate (with bypass) at the cache's size, and the cache's own, on the same lookups: the
+    session's from the warm start (`from_start`) or its last `tokens` tokens."""
+
+    rate: float
+    hit_rate: float
+    tokens: int
+    from_start: bool
+
+
+def min_hit_rate(groups: Sequence[GroupInfo], n_expert_used: int, max_batch: int,
+                 records: Sequence[tuple[int, int, tuple[int, ...]]],
+                 preload: Sequence[tuple[int, int]] = ()) -> float | None:  # fmt: skip
+    """The hit rate MIN with bypass would have had on `records` with the slots of `groups` (a
+    cache's), starting with `preload` (layer, expert) in them as the cache did (a warm start); None
+    without a lookup that goes through a cache."""
+    routing = Routing(tuple(Group(g.layers, g.n_expert, g.expert_bytes) for g in groups), n_expert_used, max_batch,
+                      tuple(records))  # fmt: skip
+    res = simulate_baseline(routing, [g.n_slots for g in groups], "min-bypass", warmup=0, preload=preload)
+    return res.hit_rate if res.lookups else None
+
+
+def cache_bound(cache: ExpertCache) -> MinBound | None:
+    """The bound on the cache's log window, MIN starting from the slots as they were at the window's
+    start; None while no lookup went through the cache."""
+    w = cache.log.window()
+    rate = min_hit_rate([g.info for g in cache.groups], cache.n_expert_used, cache.settings.max_batch, w.records,
+                        w.preload)  # fmt: skip
+    if rate is None:
+        return None
+    return MinBound(rate, w.hits / w.lookups if w.lookups else 0.0, w.tokens, w.from_start)

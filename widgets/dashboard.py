@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moechat.engine.cache.stats import Recent, StatsSnapshot
-from moechat.tuner.min_bound import MinBound
+from moechat.tuner.baselines import MinBound
 from moechat.widgets.expert_heatmap import ExpertHeatmap, axis, legend
 from moechat.widgets.layer_stats import LayerStats
 from moechat.widgets.rows import RowsView

@@ -18,8 +18,8 @@ import httpx
 from moechat.app.engine_api import Message, ModelInfo
 from moechat.engine.cache.stats import StatsSnapshot, snapshot_from_dict
 from moechat.engine.events import DoneEvent, Event, SamplingParams, TokenEvent
+from moechat.tuner.baselines import MinBound
 from moechat.tuner.events import ConfirmEvent, SweepDone, SweepEvent
-from moechat.tuner.min_bound import MinBound
 from moechat.tuner.recommend import TuneReport
 
 NOT_HERE = "runs on the server's machine: start `moechat tune` there (an attached app only watches and chats)"

@@ -13,6 +13,7 @@ from pathlib import Path
 from moechat.app.engine_api import Message, ModelInfo
 from moechat.engine.cache.stats import CountersSnapshot, GroupInfo, LayerSnapshot, StatsSnapshot
 from moechat.engine.events import DoneEvent, Event, SamplingParams, TokenEvent
+from moechat.tuner.baselines import MinBound
 from moechat.tuner.events import (
     N_ARMS,
     Arm,
@@ -26,7 +27,6 @@ from moechat.tuner.events import (
     SweepDone,
     SweepEvent,
 )
-from moechat.tuner.min_bound import MinBound
 from moechat.tuner.recommend import Recommendation, Row, TuneReport
 from moechat.tuner.time_model import TimeModel
 
