@@ -19,7 +19,7 @@ from pathlib import Path
 
 import httpx
 import pytest
-from testkit.ggufgen import tiny_moe
+from testkit.ggufgen import QWEN_TEMPLATE, tiny_moe, tiny_moe_parts, write_gguf
 
 MOECHAT = [sys.executable, "-m", "moechat"]
 N_CTX = 96
@@ -241,7 +241,12 @@ def test_eight_streaming_clients_each_get_their_own_whole_text(server: Server) -
 
 
 @pytest.mark.slow
-def test_a_client_that_goes_away_mid_stream_frees_the_engine(model: Path) -> None:
+def test_a_client_that_goes_away_mid_stream_frees_the_engine(tmp_path: Path) -> None:
+    # A model that never ends a reply by itself (its special tokens' output rows are zero: their logits
+    # never lead): however slowly the client leaves on a busy machine, the engine is still generating.
+    arch, meta, tensors, vocab = tiny_moe_parts(n_layers=3, n_vocab=300)
+    tensors["output.weight"][0][list(vocab.specials.values())] = 0
+    model = write_gguf(tmp_path / "endless.gguf", arch, meta, tensors, vocab=vocab, template=QWEN_TEMPLATE)
     s = Server(model, "-c", "4096")  # room for a reply far longer than the client waits for
     try:
         cancelled = _metric(s, "moechat_requests_cancelled_total")

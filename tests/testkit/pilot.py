@@ -18,8 +18,9 @@ from textual.widgets import Markdown, Static
 from .fake_engine import FakeEngine
 
 
-async def until(pilot: Pilot[Any], cond: Callable[[], bool], timeout: float = 20.0) -> None:
-    """Poll the condition between UI cycles; fail after `timeout` seconds."""
+async def until(pilot: Pilot[Any], cond: Callable[[], bool], timeout: float = 120.0) -> None:
+    """Poll the condition between UI cycles; fail after `timeout` seconds: far longer than any condition
+    takes, so that a busy machine (the suite runs on two workers) slows a test down but never fails it."""
     end = time.monotonic() + timeout
     while not cond():
         if time.monotonic() > end:
@@ -34,7 +35,7 @@ def make_app(tmp_path: Path, engine: FakeEngine, settings: Settings | None = Non
     return MoechatApp(lambda progress: engine, settings or Settings(), paths=paths)
 
 
-async def ready(pilot: Pilot[int], timeout: float = 20.0) -> ChatScreen:
+async def ready(pilot: Pilot[int], timeout: float = 120.0) -> ChatScreen:
     app = pilot.app
     # The screen is on the stack before its widgets are: its input having the focus says both.
     # (Asking for the input with query_one then raised when the check ran in between.)
