@@ -418,9 +418,10 @@ def select_compiled(logits, gating, k, weights_norm, scale, choice_bias, n_group
     router logits [T, n_expert] and their weights, ids int64 [T, k], weights float32 [T, k].
 
     `gating` turns the logits into probabilities (softmax, sigmoid, or none: the selected ones are
-    softmaxed after, or, selection only, the plain top k weighing 1 each); `choice_bias` (empty: none) is added to them for the choice only;
-    with `n_groups` > 1 only the `groups_used` groups whose two best scores sum highest compete. The
-    weights are the chosen experts' probabilities, normalised to sum 1 where `weights_norm`, times `scale`."""
+    softmaxed after, or, selection only, the plain top k weighing 1 each); `choice_bias` (empty: none)
+    is added to them for the choice only; with `n_groups` > 1 only the `groups_used` groups whose two
+    best scores sum highest compete. The weights are the chosen experts' probabilities, normalised to
+    sum 1 where `weights_norm`, times `scale`."""
     t_n, n = logits.shape
     ids = np.empty((t_n, k), np.int64)
     weights = np.empty((t_n, k), np.float32)
@@ -435,7 +436,7 @@ def select_compiled(logits, gating, k, weights_norm, scale, choice_bias, n_group
         select_only = gating == GATING_SELECT  # the plain top k of the logits: no bias, no groups
         scores = probs + choice_bias if choice_bias.size and not select_only else probs
         taken = np.zeros(n, np.bool_)
-        if n_groups > 1 and not select_only:  # a group's score: the sum of its two best; the other groups' experts are out
+        if n_groups > 1 and not select_only:  # a group's score: the sum of its two best; the others' experts are out
             group_scores = np.empty(n_groups, np.float32)
             two = np.empty(2, np.int64)
             for g in range(n_groups):
