@@ -71,7 +71,8 @@ def test_process_engine_streams_stops_and_reports_errors(tmp_path: Path) -> None
                 if n == 3:
                     stop.set()
             elif isinstance(ev, DoneEvent):
-                assert ev.stop_reason == "stopped" and ev.n_generated <= 5
+                # stopped, well before its 200: how many tokens it made after the third depends on the load
+                assert ev.stop_reason == "stopped" and ev.n_generated < 200
         engine.set_cache(2.0, 0.0)
         assert engine.cache() == (2.0, 0.0)
         with pytest.raises(ValueError, match="cpu-share"):
