@@ -68,7 +68,9 @@ def test_a_split_model_writes_what_one_process_writes(tmp_path: Path, arch: str)
         page = 4096
         for h in plan.hosts:
             resident = results[h.rank][1]
-            assert h.weight_bytes <= resident + page * 4 and resident <= h.weight_bytes * 1.02 + 64 * page, (
+            # The kernel's readahead may map a few pages more on a busy machine (68 once, on two workers): the
+            # bound still refuses another stage's layer (megabytes).
+            assert h.weight_bytes <= resident + page * 4 and resident <= h.weight_bytes * 1.02 + 128 * page, (
                 world, h, resident)  # fmt: skip
 
 
