@@ -25,6 +25,7 @@ from moechat.engine.kernels.layer_halves import (
     ffn_block,
     route_rows,
     router_logits,
+    select_compiled,
 )
 from moechat.engine.moe.routing import route
 from moechat.engine.nn.layers import LayerCache, Rope, attention, head_major, host_heads
@@ -112,45 +113,23 @@ def test_compiled_routing_matches_route(gating: int, norm: bool) -> None:
     np.testing.assert_allclose(got_w, weights.numpy(), rtol=1e-5, atol=1e-6)
 
 
-def _torch_rule(logits: torch.Tensor, cfg: SimpleNamespace, bias: torch.Tensor | None) -> tuple[torch.Tensor, ...]:
-    """The routing rule as the families' papers and transformers write it, in plain torch: the oracle."""
-    k = cfg.n_expert_used
-    if cfg.expert_gating == GATING_SELECT:
-        ids = torch.topk(logits, k, dim=-1).indices
-        return ids, torch.ones(ids.shape)
-    probs = {GATING_SIGMOID: torch.sigmoid, GATING_SOFTMAX_SELECTED: lambda x: x}.get(
-        cfg.expert_gating, lambda x: F.softmax(x, dim=-1)
-    )(logits)
-    scores = probs + bias if bias is not None else probs
-    if cfg.expert_groups > 1:
-        n_tok, n_exp = scores.shape
-        grouped = scores.view(n_tok, cfg.expert_groups, n_exp // cfg.expert_groups)
-        best = torch.topk(grouped.topk(2, dim=-1).values.sum(-1), cfg.expert_groups_used, dim=-1).indices
-        keep = torch.zeros(n_tok, cfg.expert_groups, dtype=torch.bool).scatter_(1, best, True)
-        scores = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n_tok, n_exp)
-    ids = torch.topk(scores, k, dim=-1).indices
-    weights = probs.gather(-1, ids)
-    if cfg.expert_gating == GATING_SOFTMAX_SELECTED:
-        weights = F.softmax(weights, dim=-1)
-    elif cfg.expert_weights_norm:
-        weights = weights / weights.sum(-1, keepdim=True)
-    return ids, weights * cfg.expert_weights_scale
-
-
 @pytest.mark.parametrize("gating", [GATING_SOFTMAX, GATING_SIGMOID, GATING_SOFTMAX_SELECTED, GATING_SELECT])
 @pytest.mark.parametrize(("choice_bias", "groups", "groups_used"), [(False, 1, 1), (True, 1, 1), (True, 8, 3),
                                                                      (False, 4, 2)])  # fmt: skip
 def test_the_routing_rule_is_the_papers(gating: int, choice_bias: bool, groups: int, groups_used: int) -> None:
-    """`route` (the compiled rule, which a decode token's one-call layer runs too) against the rule in plain
-    torch: a choice bias steers the choice but not the weights; only the best groups compete (DeepSeek)."""
+    """The compiled rule (a decode token's) against `route` (a prompt's, in torch), with the choice bias that
+    steers the choice but not the weights, and DeepSeek's groups, of which only the best compete."""
     gen = torch.Generator().manual_seed(gating + 10 * groups + choice_bias)
     logits, bias = torch.randn(9, 64, generator=gen), torch.rand(64, generator=gen)
     cfg = SimpleNamespace(n_expert_used=6, expert_gating=gating, expert_weights_norm=groups > 1,
                           expert_weights_scale=2.5, expert_groups=groups, expert_groups_used=groups_used)  # fmt: skip
-    ids, weights = route(logits, cfg, bias if choice_bias else None)
-    want_ids, want_w = _torch_rule(logits, cfg, bias if choice_bias else None)
-    assert torch.equal(ids, want_ids)
-    torch.testing.assert_close(weights, want_w.float(), rtol=1e-5, atol=1e-6)
+    choice = bias.numpy() if choice_bias else np.zeros(0, np.float32)
+    got_ids, got_w = select_compiled(
+        logits.numpy(), gating, 6, groups > 1, np.float32(2.5), choice, groups, groups_used
+    )
+    ids, want_w = route(logits, cfg, bias if choice_bias else None)
+    assert np.array_equal(got_ids, ids.numpy())
+    np.testing.assert_allclose(got_w, want_w.numpy(), rtol=1e-5, atol=1e-6)
     if groups > 1 and gating != GATING_SELECT:  # every choice from the kept groups only (selection only: no groups)
         assert all(len({int(e) // (64 // groups) for e in row}) <= groups_used for row in ids)
 

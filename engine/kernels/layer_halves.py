@@ -414,7 +414,7 @@ def _take_largest(values, k, taken, out):
 
 @njit
 def select_compiled(logits, gating, k, weights_norm, scale, choice_bias, n_groups, groups_used):
-    """The routing rule of every family (`moe.routing.route` runs it too): the k experts of each row of
+    """The routing rule of every family, as `moe.routing.route` computes it in torch: the k experts of each row of
     router logits [T, n_expert] and their weights, ids int64 [T, k], weights float32 [T, k].
 
     `gating` turns the logits into probabilities (softmax, sigmoid, or none: the selected ones are

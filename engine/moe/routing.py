@@ -1,28 +1,41 @@
-"""Router logits to the experts each token uses and their weights, per the family's rule.
-
-The rule has one definition, in compiled code (`kernels.layer_halves.select_compiled`), which a decode
-token's one-call MoE layer also runs: a prompt's routing and a token's choose alike, ties included.
-"""
+"""Router logits to the experts each token uses and their weights, per the family's rule."""
 
 from __future__ import annotations
 
-import numpy as np
 import torch
+import torch.nn.functional as F
 
 from ..config import ModelConfig
-from ..kernels.layer_halves import select_compiled
-
-_NONE = np.zeros(0, np.float32)
+from ..kernels.codes import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX_SELECTED
 
 
 def route(
     logits: torch.Tensor, cfg: ModelConfig, bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] -> (ids [T, k], weights [T, k]) per the family's rule; `bias` steers the choice,
-    not the weights. On the logits' device, the weights in their dtype."""
-    rows = np.ascontiguousarray(logits.detach().to("cpu", torch.float32).numpy())  # [T, E]
-    choice = _NONE if bias is None else bias.detach().to("cpu", torch.float32).numpy()
-    ids, weights = select_compiled(rows, cfg.expert_gating, cfg.n_expert_used, cfg.expert_weights_norm,
-                                   np.float32(cfg.expert_weights_scale), choice, cfg.expert_groups,
-                                   cfg.expert_groups_used)  # fmt: skip
-    return torch.from_numpy(ids).to(logits.device), torch.from_numpy(weights).to(logits.device, logits.dtype)
+    """Router logits [T, E] -> (ids [T, k], weights [T, k]) per the family's normalisation."""
+    k = cfg.n_expert_used
+    if cfg.expert_gating == GATING_SELECT:
+        ids = torch.topk(logits, k, dim=-1).indices  # [T, k]
+        return ids, torch.ones(ids.shape, dtype=logits.dtype, device=logits.device)
+    if cfg.expert_gating == GATING_SIGMOID:
+        probs = torch.sigmoid(logits)
+    elif cfg.expert_gating == GATING_SOFTMAX_SELECTED:
+        probs = logits
+    else:
+        probs = F.softmax(logits, dim=-1)
+    scores = probs + bias if bias is not None else probs  # the bias steers the choice, not the weights
+    if cfg.expert_groups > 1:
+        # Only the best groups compete: a group's score is the sum of its two best experts.
+        n_tok, n_exp = scores.shape
+        grouped = scores.view(n_tok, cfg.expert_groups, n_exp // cfg.expert_groups)  # [T, G, E/G]
+        best = torch.topk(grouped.topk(2, dim=-1).values.sum(-1), cfg.expert_groups_used, dim=-1).indices  # [T, g]
+        keep = torch.zeros(n_tok, cfg.expert_groups, dtype=torch.bool, device=scores.device)
+        keep.scatter_(1, best, True)
+        scores = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(n_tok, n_exp)
+    ids = torch.topk(scores, k, dim=-1).indices  # [T, k]
+    weights = probs.gather(-1, ids)
+    if cfg.expert_gating == GATING_SOFTMAX_SELECTED:
+        weights = F.softmax(weights, dim=-1)
+    elif cfg.expert_weights_norm:
+        weights = weights / weights.sum(-1, keepdim=True)
+    return ids, weights * cfg.expert_weights_scale
