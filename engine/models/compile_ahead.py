@@ -179,25 +179,16 @@ def warm_expert_kernels(model: Any) -> None:
 
 
 def warm_prompt_kernels(model: Any) -> None:
-    """The kernels a prompt's dense matrices and routing run, which a load's one token does not (it takes
-    the compiled layer halves and the one-call MoE layer): per distinct type and activations, the tiles'
-    kernel (one row of zeros) or the float path's decoder; per kind of MoE layer, its routing of a
-    prompt's rows."""
+    """The kernels a prompt's dense matrices run, which a load's one token does not (it takes the
+    compiled layer halves): per distinct type and activations, the tiles' kernel (one row of zeros)
+    or the float path's decoder."""
     import numpy as np
 
     from ..kernels import cpu as cpu_kernels
-    from ..kernels.layer_halves import FEW_ROWS
     from ..nn.qlinear import QLinear
-    from .decoder import MoeFFN
 
-    seen: set[Any] = set()
+    seen = set()
     for m in model.modules():
-        # A prompt's routing: more rows than the compiled few-rows call takes (moe.routing.route's call of
-        # the rule, with this model's choice bias, if any).
-        if isinstance(m, MoeFFN) and (kind := (type(m), m.choice_bias is None)) not in seen:
-            seen.add(kind)
-            with torch.inference_mode():
-                m.select(torch.zeros(FEW_ROWS + 1, m.cfg.n_embd, device=m.router.device))
         for w in vars(m).values():
             if not isinstance(w, QLinear) or (w.qtype, w.prompt_bits, w.tiled) in seen:
                 continue
