@@ -77,7 +77,7 @@ def test_the_helper_compiles_what_a_load_and_a_first_prompt_need(tmp_path: Path)
     """From an empty kernel cache the helper alone compiles; a load after it then compiles nothing, nor
     does a first prompt: the helper's kernels are the load's specializations, and they cover what a prompt
     runs that the load's one token does not (its experts' general kernels, its dense matrices' tiles (Q4_K
-    attention: a kernel the experts' Q6_K down does not compile), its routing), with the activation widths
+    attention: a kernel the experts' Q6_K down does not compile)), with the activation widths
     the model then runs: the load warms them the same way, so a first reply waits for no compile."""
     path = tiny_moe(tmp_path / "m.gguf", expert_type=Q.Q4_K, dense_type=Q.Q4_K, down_type=Q.Q6_K)
     env = {**os.environ, "NUMBA_CACHE_DIR": str(tmp_path / "kernels"), "MOECHAT_COMPILE_AHEAD": "0"}
