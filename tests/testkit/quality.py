@@ -48,7 +48,7 @@ def windows(model: object, ids: list[int], chunk: int) -> Iterator[torch.Tensor]
             for c0 in range(w0, min(len(ids), w0 + WINDOW), chunk):
                 part = ids[c0 : min(c0 + chunk, w0 + WINDOW, len(ids))]
                 rows.append(model.model(torch.tensor(part), c0, cache))  # type: ignore[attr-defined]
-            yield torch.log_softmax(torch.cat(rows).double(), dim=-1)
+            yield torch.log_softmax(torch.cat(rows), dim=-1, dtype=torch.float64)
 
 
 @dataclass(frozen=True)
@@ -84,9 +84,11 @@ def compare(
         at = torch.arange(nxt.shape[0])
         nll_exact -= float(lp[at, nxt].sum())
         p = lp.exp()
+        top = lp.argmax(-1)
+        part = torch.empty_like(lp)  # p * (lp - lq), in place: a window of a 262k vocabulary is 0.5 GB
         for name, lq in zip(names, lqs, strict=True):
-            kl[name] += float((p * (lp - lq)).sum())
-            agree[name] += int((lp.argmax(-1) == lq.argmax(-1)).sum())
+            kl[name] += float(torch.sub(lp, lq, out=part).mul_(p).sum())
+            agree[name] += int((top == lq.argmax(-1)).sum())
             nll[name] -= float(lq[at, nxt].sum())
         seen += lp.shape[0]
     n_next = len(ids) - 1
@@ -97,4 +99,4 @@ def compare(
 def array_windows(logits: np.ndarray) -> Iterator[torch.Tensor]:
     """Windows of log-probabilities (float64) from logits [N, V] computed elsewhere (llama.cpp's)."""
     for w0 in range(0, logits.shape[0], WINDOW):
-        yield torch.log_softmax(torch.from_numpy(logits[w0 : w0 + WINDOW]).double(), dim=-1)
+        yield torch.log_softmax(torch.from_numpy(logits[w0 : w0 + WINDOW]), dim=-1, dtype=torch.float64)
