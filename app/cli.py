@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
                            help="the device --fit sizes for (default auto)")  # fmt: skip
     p_inspect.add_argument("--emulate-device-mib", type=float, default=0.0, metavar="N",
                            help="--fit on the CPU device: a device memory of N MiB, as a GPU's")  # fmt: skip
+    p_inspect.add_argument("--emulate-link-gbps", type=float, default=0.0, metavar="G",
+                           help="--fit on the CPU device: uploads over a link of G GB/s, as a GPU's")  # fmt: skip
+    p_inspect.add_argument("--remeasure", action="store_true",
+                           help="--fit: measure the link's and the CPU's speeds behind --moe-cache-cpu-share auto "
+                           "again (kept per machine from the first load)")  # fmt: skip
     p_chat = sub.add_parser("chat", help="chat in the terminal (the default command)")
     from moechat.app.repl import add_chat_arguments
 
@@ -137,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 from moechat.app.inspect_cmd import run_fit
 
                 return run_fit(str(resolve_model(args.model)), Console(), args.device, args.emulate_device_mib,
-                               args.ctx_size)  # fmt: skip
+                               args.ctx_size, args.emulate_link_gbps, args.remeasure)  # fmt: skip
             return run_inspect(str(resolve_model(args.model)), Console(), hosts=args.hosts,
                                host_memory=args.host_memory, n_ctx=args.ctx_size)  # fmt: skip
         if args.command == "run":

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
 from moechat.engine.cache.auto_size import expert_bytes
 from moechat.engine.config import ModelConfig
 from moechat.engine.distributed.plan import Plan, plan_split, this_hosts_memory
@@ -13,6 +16,9 @@ from moechat.engine.nn.layers import kv_cache_bytes, recurrent_state_bytes
 from rich.console import Console
 from rich.table import Table
 from rich.text import Text
+
+if TYPE_CHECKING:
+    from moechat.engine.cache.settings import CacheSettings
 
 
 def layer_kinds(gguf: GGUFFile, cfg: ModelConfig) -> str:
@@ -130,16 +136,23 @@ def run_inspect(path: str, console: Console, hosts: int = 1, host_memory: list[f
     return 0
 
 
-def run_fit(path: str, console: Console, device: str, emulate_device_mib: float, n_ctx: int) -> int:
+def run_fit(path: str, console: Console, device: str, emulate_device_mib: float, n_ctx: int,
+            emulate_link_gbps: float = 0.0, remeasure: bool = False) -> int:  # fmt: skip
     """`moechat inspect MODEL --fit`: where the parts go on the cache's device and what auto gives the cache
-    (engine.cache.auto_size), the slots that makes per layer, without loading the model."""
+    (engine.cache.auto_size), the slots that makes per layer, and the CPU share auto gives it
+    (engine.cache.share_auto: the speeds kept on this machine, measured on a load of the model where
+    there are none, or with `remeasure`)."""
+    from moechat.app.paths import app_paths
     from moechat.engine.cache import auto_size
-    from moechat.engine.cache.settings import AUTO_MIB, CacheSettings
+    from moechat.engine.cache.settings import AUTO_MIB, AUTO_SHARE, CacheSettings
     from moechat.engine.loader import resolve_device
 
-    settings = CacheSettings(mib=AUTO_MIB, device=resolve_device(device), emulate_device_mib=emulate_device_mib)
+    settings = CacheSettings(mib=AUTO_MIB, cpu_share=AUTO_SHARE, device=resolve_device(device),
+                             emulate_device_mib=emulate_device_mib, emulate_link_gbps=emulate_link_gbps,
+                             speeds_file=app_paths().data / "speeds.json")  # fmt: skip
     settings.validate()
     gguf, cfg = open_model(path)
+    n_ctx = min(n_ctx, cfg.n_ctx_train or n_ctx)
     with gguf:
         free = None
         if settings.device == "cuda":  # the dense weights are not there yet: what they will leave
@@ -149,7 +162,7 @@ def run_fit(path: str, console: Console, device: str, emulate_device_mib: float,
             total, _ = auto_size.expert_bytes(gguf, cfg.n_layers)
             dense = sum(t.n_bytes for t in gguf.tensors.values()) - total
             free = (device_free_bytes(torch.device("cuda")) - dense) / 2**20
-        f = auto_size.fit(gguf, cfg, min(n_ctx, cfg.n_ctx_train or n_ctx), settings, free)
+        f = auto_size.fit(gguf, cfg, n_ctx, settings, free)
         _, per_layer = auto_size.expert_bytes(gguf, cfg.n_layers)
     for line in f.lines():
         console.print(line, markup=False, highlight=False)
@@ -157,4 +170,24 @@ def run_fit(path: str, console: Console, device: str, emulate_device_mib: float,
         slots = int(f.cache * 2**20 // (sum(per_layer.values()) / len(per_layer)))
         console.print(f"about {slots // len(per_layer)} expert slots per MoE layer of {cfg.n_expert} "
                       f"({slots} in all)", markup=False, highlight=False)  # fmt: skip
+        console.print(_share_line(path, replace(settings, mib=f.cache), n_ctx, remeasure), markup=False,
+                      highlight=False)  # fmt: skip
     return 0
+
+
+def _share_line(path: str, settings: CacheSettings, n_ctx: int, remeasure: bool) -> str:
+    """The auto CPU share's line: the CPU's speed needs this model's experts, so the model is loaded (its
+    experts stay in the file map) unless the CPU device has no link to trade against."""
+    import math
+
+    from moechat.engine.cache import share_auto
+    from moechat.engine.loader import load_model
+
+    if math.isinf(share_auto.link_gbps(settings)):
+        return share_auto.Speeds(math.inf, 0.0, False).line()
+    lm = load_model(path, n_ctx=n_ctx)
+    try:
+        speeds = share_auto.speeds(settings, lm.model.host_experts, lm.config.n_expert_used, remeasure=remeasure)
+    finally:
+        lm.close()
+    return speeds.line()

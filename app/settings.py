@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 import tomllib
 from moechat.app.atomic import write_atomic
 from moechat.engine.cache.policy import POLICIES as CACHE_POLICIES
-from moechat.engine.cache.settings import AUTO_MIB
+from moechat.engine.cache.settings import AUTO_MIB, AUTO_SHARE
 from moechat.engine.errors import ParameterError
 from moechat.engine.kernels.modes import KERNEL_MODES
 from moechat.engine.kernels.modes import describe as describe_kernel_modes
@@ -56,30 +56,44 @@ def _any(_: object) -> bool:
 
 
 class _Auto(float):
-    """moe_cache_mib's "auto": the engine's AUTO_MIB, told apart from a -1 a user wrote (which is refused)."""
+    """ "auto" for the cache's size and CPU share: the engine's AUTO_MIB and AUTO_SHARE (both -1), told apart
+    from a -1 a user wrote (which is refused)."""
 
     def __reduce__(self) -> tuple[Any, ...]:
         return (_Auto, (float(self),))
 
 
 AUTO = _Auto(AUTO_MIB)
+AUTO_CPU_SHARE = _Auto(AUTO_SHARE)
 
 
-def cache_mib(raw: Any) -> float:
-    """A cache size as given: MiB, or "auto" (sized at load from the device's memory)."""
-    if isinstance(raw, str) and raw.strip().lower() == "auto":
-        return AUTO
-    if isinstance(raw, bool):
-        raise TypeError("a cache size is a number or auto")
-    return float(raw)
+def _number_or(auto: _Auto, what: str) -> Callable[[Any], float]:
+    """A parse function for a number or "auto" (then `auto`, resolved at load)."""
+
+    def parse(raw: Any) -> float:
+        if isinstance(raw, str) and raw.strip().lower() == "auto":
+            return auto
+        if isinstance(raw, bool):
+            raise TypeError(f"{what} is a number or auto")
+        return float(raw)
+
+    return parse
+
+
+cache_mib = _number_or(AUTO, "a cache size")  # MiB, or auto: sized at load from the device's memory
+cache_share = _number_or(AUTO_CPU_SHARE, "a CPU share")  # [0, 1], or auto: from the link's and the CPU's speeds
 
 
 def _cache_size(x: float) -> bool:
     return isinstance(x, _Auto) or _nonneg(x)
 
 
+def _cache_share(x: float) -> bool:
+    return isinstance(x, _Auto) or _unit(x)
+
+
 def mib_words(mib: float) -> str:
-    """A cache size setting as a user writes it."""
+    """A cache size or CPU share setting as a user writes it."""
     return "auto" if isinstance(mib, _Auto) else f"{mib:g}"
 
 
@@ -123,10 +137,13 @@ class Settings:
              metavar="N|auto", words=mib_words),
     )  # fmt: skip
     moe_cache_cpu_share: float = _setting(
-        0.0,
+        AUTO_CPU_SHARE,
         "engine",
-        Spec(float, _unit, "in [0, 1]", "share of the misses computed on the CPU once the cache is full", metavar="F"),
-    )
+        Spec(cache_share, _cache_share, "in [0, 1] or auto",
+             "share of the misses computed on the CPU once the cache is full; auto = 1 - link/CPU speed, "
+             "measured at the first load on this machine (0 on the CPU device unless --emulate-link-gbps)",
+             metavar="F|auto", words=mib_words),
+    )  # fmt: skip
     moe_cache_trace: str = _setting(
         "", "engine", Spec(str, _any, "a file path", "write every expert lookup to this file", metavar="PATH")
     )
@@ -509,6 +526,7 @@ def print_warnings(warnings: Iterable[str]) -> None:
 
 def cache_settings(settings: Settings, warm_start: Path | None = None) -> CacheSettings:
     """The expert cache's settings, checked; an unusable device names where it was set."""
+    from moechat.app import paths
     from moechat.engine.cache.settings import CacheSettings
     from moechat.engine.loader import resolve_device
 
@@ -521,6 +539,7 @@ def cache_settings(settings: Settings, warm_start: Path | None = None) -> CacheS
         emulate_link_gbps=settings.emulate_link_gbps, emulate_device_mib=settings.emulate_device_mib,
         trace=Path(settings.moe_cache_trace) if settings.moe_cache_trace
         else None, load_mode=settings.load_mode, warm_start=warm_start, policy=settings.moe_cache_policy,
+        speeds_file=paths.app_paths().data / "speeds.json",  # an auto share's measured speeds, per machine
         prefetch=settings.moe_cache_prefetch == "next-layer",
     )  # fmt: skip
     cache.validate()

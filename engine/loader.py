@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from .cache import auto_size
+from .cache import auto_size, share_auto
 from .cache.expert_cache import ExpertCache
 from .cache.settings import CacheSettings
 from .cache.stats import summary_lines
@@ -44,6 +44,7 @@ class LoadedModel:
     cpu_dequant_mib: float = 0.0  # as loaded: the tuner's arms reuse the model and key their runs on these
     cpu_kernels: str = "fast"
     fit: auto_size.Fit | None = None  # how auto sized the cache, when it did
+    speeds: share_auto.Speeds | None = None  # what an auto CPU share came from, when it did
     own_layers: range | None = None  # a split model's stage: auto sizes its cache from its own layers' needs
 
     def close(self) -> None:
@@ -74,6 +75,9 @@ class LoadedModel:
             if self.fit is not None:
                 for line in self.fit.lines():
                     logger.info("%s", line)
+            settings, self.speeds = share_auto.resolve(settings, self.model.host_experts, self.config.n_expert_used)
+            if self.speeds is not None:
+                logger.info("%s", self.speeds.line())
         if settings is not None and settings.mib > 0:
             self.cache = ExpertCache(self.model.host_experts, self.config.n_expert_used, settings)
             self.model.experts = self.cache

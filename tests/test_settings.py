@@ -162,7 +162,7 @@ def test_an_engine_parameter_error_names_the_setting_flag() -> None:
     assert set(ENGINE_PARAMETERS.values()) <= set(SPEC)
     with pytest.raises(CacheError) as info:
         CacheSettings(mib=1, cpu_share=2.0).validate()
-    assert error_line(info.value) == "--moe-cache-cpu-share: the CPU share must be in [0, 1], got 2.0"
+    assert error_line(info.value) == "--moe-cache-cpu-share: the CPU share must be in [0, 1] or auto, got 2.0"
     hinted = CacheError("mib", "a cache of 9 MiB: no room", suggestion=4)
     assert error_line(hinted) == "--moe-cache-mib: a cache of 9 MiB: no room; try --moe-cache-mib 4"
     assert error_line(ValueError("plain\nsecond line")) == "plain"

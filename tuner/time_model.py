@@ -19,6 +19,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
 import numpy as np
+from moechat.engine.cache.policy import closed_form_share
 
 TERMS = ("base", "up", "cpu", "split", "overlap")
 MAX_FIT_ERROR = 0.10  # a worse fit means the machine was busy, like the seed
@@ -89,7 +90,7 @@ class TimeModel:
             return 1.0  # uploads cost time and CPU misses do not: the CPU takes them all
         if not (self.up > 0 and self.cpu > 0):
             return 0.0
-        return float(min(1.0, max(0.0, 1.0 - self.upload_gibps / self.cpu_gibps)))
+        return closed_form_share(self.upload_gibps, self.cpu_gibps)  # the engine's auto share, on fitted speeds
 
 
 class FitError(ValueError):

@@ -350,6 +350,16 @@ def split_budget(
     return out
 
 
+def closed_form_share(link_gbps: float, cpu_gbps: float) -> float:
+    """The share of a full cache's misses for the CPU by the closed form of the design this cache comes from:
+    1 - link/CPU within [0, 1], in the speeds each reads an expert's bytes at: none where the link brings
+    experts at least as fast as the CPU computes them, more the faster the CPU is (no CPU speed known: 0).
+    The auto share (share_auto) and the tuner's time model both use it."""
+    if not cpu_gbps > 0:
+        return 0.0
+    return float(min(1.0, max(0.0, 1.0 - link_gbps / cpu_gbps)))
+
+
 class CpuShare:
     """How many misses go to the CPU: `share` of them on average, per layer, carried in 1/65536.
 

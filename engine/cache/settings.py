@@ -10,6 +10,7 @@ from .policy import POLICIES
 
 MAX_BATCH = 32
 AUTO_MIB = -1.0  # `mib` for auto: sized at load from the device's memory (auto_size), never seen by the cache
+AUTO_SHARE = -1.0  # `cpu_share` for auto: the closed form over measured speeds at load (share_auto)
 
 
 class CacheError(ParameterError):
@@ -19,7 +20,7 @@ class CacheError(ParameterError):
 @dataclass(frozen=True)
 class CacheSettings:
     mib: float = 0.0  # 0: no cache; AUTO_MIB: sized at load from the device's memory
-    cpu_share: float = 0.0
+    cpu_share: float = 0.0  # AUTO_SHARE: from the link's and the CPU's speeds at load
     device: str = "cpu"
     emulate_link_gbps: float = 0.0  # CPU device only: uploads also wait bytes / speed
     emulate_device_mib: float = 0.0  # CPU device only: the device's memory, for auto and the slots' room
@@ -33,6 +34,8 @@ class CacheSettings:
     # Warm start (engine/warm_start.py): the file of this model's saved use counts. Read when the
     # cache is made (the hottest experts fill the slots before the first token), written at close.
     warm_start: Path | None = None
+    # Where an auto share's measured speeds are kept for the next load on this machine (None: not kept).
+    speeds_file: Path | None = None
     # Which misses the slots admit once full (cache_policy.POLICIES): the rest run on the CPU.
     policy: str = "classlru"
     # Next-layer prefetch: after each block the next MoE layer's router, applied to the block's
@@ -48,8 +51,8 @@ class CacheSettings:
             )
         if self.emulate_device_mib and self.device != "cpu":
             raise CacheError("emulate_device_mib", "an emulated device memory only applies to the CPU device")
-        if not 0.0 <= self.cpu_share <= 1.0:
-            raise CacheError("cpu_share", f"the CPU share must be in [0, 1], got {self.cpu_share}")
+        if not (0.0 <= self.cpu_share <= 1.0 or self.cpu_share == AUTO_SHARE):
+            raise CacheError("cpu_share", f"the CPU share must be in [0, 1] or auto, got {self.cpu_share}")
         if not self.emulate_link_gbps >= 0:
             raise CacheError("emulate_link_gbps", f"the emulated link must be >= 0 GB/s, got {self.emulate_link_gbps}")
         if self.emulate_link_gbps and self.device != "cpu":
