@@ -16,6 +16,33 @@ from testkit.ggufgen import tiny_moe
 os.environ.setdefault("MOECHAT_COMPILE_AHEAD", "0")
 TEST_CACHE = Path(os.environ.get("MOECHAT_TEST_CACHE", Path.home() / ".cache" / "moechat-tests"))
 
+# The files that take longest from empty kernel caches (a CI run's `--durations`), longest first: each
+# worker takes whole files (`--dist loadfile`), so these first and the many short ones after end the
+# two workers together. (xdist would otherwise hand out the files of most tests first, leaving these
+# few long tests to one worker at the end.) Files not named keep their order, after these.
+LONGEST_FIRST = (
+    "test_models.py", "test_cpu_isa.py", "test_cpu_kernels.py", "test_quality_bar.py", "test_compile_ahead.py",
+    "test_device_kernels.py", "test_demo.py", "test_distributed.py", "test_gemma.py", "test_fast_path_real_weights.py",
+    "test_tuner.py", "test_chat_cli.py", "test_run_limits.py", "test_decode_layer.py", "test_prompt_tiles.py",
+)  # fmt: skip
+
+
+# Two workers on two cores: one thread each. With a thread per core each, a parallel kernel of one worker
+# waits at its end for a thread that the other worker's kernels hold (engine/kernels/threads.py says
+# why), hundreds of times a token: kernel-heavy files side by side ran several times slower. Processes
+# the tests start keep their own counts.
+if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1):
+    import torch
+    from moechat.engine.kernels.jit import set_kernel_threads
+
+    torch.set_num_threads(1)
+    set_kernel_threads(1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
+    items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+
 
 @pytest.fixture(scope="session")
 def test_cache() -> Path:
