@@ -149,7 +149,7 @@ def run_fit(path: str, console: Console, device: str, emulate_device_mib: float,
 
     settings = CacheSettings(mib=AUTO_MIB, cpu_share=AUTO_SHARE, device=resolve_device(device),
                              emulate_device_mib=emulate_device_mib, emulate_link_gbps=emulate_link_gbps,
-                             speeds_file=app_paths().data / "speeds.json")  # fmt: skip
+                             speeds_file=app_paths().speeds)  # fmt: skip
     settings.validate()
     gguf, cfg = open_model(path)
     n_ctx = min(n_ctx, cfg.n_ctx_train or n_ctx)
@@ -178,13 +178,11 @@ def run_fit(path: str, console: Console, device: str, emulate_device_mib: float,
 def _share_line(path: str, settings: CacheSettings, n_ctx: int, remeasure: bool) -> str:
     """The auto CPU share's line: the CPU's speed needs this model's experts, so the model is loaded (its
     experts stay in the file map) unless the CPU device has no link to trade against."""
-    import math
-
     from moechat.engine.cache import share_auto
     from moechat.engine.loader import load_model
 
-    if math.isinf(share_auto.link_gbps(settings)):
-        return share_auto.Speeds(math.inf, 0.0, False).line()
+    if share_auto.no_link(settings):
+        return share_auto.NO_LINK.line()
     lm = load_model(path, n_ctx=n_ctx)
     try:
         speeds = share_auto.speeds(settings, lm.model.host_experts, lm.config.n_expert_used, remeasure=remeasure)

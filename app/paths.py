@@ -18,6 +18,11 @@ class AppPaths:
     cache: Path
     log: Path
 
+    @property
+    def speeds(self) -> Path:
+        """The speeds an auto CPU share was measured from, per machine (engine.cache.share_auto)."""
+        return self.data / "speeds.json"
+
     def as_dict(self) -> dict[str, Path]:
         return {"config": self.config, "data": self.data, "cache": self.cache, "log": self.log}
 

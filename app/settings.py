@@ -539,7 +539,7 @@ def cache_settings(settings: Settings, warm_start: Path | None = None) -> CacheS
         emulate_link_gbps=settings.emulate_link_gbps, emulate_device_mib=settings.emulate_device_mib,
         trace=Path(settings.moe_cache_trace) if settings.moe_cache_trace
         else None, load_mode=settings.load_mode, warm_start=warm_start, policy=settings.moe_cache_policy,
-        speeds_file=paths.app_paths().data / "speeds.json",  # an auto share's measured speeds, per machine
+        speeds_file=paths.app_paths().speeds,
         prefetch=settings.moe_cache_prefetch == "next-layer",
     )  # fmt: skip
     cache.validate()

@@ -65,8 +65,17 @@ class Speeds:
                 f"{self.cpu_gbps:.1f} GB/s ({how}; {again})")  # fmt: skip
 
 
+def no_link(settings: CacheSettings) -> bool:
+    """The CPU device with no emulated link: an upload is a copy in the same memory, nothing to trade against."""
+    return settings.device == "cpu" and not settings.emulate_link_gbps
+
+
+NO_LINK = Speeds(math.inf, 0.0, False)  # what `speeds` gives there: no share, nothing measured
+
+
 def link_gbps(settings: CacheSettings) -> float:
-    """The link's speed for uploads to the cache's device (math.inf: the CPU device with no emulated link)."""
+    """The link's speed for uploads to the cache's device: on CUDA measured now (a copy of LINK_PROBE_MIB),
+    on the CPU device the emulated link's (math.inf: none)."""
     if settings.device == "cpu":
         return settings.emulate_link_gbps or math.inf
     dev = torch.device(settings.device)
@@ -156,9 +165,9 @@ def speeds(settings: CacheSettings, host: HostExperts, n_expert_used: int, remea
            measure_cpu: Callable[[HostExperts, int], float] = cpu_gbps) -> Speeds:  # fmt: skip
     """The link's and the CPU's speeds for this cache: kept ones where the file has them (unless
     `remeasure`), else measured now and kept."""
-    link = link_gbps(settings) if settings.device == "cpu" else None
-    if link is not None and math.isinf(link):
-        return Speeds(link, 0.0, False)  # no link to wait on: the CPU need not be measured
+    if no_link(settings):
+        return NO_LINK  # the CPU need not be measured
+    link = settings.emulate_link_gbps if settings.device == "cpu" else None  # None: CUDA's, kept or measured
     data = _read(settings.speeds_file)
     cpu_key, link_key = _cpu_key(host), _link_key(settings)
     kept_cpu = data.get("cpu", {}).get(cpu_key)
