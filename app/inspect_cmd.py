@@ -18,7 +18,10 @@ from rich.table import Table
 from rich.text import Text
 
 if TYPE_CHECKING:
+    from moechat.engine.cache import auto_size, share_auto
     from moechat.engine.cache.settings import CacheSettings
+    from moechat.engine.loader import LoadedModel
+    from moechat.tuner.time_model import Forecast
 
 
 def layer_kinds(gguf: GGUFFile, cfg: ModelConfig) -> str:
@@ -170,22 +173,62 @@ def run_fit(path: str, console: Console, device: str, emulate_device_mib: float,
         slots = int(f.cache * 2**20 // (sum(per_layer.values()) / len(per_layer)))
         console.print(f"about {slots // len(per_layer)} expert slots per MoE layer of {cfg.n_expert} "
                       f"({slots} in all)", markup=False, highlight=False)  # fmt: skip
-        console.print(_share_line(path, replace(settings, mib=f.cache), n_ctx, remeasure), markup=False,
-                      highlight=False)  # fmt: skip
+        speeds, token_ms = _speeds(path, replace(settings, mib=f.cache), n_ctx, remeasure)
+        console.print(speeds.line(), markup=False, highlight=False)
+        if speeds.cpu_gbps > 0:  # (measured: there is a link to trade against)
+            line = _forecast(path, cfg, f, speeds, settings.device, token_ms).line()
+            console.print(line, markup=False, highlight=False)
     return 0
 
 
-def _share_line(path: str, settings: CacheSettings, n_ctx: int, remeasure: bool) -> str:
-    """The auto CPU share's line: the CPU's speed needs this model's experts, so the model is loaded (its
-    experts stay in the file map) unless the CPU device has no link to trade against."""
+def _forecast(path: str, cfg: ModelConfig, f: auto_size.Fit, speeds: share_auto.Speeds, device: str,
+              token_ms: float) -> Forecast:  # fmt: skip
+    """The time model's t/s at the auto size and share, from the speeds alone (`tuner.time_model.forecast`)."""
+    from moechat.engine.cache import share_auto
+    from moechat.tuner.time_model import forecast
+
+    gguf, _ = open_model(path)
+    with gguf:
+        experts, per_layer = expert_bytes(gguf, cfg.n_layers)
+        dense = sum(t.n_bytes for t in gguf.tensors.values()) - experts
+        if "output.weight" in gguf.tensors:  # a token reads one row of its own embedding
+            dense -= gguf.tensors["token_embd.weight"].n_bytes
+    on_device = {} if device == "cpu" else {"device_gbps": share_auto.device_gbps(device, speeds.cpu_gbps)}
+    return forecast(dense, [per_layer[i] for i in sorted(per_layer)], cfg.n_expert_used, cfg.n_expert,
+                    f.cache * 2**20, speeds.share, link_gbps=speeds.link_gbps, cpu_gbps=speeds.cpu_gbps,
+                    token_ms=token_ms, **on_device)  # fmt: skip
+
+
+def _speeds(path: str, settings: CacheSettings, n_ctx: int, remeasure: bool) -> tuple[share_auto.Speeds, float]:
+    """What the auto CPU share comes from, and on the CPU device a decode token's ms with the cache off (the
+    forecast's base there). The CPU's speed needs this model's experts, so the model is loaded (its experts
+    stay in the file map) unless the CPU device has no link to trade against."""
     from moechat.engine.cache import share_auto
     from moechat.engine.loader import load_model
 
     if share_auto.no_link(settings):
-        return share_auto.NO_LINK.line()
+        return share_auto.NO_LINK, 0.0
     lm = load_model(path, n_ctx=n_ctx)
     try:
         speeds = share_auto.speeds(settings, lm.model.host_experts, lm.config.n_expert_used, remeasure=remeasure)
+        return speeds, token_ms(lm) if settings.device == "cpu" else 0.0
     finally:
         lm.close()
-    return speeds.line()
+
+
+def token_ms(lm: LoadedModel, tokens: int = 8) -> float:
+    """A decode token's median ms on this model with the cache off, after as many warm-up tokens."""
+    import statistics
+    import time
+
+    from moechat.engine.generate import decode_one, prefill
+
+    kv = lm.new_cache()
+    tok = int(prefill(lm.model, [1, 2, 3, 4], kv).argmax())
+    times = []
+    for i in range(2 * tokens):
+        t0 = time.perf_counter()
+        tok = int(decode_one(lm.model, tok, kv).argmax())
+        if i >= tokens:
+            times.append(time.perf_counter() - t0)
+    return 1000 * statistics.median(times)

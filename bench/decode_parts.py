@@ -11,15 +11,16 @@ sum over 1 GiB, on the same threads), so the parts can be read as a share of it.
 and the kernels' instruction path. With --context the cache first holds that many positions: the
 attention then also reads them (not counted in its bytes).
 
-The parts are timed on the per-part path (a layer's attention block, FFN norm, experts and residual
-add each a call of their own). Tokens alternate with the default path, where a layer of attention
-and routed experts is two compiled calls (models.decoder.Block.decode_layer): its step time is
-printed beside the per-part one.
+The parts are timed on the model's decode plan (models.decode_plan) with each layer's two halves
+called one by one from Python and timed. Tokens alternate with the plan as it runs by default,
+where a range of layers that are all two compiled calls runs them back to back: its step time is
+printed beside the timed one.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import sys
@@ -38,6 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from engine_overhead import PROMPT, cpu_name
 from moechat.engine.generate import decode_one, prefill
 from moechat.engine.loader import load_model, set_threads
+from moechat.engine.models.decode_plan import DecodePlan
 from moechat.engine.models.decoder import DenseFFN, MoeFFN
 
 
@@ -114,6 +116,7 @@ def main() -> None:
     host = getattr(model, "host_experts", None)
 
     depth: dict[str, int] = defaultdict(int)
+    kind = (kv.device.type, kv.layers[0].k.dtype)
 
     timing = [False]  # the parts are counted on the per-part path's tokens only
 
@@ -127,17 +130,17 @@ def main() -> None:
                 r = f(*a, **kw)
             finally:
                 depth[name] -= 1
-            if depth[name] == 0 and r is not None:  # (None: a compiled block declined, its caller runs instead)
+            if depth[name] == 0:
                 spent[name] += time.perf_counter() - t
                 read[name] += nbytes(*a, r)
             return r
 
         return call
 
-    for block in model.blocks:
+    layers = []
+    for block, p in zip(model.blocks, DecodePlan.build(model, kind).layers, strict=True):
         attn_bytes = _module_bytes(block.attn)
-        block.attn.decode_block = wrap("attention", block.attn.decode_block, lambda *a, b=attn_bytes: b)
-        block.attn.forward = wrap("attention", block.attn.forward, lambda *a, b=attn_bytes: b)
+        attention = wrap("attention", p.attention, lambda *a, b=attn_bytes: b)
         ffn = block.ffn
         if isinstance(ffn, MoeFFN):
             fixed = _module_bytes(ffn)  # router and shared experts; the routed ones are counted per token
@@ -147,19 +150,20 @@ def main() -> None:
                 n_sel = len(set(ffn.last_ids.reshape(-1).tolist()))
                 return fixed + (n_sel * lx.bytes_per_expert if lx is not None else 0)
 
-            ffn.forward = wrap("MoE layers", ffn.forward, moe_bytes)
-        elif isinstance(ffn, DenseFFN):
-            dense = _module_bytes(ffn)
-            ffn.decode_block = wrap("dense FFNs", ffn.decode_block, lambda *a, b=dense: b)
-            ffn.forward = wrap("dense FFNs", ffn.forward, lambda *a, b=dense: b)
+            half = wrap("MoE layers", p.ffn, moe_bytes)
+        else:
+            dense = _module_bytes(ffn) if isinstance(ffn, DenseFFN) else 0
+            half = wrap("dense FFNs", p.ffn, lambda *a, b=dense: b)
+        layers.append(dataclasses.replace(p, attention=attention, ffn=half, calls=None))  # one by one, timed
+    timed = DecodePlan(model, layers)
+    default = model.decode_plan(kv)
     head_bytes = _nbytes(model.output) + _nbytes(model.norm)
     model.head = wrap("output head", model.head, lambda *a: head_bytes)
 
     steps: dict[bool, list[float]] = {True: [], False: []}
     for _ in range(args.tokens):
         for whole in (True, False):
-            for block in model.blocks:
-                block.whole_layer_calls = whole
+            model._plans[kind] = default if whole else timed
             timing[0] = not whole
             t = time.perf_counter()
             tok = int(decode_one(model, tok, kv).argmax())
@@ -169,8 +173,8 @@ def main() -> None:
     step = statistics.mean(steps[False])  # the parts are means too: "the rest" is what they leave
     whole_step = statistics.mean(steps[True])
     print(f"machine read bandwidth: {bw:.1f} GB/s; decode {1 / step:.1f} t/s per part (mean step {step * 1e3:.2f} "
-          f"ms), {1 / whole_step:.1f} t/s in two calls per layer ({whole_step * 1e3:.2f} ms), alternating tokens at "
-          f"positions {len(ids) + 16}-{len(ids) + 16 + 2 * n}\n")  # fmt: skip
+          f"ms), {1 / whole_step:.1f} t/s as the plan runs by default ({whole_step * 1e3:.2f} ms), alternating "
+          f"tokens at positions {len(ids) + 16}-{len(ids) + 16 + 2 * n}\n")  # fmt: skip
     print("| part | MB read per token | ms per token | GB/s | of the read bandwidth |")
     print("|---|---:|---:|---:|---:|")
     for name in ("attention", "MoE layers", "dense FFNs", "output head"):

@@ -24,7 +24,6 @@ from .models.decoder import MoeDecoder
 from .models.gemma3 import Gemma3
 from .models.opening import open_model
 from .nn.layers import KVCache, kv_cache_bytes, recurrent_state_bytes
-from .nn.qlinear import set_activation_bits
 from .nn.weights import load_weights
 from .text.chat_template import ChatTemplate, load_chat_template
 from .text.tokenizer import Tokenizer
@@ -193,11 +192,7 @@ def apply_widths(model: MoeDecoder | Gemma3, cpu_kernels: str, settings: CacheSe
     beside_float = model.device.type != "cpu" or (
         settings is not None and settings.mib != 0 and settings.device_kernels == "triton"
     )
-    widths = activation_bits(cpu_kernels, beside_float)
-    set_activation_bits(model, widths.few, widths.prompt)
-    host = getattr(model, "host_experts", None)
-    if host is not None:
-        host.set_bits(*widths)
+    model.set_activation_bits(*activation_bits(cpu_kernels, beside_float))
 
 
 def load_model(

@@ -23,7 +23,7 @@ TEST_CACHE = Path(os.environ.get("MOECHAT_TEST_CACHE", Path.home() / ".cache" / 
 LONGEST_FIRST = (
     "test_models.py", "test_cpu_isa.py", "test_cpu_kernels.py", "test_quality_bar.py", "test_compile_ahead.py",
     "test_device_kernels.py", "test_demo.py", "test_distributed.py", "test_gemma.py", "test_fast_path_real_weights.py",
-    "test_tuner.py", "test_chat_cli.py", "test_run_limits.py", "test_decode_layer.py", "test_prompt_tiles.py",
+    "test_tuner.py", "test_chat_cli.py", "test_run_limits.py", "test_decode_plan.py", "test_prompt_tiles.py",
 )  # fmt: skip
 
 

@@ -35,6 +35,9 @@ BOUND = {16: 1e-4, 8: 1e-2}  # by the activations' bits
 OUTLIER_BOUND = {16: 2e-4, 8: 4e-2}  # every 97th activation 50 times the rest: the rounding of its group grows
 MOE_BOUND = {16: 2e-4, 8: 4e-2}
 TILES8_BOUND = 1e-5  # int8 tiles against the rows' int8 dot products (kernels.qtiles8)
+# A prompt's int8 tiles over a super-block type against the float GEMM: Q4_K, 200 random prompts of 40
+# tokens, median 7.2e-3, largest 1.14e-2 (8 of them over 1e-2: the 256 share one coarse scale).
+PROMPT8_BOUND = 1.5e-2
 TYPES = sorted(LAYOUTS, key=lambda t: t.name)
 
 
@@ -114,10 +117,10 @@ def test_qlinear_agrees_below_and_above_the_gemm_switch(qtype: Q, monkeypatch: p
     holder, w8 = torch.nn.Module(), QLinear(raw, qtype)
     holder.w = w8
     set_activation_bits(holder, 8, 8)
-    x = torch.randn(40, 512)
+    x = torch.randn(40, 512, generator=torch.Generator().manual_seed(1))
     assert w8.bits == 8 and w8.tiled == (qtype == Q.Q4_K and isa.VNNI)
     if w8.tiled:
-        assert _rel(w8(x).numpy(), w8.gemm(x).double().numpy()) <= BOUND[8]
+        assert _rel(w8(x).numpy(), w8.gemm(x).double().numpy()) <= PROMPT8_BOUND
     else:
         assert torch.equal(w8(x), w8.gemm(x))
     # The default's widths where the CPU has byte products: a few tokens int8, a prompt int16's tiles.

@@ -1,4 +1,5 @@
-"""A decode token's MoE layer in one compiled call (kernels.moe_token) against the general path."""
+"""A decode token's MoE layer in one compiled call (kernels.moe_token, as the decode plan binds it) against
+the general path."""
 
 from __future__ import annotations
 
@@ -10,7 +11,9 @@ import torch
 from moechat.engine.cache.settings import CacheSettings
 from moechat.engine.generate import decode_one, prefill
 from moechat.engine.loader import load_model
+from moechat.engine.models.decode_plan import moe_token_call
 from moechat.engine.models.decoder import MoeFFN
+from moechat.engine.nn.layers import host_rows
 from testkit.ggufgen import Q, tiny_moe
 
 
@@ -26,14 +29,14 @@ def test_one_call_is_bit_identical_to_routing_then_the_experts(arch: str, kernel
     assert ffns
     torch.manual_seed(0)
     for ffn in ffns:
+        call = moe_token_call(ffn, experts)
+        assert call is not None
         for _ in range(4):
             h = torch.randn(1, lm.config.n_embd)
-            one = ffn.routed_token(h, experts)
-            assert one is not None
+            one_ids, _, one = call(host_rows(h))
             ids, weights = ffn.select(h)
-            assert torch.equal(ffn.last_ids, ids)  # the routing it records for the stats
-            assert torch.equal(one, experts(ffn.i, h, ids, weights))
-        assert ffn.routed_token(torch.randn(2, lm.config.n_embd), experts) is None  # a token at a time only
+            assert torch.equal(torch.from_numpy(one_ids), ids)
+            assert torch.equal(torch.from_numpy(one), experts(ffn.i, h, ids, weights))
     lm.close()
 
 
@@ -42,7 +45,7 @@ def test_grouped_routing_takes_the_general_path(tmp_path: Path) -> None:
     deepseek = load_model(tiny_moe(tmp_path / "ds.gguf", arch="deepseek2", expert_type=Q.Q8_0), n_ctx=32)
     ffn = next(b.ffn for b in deepseek.model.blocks if isinstance(b.ffn, MoeFFN))
     assert ffn.choice_bias is not None
-    assert ffn.routed_token(torch.randn(1, deepseek.config.n_embd), deepseek.model.host_experts) is None
+    assert moe_token_call(ffn, deepseek.model.host_experts) is None
     deepseek.close()
 
 
@@ -53,6 +56,7 @@ def _decode(path: Path, settings: CacheSettings, per_token: bool, n: int = 24) -
     assert cache is not None
     assert cache.per_token  # the settings allow it: switched off below for the general path
     cache.per_token = per_token
+    lm.model.drop_plans()  # the plan binds the cache's token calls
     kv = lm.new_cache()
     tokens = [int(prefill(lm.model, [1, 5, 9, 2, 7], kv).argmax())]
     for _ in range(n):
@@ -88,5 +92,5 @@ def test_a_cache_that_reads_its_plan_first_takes_the_general_path(tmp_path: Path
         lm = load_model(path, n_ctx=32, cache=settings)
         ffn = next(b.ffn for b in lm.model.blocks if isinstance(b.ffn, MoeFFN))
         assert lm.cache is not None and not lm.cache.per_token
-        assert ffn.routed_token(torch.randn(1, lm.config.n_embd), lm.model.experts) is None
+        assert moe_token_call(ffn, lm.model.experts) is None
         lm.close()

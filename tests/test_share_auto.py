@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from dataclasses import replace
@@ -17,6 +18,7 @@ from moechat.engine.cache import share_auto
 from moechat.engine.cache.policy import closed_form_share
 from moechat.engine.cache.settings import AUTO_SHARE, CacheSettings
 from moechat.engine.loader import load_model
+from moechat.tuner.time_model import forecast
 from testkit.ggufgen import tiny_moe
 
 N_CTX = 64
@@ -155,5 +157,26 @@ def test_inspect_fit_prints_the_share_and_remeasures(model: Path, tmp_path: Path
     assert "CPU share (auto): 0: on the CPU device with no emulated link" in fit()
     first = fit("--emulate-link-gbps", "1")
     assert "CPU share (auto): " in first and "link 1.0 GB/s" in first and "measured now" in first
+    predicted = re.search(r"predicted decode: ([\d.]+) t/s .*?(\d+)% hits", first)
+    assert predicted is not None and float(predicted.group(1)) > 0 and 0 < int(predicted.group(2)) <= 100
     assert "measured earlier on this machine" in fit("--emulate-link-gbps", "1")
     assert "measured now" in fit("--emulate-link-gbps", "1", "--remeasure")
+
+
+def test_the_forecast_follows_the_traffic() -> None:
+    """The time model before any run: on the CPU device a measured token plus the uploads over the link; on a
+    device the bytes it reads at its speed, the uploads over the link and the CPU's share at the CPU's."""
+    mib = 2**20
+    per_layer = [4 * mib] * 4  # 4 layers of 16 experts of 4 MiB, top-2
+    every = forecast(0, per_layer, 2, 16, 16 * 16 * mib, 0.0, link_gbps=1, cpu_gbps=1, token_ms=10)
+    assert every.tps == pytest.approx(100.0) and every.hit_rate == 1.0 and every.upload_mib == 0
+    half = forecast(0, per_layer, 2, 16, 16 * 8 * mib, 0.0, link_gbps=1, cpu_gbps=1, token_ms=10)
+    assert half.hit_rate == pytest.approx(0.5)
+    assert half.upload_mib == pytest.approx(4 * 2 * 0.5 * 4)  # layers x k x misses x MiB
+    assert half.tps == pytest.approx(1000 / (10 + 1000 * half.upload_mib * mib / 1e9))
+    # A device: the CPU's share runs while the rest is uploaded, so the fastest share has both take as long.
+    kw = {"link_gbps": 10.0, "cpu_gbps": 20.0, "device_gbps": 1000.0}
+    tps = {s / 100: forecast(mib, per_layer, 2, 16, 16 * 4 * mib, s / 100, **kw).tps for s in range(101)}
+    best = max(tps, key=tps.__getitem__)
+    assert best == pytest.approx(2 / 3, abs=0.015)  # (1 - s) / 10 = s / 20
+    assert tps[0.0] < tps[best] and tps[1.0] < tps[best]

@@ -172,3 +172,44 @@ def _model(m: dict[str, float], runs: Sequence[Observation], y: np.ndarray, phys
     model = TimeModel(base, up, cpu, split, overlap, physical=physical)
     errors = tuple((model.ms(o.upload_gib, o.cpu_gib, o.share) - o.ms_per_token) / o.ms_per_token for o in runs)
     return replace(model, errors=errors)
+
+
+@dataclass(frozen=True)
+class Forecast:
+    """Decode speed predicted before any run is measured (`forecast`), and the traffic it assumes per token."""
+
+    tps: float
+    hit_rate: float
+    upload_mib: float  # per token
+    cpu_mib: float  # per token
+
+    def line(self) -> str:
+        return (f"predicted decode: {self.tps:.1f} t/s (from the speeds measured; routing assumed even "
+                f"over the experts: {self.hit_rate:.0%} hits, {self.upload_mib:.1f} MiB uploaded and "
+                f"{self.cpu_mib:.1f} MiB on the CPU per token; a tuning run measures the real ones)")  # fmt: skip
+
+
+def forecast(read_bytes: float, expert_bytes: Sequence[int], k: int, n_expert: int, cache_bytes: float,
+             share: float, *, link_gbps: float, cpu_gbps: float, device_gbps: float = 0.0,
+             token_ms: float = 0.0) -> Forecast:  # fmt: skip
+    """The time model's t/s for a cache of `cache_bytes` spread evenly over the MoE layers (`expert_bytes`: one
+    expert's bytes per layer), before any run has measured its terms. Routing is taken as even over the
+    experts, so the hit rate is the share of each layer's experts in slots; of the misses, `share` is
+    computed on the CPU at `cpu_gbps`, the rest uploaded at `link_gbps`.
+
+    On a device (`device_gbps`): it reads `read_bytes` of dense weights, the hits and the uploaded experts at
+    that speed, and the CPU's part overlaps the uploads (the longer of the two counts). On the CPU device
+    (`token_ms`, a measured token with the cache off): every expert runs on the CPU wherever it is, so a
+    token takes that plus the uploads' time over the emulated link."""
+    layers = len(expert_bytes)
+    slots = [min(n_expert, int(cache_bytes / layers // b)) if b else n_expert for b in expert_bytes]
+    hits = sum(k * s / n_expert * b for s, b in zip(slots, expert_bytes, strict=True))
+    misses = sum(k * b for b in expert_bytes) - hits
+    upload, cpu = misses * (1 - share), misses * share
+    if token_ms:  # the CPU device: the same work wherever an expert runs, plus the link's time
+        ms = token_ms + 1000 * upload / (link_gbps * 1e9)
+    else:  # the CPU's part runs on its worker while the device uploads and computes the rest
+        device_ms = 1000 * (read_bytes + hits + upload) / (device_gbps * 1e9)
+        ms = device_ms + max(1000 * upload / (link_gbps * 1e9), 1000 * cpu / (cpu_gbps * 1e9))
+    hit_rate = hits / (hits + misses) if hits + misses else 1.0
+    return Forecast(1000 / ms, hit_rate, upload / 2**20, cpu / 2**20)

@@ -91,6 +91,23 @@ def link_gbps(settings: CacheSettings) -> float:
     return 3 * n / (time.perf_counter() - t0) / 1e9
 
 
+def device_gbps(device: str, cpu: float) -> float:
+    """GB/s the cache's device reads its weights at: on CUDA measured now (a copy within the device, which
+    reads and writes each byte); the CPU device is the CPU, which computes experts at `cpu`."""
+    if device == "cpu":
+        return cpu
+    dev = torch.device(device)
+    n = LINK_PROBE_MIB * 2**20
+    src, dst = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
+    dst.copy_(src)
+    torch.cuda.synchronize(dev)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src)
+    torch.cuda.synchronize(dev)
+    return 2 * 3 * n / (time.perf_counter() - t0) / 1e9
+
+
 def cpu_gbps(host: HostExperts, n_expert_used: int, seconds: float = CPU_PROBE_S) -> float:
     """GB/s of expert bytes the CPU computes one token's k experts at: other experts each call, as misses."""
     layers = sorted(host.layers)

@@ -6,6 +6,7 @@ from ..config import ModelConfig, model_config
 from ..gguf.reader import GGUFError
 from ..gguf.sources import Layout, ModelFile
 from . import deepseek2, gemma3, glm4moe, gpt_oss, llama_moe, olmoe, qwen3next, qwen_moe
+from .decode_plan import DecodePlan
 from .decoder import Family, MoeDecoder
 from .gemma3 import Gemma3
 
@@ -47,11 +48,13 @@ def build_model(
     `kernels` and `dequant_mib`: how the host experts run (moe.HostExperts).
     """
     family = _family(cfg.arch, layout.path)
+    model: MoeDecoder | Gemma3
     if family.decoder is not None:
-        model: MoeDecoder | Gemma3 = family.decoder(layout, cfg, n_ctx, quantized=quantized, kernels=kernels,
-                                                    dequant_mib=dequant_mib)  # fmt: skip
-        return model
-    return MoeDecoder(layout, cfg, n_ctx, family, quantized=quantized, kernels=kernels, dequant_mib=dequant_mib)
+        model = family.decoder(layout, cfg, n_ctx, quantized=quantized, kernels=kernels, dequant_mib=dequant_mib)
+    else:
+        model = MoeDecoder(layout, cfg, n_ctx, family, quantized=quantized, kernels=kernels, dequant_mib=dequant_mib)
+    model.planner = DecodePlan.build  # one token runs the plan it makes (models.decode_plan)
+    return model
 
 
 def _family(arch: str, path: object) -> Family:

@@ -22,7 +22,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 import numpy as np
 import torch
@@ -97,10 +97,6 @@ def stop(helper: subprocess.Popen[bytes] | None) -> None:
         helper.wait()
 
 
-def _skip_attention(x: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
-    return x
-
-
 class _NoExperts:
     """Experts that add nothing: the pass that compiles the attention's kernels alone."""
 
@@ -122,9 +118,9 @@ def compile_passes(path: Path, n_ctx: int, cpu_kernels: str) -> None:
     three times (attention and experts skipped, then attention skipped, then all), then the policy's."""
     from ..kernels.isa import activation_bits
     from ..nn.layers import KVCache
-    from ..nn.qlinear import set_activation_bits
     from ..nn.weights import load_weights
     from . import build_model
+    from .decode_plan import DecodePlan
     from .opening import open_model
 
     torch.set_num_threads(1)
@@ -133,19 +129,14 @@ def compile_passes(path: Path, n_ctx: int, cpu_kernels: str) -> None:
         model = build_model(gguf, cfg, n_ctx, quantized=cpu_kernels != "exact", kernels=cpu_kernels)
         load_weights(model, gguf)
         widths = activation_bits(cpu_kernels)
-        set_activation_bits(model, widths.few, widths.prompt)
+        model.set_activation_bits(*widths)
         experts = model.experts
         with torch.inference_mode():
             for skip_attention, skip_experts in ((True, True), (True, False), (False, False)):
-                for block in model.blocks:
-                    attn: Any = cast(Any, block).attn
-                    cast(Any, block).whole_layer_calls = not skip_attention  # they would run the attention
-                    if skip_attention:
-                        attn.decode_block = _skip_attention
-                    else:
-                        vars(attn).pop("decode_block", None)
                 model.experts = _no_experts if skip_experts else experts
-                model(torch.tensor([0]), 0, KVCache(cfg, 1, device=model.device))
+                kv = KVCache(cfg, 1, device=model.device)
+                plan = DecodePlan.build(model, (kv.device.type, kv.layers[0].k.dtype), attention=not skip_attention)
+                model.head(plan.run(model.embed_tokens(torch.tensor([0])), 0, kv, 0, len(model.blocks)))
                 if not skip_experts and skip_attention:
                     warm_prompt_kernels(model)
                     if cfg.is_moe:

@@ -6,33 +6,35 @@ router bias) and by the config (sliding-window layers, gating), never by the mod
 
 from __future__ import annotations
 
-import weakref
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Protocol, cast
+from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from ..config import ModelConfig
 from ..gguf.sources import Layout, Source
-from ..kernels.layer_halves import FEW_ROWS, AttentionBlockCall, decode_attention, route_rows
-from ..kernels.moe_token import MoeTokenCall
 from ..moe.expert_tensors import load_layer_experts
 from ..moe.host_experts import ExpertExecutor, HostExperts
-from ..moe.routing import route
+from ..moe.routing import select
 from ..nn.activations import Activation, swiglu
-from ..nn.layers import KVCache, LayerCache, QuantRows, Rope, attention, host_heads, host_rows, move_tensors, rms_norm
-from ..nn.qlinear import QLinear, Weight, ffn_one_token, gated, linear, linears
+from ..nn.layers import KVCache, LayerCache, QuantRows, Rope, move_tensors, rms_norm, rope_attention
+from ..nn.qlinear import Weight, ffn, linear, linears, set_activation_bits
 from ..nn.weights import DENSE, LINEAR, ROWS, linear_form, maybe, want
 
 
-class SelfAttention(Protocol):
-    """What a block needs of its attention: a whole-layer compiled call where one exists, and forward."""
+class Plan(Protocol):
+    """How one token runs through blocks first..end-1 (`decode_plan.DecodePlan`)."""
 
-    def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
-                     cache: LayerCache, rope: Rope) -> torch.Tensor | None: ...  # fmt: skip
+    def run(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor: ...
+
+
+Planner = Callable[["DecoderBase", tuple[str, torch.dtype]], Plan]  # (model, the KV cache's kind) -> its plan
+
+
+class SelfAttention(Protocol):
+    """A layer's token mixing: normed hidden states [T, E] at positions pos0.. -> [T, E]."""
 
     def __call__(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor: ...
 
@@ -50,6 +52,8 @@ class Family:
     metadata: Mapping[str, Any] = field(default_factory=dict)
     # A decoder of the family's own (Gemma 3), built as decoder(layout, cfg, n_ctx, **options); None: MoeDecoder.
     decoder: Callable[..., Any] | None = None
+    # Norms after the attention and the FFN as well ("sandwich", Gemma): post_attention_norm, post_ffw_norm.
+    post_norms: bool = False
 
 
 class Attention(nn.Module):
@@ -69,42 +73,6 @@ class Attention(nn.Module):
         self.qk_norm_per_head = q_norm is not None and q_norm.n_elements == cfg.head_dim
         self.sinks = maybe(layout, p + "attn_sinks.weight")  # [H]
         self.window = cfg.sliding_window if cfg.swa_layers and cfg.swa_layers[i] else 0
-
-    def _cpu_decode(self, cache: LayerCache) -> bool:
-        """Whether one token's rotary, cache write and attention can run compiled (`cpu_blocks`)."""
-        cpu_f32 = cache.k.device.type == "cpu" and cache.k.dtype == torch.float32
-        return cpu_f32 and not self.cfg.attn_softcap
-
-    def _compiled(self, cache: LayerCache) -> bool:
-        """Whether one token's whole attention, projections included, can run as one compiled call."""
-        ws = (self.wq, self.wk, self.wv, self.wo)
-        norms_fit = self.qk_norm_per_head or (self.q_norm is None and self.k_norm is None)
-        biases_fit = (self.bq is None) == (self.bk is None) == (self.bv is None)
-        one_kind = all(isinstance(w, QLinear) for w in ws) and len({getattr(w, "bits", 0) for w in ws}) == 1
-        return one_kind and norms_fit and biases_fit and self._cpu_decode(cache)
-
-    def block_call(self, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, cache: LayerCache,
-                   rope: Rope) -> AttentionBlockCall | None:  # fmt: skip
-        """This layer's one-token compiled call on `cache` (`kernels.layer_halves`); None where there is none."""
-        if not self._compiled(cache):
-            return None
-        cfg = self.cfg
-        ws = tuple((w.raw, w.qtype) for w in (self.wq, self.wk, self.wv, self.wo) if isinstance(w, QLinear))
-        biases = tuple(None if b is None else b.numpy() for b in (self.bq, self.bk, self.bv, self.bo))
-        return AttentionBlockCall(
-            norm.numpy(), eps, ws, biases, None if self.q_norm is None else self.q_norm.numpy(),
-            None if self.k_norm is None else self.k_norm.numpy(), None if post_norm is None else post_norm.numpy(),
-            (cfg.n_head, cfg.n_head_kv[self.i], cfg.head_dim), rope.parts(), rope.neox, self.window,
-            cfg.head_dim**-0.5, getattr(self.wq, "bits", 16), None if self.sinks is None else self.sinks.numpy(),
-        )  # fmt: skip
-
-    def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
-                     cache: LayerCache, rope: Rope) -> torch.Tensor | None:  # fmt: skip
-        """x + post_norm(attention(rms_norm(x))) for one token in one compiled call; None where it cannot."""
-        call = self.block_call(norm, eps, post_norm, cache, rope) if x.shape[0] == 1 else None
-        if call is None:
-            return None
-        return torch.from_numpy(call(host_rows(x), *host_heads(cache), pos0))
 
     def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
         q, k, v = linears(h, (self.wq, self.wk, self.wv), (self.bq, self.bk, self.bv))  # [T, H*D], [T, Hkv*D] x2
@@ -126,19 +94,8 @@ class Attention(nn.Module):
             q = rms_norm(q, self.q_norm, cfg.norm_eps)  # per head: [T, H, D]
             if self.k_norm is not None:
                 k = rms_norm(k, self.k_norm, cfg.norm_eps)
-        if t == 1 and self._cpu_decode(cache):
-            # One token on the CPU: rotary, cache write and attention in one compiled call.
-            a = torch.from_numpy(decode_attention(
-                host_rows(q[0]), host_rows(k[0]), host_rows(v[0]), rope.parts(), rope.neox, *host_heads(cache),
-                pos0, self.window, cfg.head_dim**-0.5,
-                None if self.sinks is None else self.sinks.numpy()))  # fmt: skip
-            return a.view(1, cfg.n_head, cfg.head_dim_v)
-        pos = torch.arange(pos0, pos0 + t, device=q.device)
-        q, k = rope(q, pos), rope(k, pos)
-        return attention(
-            q, cache, k, v, pos0, scale=cfg.head_dim**-0.5, window=self.window, sinks=self.sinks,
-            softcap=cfg.attn_softcap,
-        )  # fmt: skip
+        return rope_attention(q, k, v, pos0, cache, rope, scale=cfg.head_dim**-0.5, window=self.window,
+                              sinks=self.sinks, softcap=cfg.attn_softcap)  # fmt: skip
 
 
 class Routed(nn.Module):
@@ -159,8 +116,39 @@ class DecoderBase(nn.Module):
     embed: torch.Tensor | QuantRows  # [V, E]
     norm: torch.Tensor
     output: Weight  # [V, E]; the embedding's matrix when the file ties them
-    experts: ExpertExecutor
-    blocks: nn.ModuleList  # each with .ffn and .ffn_norm
+    blocks: nn.ModuleList  # of Block
+    _experts: ExpertExecutor
+    _plans: dict[tuple[str, torch.dtype], Plan]
+    # What makes a decode plan (`decode_plan.DecodePlan.build`): `models.build_model` hands it over, as the
+    # plan is made from this module's classes.
+    planner: Planner | None = None
+
+    @property
+    def experts(self) -> ExpertExecutor:
+        """How the routed experts run (the host copy, or an expert cache); setting it drops the decode plans."""
+        return self._experts
+
+    @experts.setter
+    def experts(self, executor: ExpertExecutor) -> None:
+        object.__setattr__(self, "_experts", executor)
+        self.drop_plans()
+
+    def drop_plans(self) -> None:
+        """What a decode plan binds has changed (the executor, the activations' bits, the device): plan again."""
+        object.__setattr__(self, "_plans", {})
+
+    def layer_rope(self, i: int) -> Rope:
+        """The rotary table of layer i."""
+        rope = getattr(self, "rope", None)
+        if not isinstance(rope, Rope):
+            raise NotImplementedError(f"{type(self).__name__} gives each layer its rotary table")
+        return rope
+
+    def set_activation_bits(self, bits: int, prompt_bits: int, prompt_rows_bits: int | None = None) -> None:
+        """The CPU kernels' activation widths (`kernels.isa.activation_bits`), in the dense matrices and the experts."""
+        set_activation_bits(self, bits, prompt_bits)
+        self.host_experts.set_bits(bits, prompt_bits, prompt_rows_bits)
+        self.drop_plans()
 
     def _build_ends(self, layout: Layout, quantized: bool = False) -> None:
         """The token embedding, the final norm and the output projection.
@@ -185,7 +173,7 @@ class DecoderBase(nn.Module):
         self.moe_layers = [i for i in range(self.cfg.n_layers) if is_moe_layer(layout, i)]
         self._expert_options = (act, kernels, dequant_mib)
         self.host_experts = HostExperts({}, act, kernels=kernels, dequant_mib=dequant_mib)
-        self.experts: ExpertExecutor = NoExperts()
+        self.experts = NoExperts()
 
     def on_load(self, source: Source) -> None:
         """The host copy of the experts (views of the source's bytes); the executor a model starts with."""
@@ -215,42 +203,23 @@ class DecoderBase(nn.Module):
 
     def run_blocks(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
         """Blocks first..end-1 on x [T, E] at positions pos0..; they append to their layers of `cache`.
-        A pipeline's stage runs its own range (engine.distributed)."""
+        A pipeline's stage runs its own range (engine.distributed). One token runs the decode plan."""
         if x.shape[0] == 1:
-            out = self._two_call_layers(x, pos0, cache, first, end)
-            if out is not None:
-                return out
+            return self.decode_plan(cache).run(x, pos0, cache, first, end)
         for i in range(first, end):
-            x = self.blocks[i](x, pos0, cache.layers[i], self.rope, self.experts)
+            x = self.blocks[i](x, pos0, cache.layers[i], self.layer_rope(i), self.experts)
             self.prefetch_next(i, x)
         return x
 
-    def _two_call_layers(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor | None:
-        """One token x [1, E] through blocks first..end-1, two compiled calls a layer (`Block.decode_layer`) in
-        one tight loop, where every one of them has the calls (else None). Each call streams megabytes of
-        weights through the caches, so the Python between calls runs from cold caches: per layer, the
-        block's own plumbing cost more than a tenth of a millisecond. The calls are checked first,
-        then run back to back, then the routing is recorded."""
-        rope = getattr(self, "rope", None)
-        if not isinstance(rope, Rope):  # (Gemma's two ropes: its blocks are its own)
-            return None
-        calls, ffns = [], []
-        for i in range(first, end):
-            block = self.blocks[i]
-            layer = cache.layers[i]
-            c = block.layer_calls(layer, rope, self.experts) if isinstance(block, Block) else None
-            if c is None or c.attention is None or c.ffn is None:
-                return None
-            calls.append((c.attention, c.ffn, *host_heads(layer)))
-            ffns.append(cast(MoeFFN, block.ffn))
-        h, chosen = host_rows(x), []
-        for attend, experts, k, v in calls:
-            ids, _, h = experts(attend(h, k, v, pos0))
-            chosen.append(ids)
-        self.experts.account([moe.i for moe in ffns], chosen)
-        for moe, ids in zip(ffns, chosen, strict=True):
-            moe.remember(torch.from_numpy(ids))
-        return torch.from_numpy(h)
+    def decode_plan(self, cache: KVCache) -> Plan:
+        """The plan one token runs on a KV cache of this kind: made at the first token, then kept."""
+        kind = (cache.device.type, cache.layers[0].k.dtype)
+        plan = self._plans.get(kind)
+        if plan is None:
+            if self.planner is None:
+                raise RuntimeError(f"{type(self).__name__}: no decode planner (models are made by build_model)")
+            plan = self._plans[kind] = self.planner(self, kind)
+        return plan
 
     def forward(self, tokens: torch.Tensor, pos0: int, cache: KVCache, last_only: bool = False) -> torch.Tensor:
         """tokens [T] at positions pos0.. -> logits [T, V]; appends to `cache`."""
@@ -286,68 +255,23 @@ class MoeFFN(Routed):
 
     def select(self, h: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Normalised hidden states [T, E] -> the experts it routes them to (ids [T, k], weights [T, k])."""
-        cfg = self.cfg
-        if self._compiled_routing(h, FEW_ROWS):  # one call
-            i, w = route_rows(host_rows(h), self.router.numpy(), None if self.router_bias is None else
-                              self.router_bias.numpy(), cfg.expert_gating, cfg.n_expert_used, cfg.expert_weights_norm,
-                              cfg.expert_weights_scale)  # fmt: skip
-            return torch.from_numpy(i), torch.from_numpy(w)
-        return route(F.linear(h, self.router, self.router_bias), cfg, self.choice_bias)  # [T, k] each
+        return select(h, self.router, self.router_bias, self.cfg, self.choice_bias)
 
-    def _compiled_routing(self, h: torch.Tensor, rows: int) -> bool:
-        """Whether up to `rows` rows of h route in one compiled call with their logits (`route_rows`):
-        float32 on the CPU, and no choice bias or expert groups (which that call does not take)."""
-        return (self._routing_compiles() and h.shape[0] <= rows and h.device.type == "cpu"
-                and h.dtype == torch.float32)  # fmt: skip
-
-    def _routing_compiles(self) -> bool:
-        return self.choice_bias is None and self.cfg.expert_groups == 1
-
-    def one_token_call(self, experts: ExpertExecutor, norm: torch.Tensor | None = None,
-                       eps: float = 0.0) -> MoeTokenCall | None:  # fmt: skip
-        """One token's routing and routed experts in one compiled call, with `norm` also the FFN's norm
-        before and the residual add after (`kernels.moe_token`); None where the executor offers no such
-        call for the layer or the routing has no compiled form. Its caller owes the executor the ids."""
-        if not self._routing_compiles():
+    def shared(self, h: torch.Tensor) -> torch.Tensor | None:
+        """The shared expert on h [T, E] (behind its sigmoid gate, if any); None: the layer has none."""
+        if self.sh_gate is None or self.sh_up is None or self.sh_down is None:
             return None
-        call = experts.token_call(self.i)
-        if call is None:
-            return None
-        cfg = self.cfg
-        return MoeTokenCall(self.router.numpy(), None if self.router_bias is None else self.router_bias.numpy(),
-                            cfg.expert_gating, cfg.n_expert_used, cfg.expert_weights_norm, cfg.expert_weights_scale,
-                            *call, norm=None if norm is None else norm.numpy(), eps=eps)  # fmt: skip
-
-    def routed_token(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor | None:
-        """One token's routed experts in one compiled call, bit-identical to select() then experts(); None
-        where that call cannot run it."""
-        call = self.one_token_call(experts) if h.shape[0] == 1 and self._compiled_routing(h, 1) else None
-        if call is None:
-            return None
-        ids, _, y = call(host_rows(h))
-        experts.account((self.i,), (ids,))
-        self.remember(torch.from_numpy(ids))
-        return torch.from_numpy(y)
-
-    def layer_call(self, experts: ExpertExecutor, norm: torch.Tensor, eps: float) -> MoeTokenCall | None:
-        """A decode layer's FFN half in one compiled call: x + the routed experts of rms_norm(x), from the
-        host copy (cache off); None where the layer has shared experts or routing with no compiled form."""
-        return None if self.sh_gate is not None else self.one_token_call(experts, norm, eps)
+        out = ffn(h, self.sh_gate, self.sh_up, self.sh_down, self.act)
+        if self.sh_gate_inp is not None:
+            out = out * torch.sigmoid(h @ self.sh_gate_inp.reshape(-1, 1))
+        return out
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
-        y = self.routed_token(h, experts)
-        if y is None:
-            ids, weights = self.select(h)
-            self.remember(ids)
-            y = experts(self.i, h, ids, weights)
-        if self.sh_gate is not None and self.sh_up is not None and self.sh_down is not None:
-            shared = ffn_one_token(h, self.sh_gate, self.sh_up, self.sh_down, self.act)
-            if shared is None:
-                shared = linear(gated(h, self.sh_gate, self.sh_up, self.act), self.sh_down)
-            if self.sh_gate_inp is not None:
-                shared = shared * torch.sigmoid(h @ self.sh_gate_inp.reshape(-1, 1))
-            y = y + shared
-        return y
+        ids, weights = self.select(h)
+        self.remember(ids)
+        y = experts(self.i, h, ids, weights)
+        shared = self.shared(h)
+        return y if shared is None else y + shared
 
 
 class DenseFFN(nn.Module):
@@ -361,13 +285,7 @@ class DenseFFN(nn.Module):
         self.down = want(layout, f"blk.{i}.ffn_down.weight", form)  # [E, F]
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
-        return linear(gated(h, self.gate, self.up, self.act), self.down)
-
-    def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float,
-                     post_norm: torch.Tensor | None = None) -> torch.Tensor | None:  # fmt: skip
-        """x + post_norm(ffn(rms_norm(x))) for one token in one compiled call; None where it cannot."""
-        return ffn_one_token(x, self.gate, self.up, self.down, self.act, norm=norm, eps=eps, post_norm=post_norm,
-                             residual=True)  # fmt: skip
+        return ffn(h, self.gate, self.up, self.down, self.act)
 
 
 def is_moe_layer(layout: Layout, i: int) -> bool:
@@ -392,81 +310,32 @@ class NoExperts:
         raise RuntimeError("a dense model has no experts")
 
 
-@dataclass(frozen=True)
-class LayerCalls:
-    """A decode layer's two compiled calls (None: the layer has none) and what they were built for.
-
-    The executor is held weakly and no KV cache at all: a block keeps its calls between tokens, and must
-    not keep a closed expert cache's or a finished chat's memory alive."""
-
-    executor: weakref.ref[Any]
-    key: tuple[Any, ...]  # compared by identity: the experts' call, the rope's table, the bits, the cache's kind
-    attention: AttentionBlockCall | None
-    ffn: MoeTokenCall | None
-
-    def built_for(self, executor: Any, key: tuple[Any, ...]) -> bool:
-        return self.executor() is executor and all(a is b for a, b in zip(self.key, key, strict=True))
-
-
 class Block(nn.Module):
-    # A decode token through a layer of attention and routed experts (cache off) takes two compiled calls
-    # with next to no Python between them (`decode_layer`); False: the per-part path (bench/decode_parts).
-    whole_layer_calls = True
+    """x + post(attention(norm(x))), then x + post(ffn(norm(x))): the post norms only where the family has them."""
 
     def __init__(self, layout: Layout, cfg: ModelConfig, i: int, family: Family, quantized: bool) -> None:
         super().__init__()
-        self.attn_norm = want(layout, f"blk.{i}.attn_norm.weight")
-        self.ffn_norm = want(layout, f"blk.{i}.{family.ffn_norm}.weight")
+        p = f"blk.{i}."
+        self.attn_norm = want(layout, p + "attn_norm.weight")
+        self.ffn_norm = want(layout, p + f"{family.ffn_norm}.weight")
+        self.post_attn_norm = want(layout, p + "post_attention_norm.weight") if family.post_norms else None
+        self.post_ffn_norm = want(layout, p + "post_ffw_norm.weight") if family.post_norms else None
         self.attn = (family.attention or Attention)(layout, cfg, i, quantized)
         self.ffn = ffn_for(layout, cfg, i, family.act, quantized)
         self.eps = cfg.norm_eps
-        self._calls: LayerCalls | None = None
 
-    def layer_calls(self, cache: LayerCache, rope: Rope, experts: ExpertExecutor) -> LayerCalls | None:
-        """The layer's two compiled decode calls on this cache and executor (see `decode_layer`); None when
-        switched off (`whole_layer_calls`)."""
-        if not self.whole_layer_calls:
-            return None
-        # What the calls bind can change between tokens only with one of these: another executor (the expert
-        # cache switched), other activation bits (a new experts' call), another rope, a cache of another kind.
-        token_call = experts.token_call(self.ffn.i) if isinstance(self.ffn, MoeFFN) else None
-        bits = getattr(getattr(self.attn, "wq", None), "bits", None)
-        key = (token_call, rope.cis, bits, cache.k.dtype, cache.k.is_cpu)
-        calls = self._calls
-        if calls is None or not calls.built_for(experts, key):
-            attention = ffn = None
-            if token_call is not None and isinstance(self.ffn, MoeFFN) and isinstance(self.attn, Attention):
-                ffn = self.ffn.layer_call(experts, self.ffn_norm, self.eps)
-                attention = self.attn.block_call(self.attn_norm, self.eps, None, cache, rope) if ffn else None
-            calls = self._calls = LayerCalls(weakref.ref(experts), key, attention, ffn)
-        return calls
+    def attention_half(self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
+        a = self.attn(rms_norm(x, self.attn_norm, self.eps), pos0, cache, rope)
+        return x + (a if self.post_attn_norm is None else rms_norm(a, self.post_attn_norm, self.eps))
 
-    def decode_layer(self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope,
-                     experts: ExpertExecutor) -> torch.Tensor | None:  # fmt: skip
-        """One token x [1, E] through the layer in two compiled calls (the attention block; the FFN norm,
-        the routed experts and the residual), bit-identical to the per-part path; None where the layer
-        or the executor has no such calls."""
-        calls = self.layer_calls(cache, rope, experts)
-        if calls is None or calls.attention is None or calls.ffn is None:
-            return None
-        a = calls.attention(host_rows(x), *host_heads(cache), pos0)  # [1, E]
-        ids, _, out = calls.ffn(a)
-        moe = cast(MoeFFN, self.ffn)  # calls.ffn: a MoeFFN
-        experts.account((moe.i,), (ids,))
-        moe.remember(torch.from_numpy(ids))
-        return torch.from_numpy(out)
+    def ffn_half(self, x: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
+        f = self.ffn(rms_norm(x, self.ffn_norm, self.eps), experts)
+        return x + (f if self.post_ffn_norm is None else rms_norm(f, self.post_ffn_norm, self.eps))
 
     def forward(
         self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope, experts: ExpertExecutor
     ) -> torch.Tensor:
-        if x.shape[0] == 1:
-            out = self.decode_layer(x, pos0, cache, rope, experts)
-            if out is not None:
-                return out
-        fast = self.attn.decode_block(x, self.attn_norm, self.eps, None, pos0, cache, rope)
-        x = fast if fast is not None else x + self.attn(rms_norm(x, self.attn_norm, self.eps), pos0, cache, rope)
-        fast = self.ffn.decode_block(x, self.ffn_norm, self.eps) if isinstance(self.ffn, DenseFFN) else None
-        return fast if fast is not None else x + self.ffn(rms_norm(x, self.ffn_norm, self.eps), experts)
+        return self.ffn_half(self.attention_half(x, pos0, cache, rope), experts)
 
 
 class MoeDecoder(DecoderBase):
@@ -488,4 +357,5 @@ class MoeDecoder(DecoderBase):
         """Move everything but the experts (they stay in host memory) to `device`."""
         move_tensors(self, device)
         self.rope.to(device)
+        self.drop_plans()
         return self

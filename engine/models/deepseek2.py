@@ -76,10 +76,6 @@ class LatentAttention(nn.Module):
             self.k_b = self.k_b.reshape(h, c, self.nope)  # [H, C, Dnope]
             self.v_b = self.v_b.reshape(h, dv, c)  # [H, Dv, C]
 
-    def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
-                     cache: LayerCache, rope: Rope) -> torch.Tensor | None:  # fmt: skip
-        return None  # no compiled whole-layer form: forward serves every token count
-
     def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
         cfg, t = self.cfg, h.shape[0]
         c, r = cfg.kv_lora_rank, cfg.rope_dim

@@ -21,11 +21,9 @@ from torch.nn import functional as F
 from ..config import ModelConfig
 from ..gguf.sources import Layout
 from ..kernels.codes import ACT_GELU_TANH, GATING_SELECT
-from ..moe.host_experts import ExpertExecutor
 from ..nn.activations import register_activation
-from ..nn.layers import LayerCache, Rope, move_tensors, rms_norm
-from ..nn.weights import want
-from .decoder import Attention, DecoderBase, DenseFFN, Family, ffn_for
+from ..nn.layers import Rope, move_tensors
+from .decoder import Block, DecoderBase, Family
 
 
 def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -33,37 +31,6 @@ def gelu_gate(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
 
 
 register_activation(gelu_gate, ACT_GELU_TANH)
-
-
-class Block(nn.Module):
-    def __init__(self, layout: Layout, cfg: ModelConfig, i: int, quantized: bool) -> None:
-        super().__init__()
-        p = f"blk.{i}."
-        self.eps = cfg.norm_eps
-        self.swa = bool(cfg.swa_layers and cfg.swa_layers[i])
-        self.attn_norm = want(layout, p + "attn_norm.weight")
-        self.post_attn_norm = want(layout, p + "post_attention_norm.weight")
-        self.ffn_norm = want(layout, p + "ffn_norm.weight")
-        self.post_ffn_norm = want(layout, p + "post_ffw_norm.weight")
-        self.attn = Attention(layout, cfg, i, quantized)
-        self.ffn = ffn_for(layout, cfg, i, gelu_gate, quantized)
-
-    def forward(
-        self, x: torch.Tensor, pos0: int, cache: LayerCache, rope: tuple[Rope, Rope], experts: ExpertExecutor
-    ) -> torch.Tensor:
-        r = rope[1] if self.swa else rope[0]
-        fast = self.attn.decode_block(x, self.attn_norm, self.eps, self.post_attn_norm, pos0, cache, r)
-        if fast is not None:
-            x = fast
-        else:
-            x = x + rms_norm(self.attn(rms_norm(x, self.attn_norm, self.eps), pos0, cache, r), self.post_attn_norm,
-                             self.eps)  # fmt: skip
-        if isinstance(self.ffn, DenseFFN):
-            fast = self.ffn.decode_block(x, self.ffn_norm, self.eps, self.post_ffn_norm)
-            if fast is not None:
-                return fast
-        f = self.ffn(rms_norm(x, self.ffn_norm, self.eps), experts)
-        return x + rms_norm(f, self.post_ffn_norm, self.eps)
 
 
 class Gemma3(DecoderBase):
@@ -75,7 +42,7 @@ class Gemma3(DecoderBase):
         self.cfg = cfg
         self._build_ends(layout, quantized)
         self.embed_scale = math.sqrt(cfg.n_embd)
-        self.blocks = nn.ModuleList(Block(layout, cfg, i, quantized) for i in range(cfg.n_layers))
+        self.blocks = nn.ModuleList(Block(layout, cfg, i, FAMILY, quantized) for i in range(cfg.n_layers))
         rope_global = Rope(cfg.rope_dim, cfg.rope_theta, n_ctx, neox=True, cfg=cfg)
         rope_local = Rope(cfg.rope_dim, cfg.rope_theta_swa or cfg.rope_theta, n_ctx, neox=True)
         self.rope = (rope_global, rope_local)
@@ -86,14 +53,19 @@ class Gemma3(DecoderBase):
         move_tensors(self, device)
         for r in self.rope:
             r.to(device)
+        self.drop_plans()
         return self
+
+    def layer_rope(self, i: int) -> Rope:
+        """Sliding-window layers rotate with the local base, the others with the file's."""
+        return self.rope[1] if self.cfg.swa_layers and self.cfg.swa_layers[i] else self.rope[0]
 
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         return self.embed[tokens.to(self.embed.device)] * self.embed_scale  # [T, E]
 
 
 FAMILY = Family(
-    neox_rope=True, act=gelu_gate, decoder=Gemma3,
+    neox_rope=True, act=gelu_gate, decoder=Gemma3, post_norms=True,
     metadata={"attention.sliding_window_pattern": 6, "rope.freq_base_swa": 10_000.0},  # five local per global
 )  # fmt: skip
 FAMILY_MOE = replace(FAMILY, metadata={**FAMILY.metadata, "expert_gating_func": GATING_SELECT})

@@ -32,7 +32,7 @@ from torch.nn import functional as F
 from ..config import ModelConfig
 from ..gguf.reader import GGUFError
 from ..gguf.sources import Layout, Source
-from ..kernels.layer_halves import AttentionBlockCall, delta_rule_rows
+from ..kernels.layer_halves import delta_rule_rows
 from ..nn.activations import swiglu
 from ..nn.layers import LayerCache, Rope, host_rows, rms_norm
 from ..nn.qlinear import Weight, linear, linears
@@ -42,10 +42,6 @@ from .decoder import Attention, Family, SelfAttention
 
 class GatedAttention(Attention):
     """Full attention with a sigmoid output gate that the query projection yields per head."""
-
-    def block_call(self, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, cache: LayerCache,
-                   rope: Rope) -> AttentionBlockCall | None:  # fmt: skip
-        return None  # the compiled whole-layer attention has no gate
 
     def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
         cfg, t = self.cfg, h.shape[0]
@@ -98,10 +94,6 @@ class GatedDeltaNet(nn.Module):
             self.beta, self.alpha = ba[:, :r].reshape(hv, e), ba[:, r:].reshape(hv, e)
         self.w_ba = torch.cat([self.beta, self.alpha])  # [2*Hv, E]: both in one matmul
         self.ba = self.beta = self.alpha = None
-
-    def decode_block(self, x: torch.Tensor, norm: torch.Tensor, eps: float, post_norm: torch.Tensor | None, pos0: int,
-                     cache: LayerCache, rope: Rope) -> torch.Tensor | None:  # fmt: skip
-        return None
 
     def forward(self, h: torch.Tensor, pos0: int, cache: LayerCache, rope: Rope) -> torch.Tensor:
         (hk, hv, dk, dv), t = self.dims, h.shape[0]

@@ -7,6 +7,24 @@ import torch.nn.functional as F
 
 from ..config import ModelConfig
 from ..kernels.codes import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX_SELECTED
+from ..kernels.layer_halves import FEW_ROWS, route_rows
+from ..nn.layers import host_rows
+
+
+def select(
+    h: torch.Tensor, router: torch.Tensor, router_bias: torch.Tensor | None, cfg: ModelConfig,
+    choice_bias: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Normalised hidden states [T, E] -> the experts they route to (ids [T, k], weights [T, k]): the router's
+    logits, then `route`. A few float32 rows on the CPU take one compiled call for both (`route_rows`, the
+    same rule; it takes no choice bias or expert groups)."""
+    if (choice_bias is None and cfg.expert_groups == 1 and h.shape[0] <= FEW_ROWS and h.device.type == "cpu"
+            and h.dtype == torch.float32):  # fmt: skip
+        bias = None if router_bias is None else router_bias.numpy()
+        i, w = route_rows(host_rows(h), router.numpy(), bias, cfg.expert_gating, cfg.n_expert_used,
+                          cfg.expert_weights_norm, cfg.expert_weights_scale)  # fmt: skip
+        return torch.from_numpy(i), torch.from_numpy(w)
+    return route(F.linear(h, router, router_bias), cfg, choice_bias)
 
 
 def route(

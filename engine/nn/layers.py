@@ -15,7 +15,7 @@ from ..gguf.dequant import dequantize
 from ..gguf.quant_types import CPU, supports
 from ..gguf.reader import GGUFError
 from ..kernels.cpu import dequantize_rows
-from ..kernels.layer_halves import FEW_ROWS, rms_rows
+from ..kernels.layer_halves import FEW_ROWS, decode_attention, rms_rows
 
 if TYPE_CHECKING:
     from ..gguf.sources import Source
@@ -306,3 +306,32 @@ def attention(
     else:
         probs = F.softmax(scores, dim=-1)
     return torch.einsum("kgts,skd->tkgd", probs, v).reshape(t, n_kv * group, v.shape[-1])  # [T, H, Dv]
+
+
+def rope_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    pos0: int,
+    layer: LayerCache,
+    rope: Rope,
+    *,
+    scale: float,
+    window: int = 0,
+    sinks: torch.Tensor | None = None,
+    softcap: float = 0.0,
+) -> torch.Tensor:
+    """Rotary on `q` [T, H, D] and `k` [T, Hkv, D] at positions pos0.., then `attention` over the cache after
+    storing k and `v` [T, Hkv, Dv] -> [T, H, Dv].
+
+    One token on the CPU in float32 (no soft cap) takes one compiled call for all of it
+    (`layer_halves.decode_attention`): at decode the eager ops cost more than their work."""
+    t = q.shape[0]
+    if t == 1 and not softcap and layer.k.device.type == "cpu" and layer.k.dtype == torch.float32:
+        sink = None if sinks is None else sinks.numpy()
+        a = decode_attention(host_rows(q[0]), host_rows(k[0]), host_rows(v[0]), rope.parts(), rope.neox,
+                             *host_heads(layer), pos0, window, scale, sink)  # fmt: skip
+        return torch.from_numpy(a).view(1, q.shape[1], v.shape[-1])
+    pos = torch.arange(pos0, pos0 + t, device=q.device)
+    return attention(rope(q, pos), layer, rope(k, pos), v, pos0, scale=scale, window=window, sinks=sinks,
+                     softcap=softcap)  # fmt: skip

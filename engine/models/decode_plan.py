@@ -1,0 +1,271 @@
+"""One token's way through a model, chosen once: per layer, the calls it runs.
+
+The model's modules say what the maths is: a block is x + attention(norm(x)), then x + ffn(norm(x))
+(`decoder.Block`), in torch, which a prompt runs and the tests hold everything else to. A decode
+token runs a plan made from them at its first token, for the model's executor (host copy or expert
+cache), activation widths and KV cache's kind, and kept until one of those changes
+(`DecoderBase.drop_plans`). Per layer it holds two halves, each the compiled call the kernels
+have for the layer's weights where there is one, else the module's own half:
+
+- attention: `layer_halves.AttentionBlockCall` (norm, projections, rotary, cache write, attention,
+  post norm, residual) for multi-head attention over quantized matrices and a float32 CPU cache;
+- a MoE FFN: the executor's token call (`kernels.moe_token`: routing and the routed experts, with
+  the norm and residual around it) where the executor offers one; with a shared expert or a post
+  norm, that call on the normed token and the rest in torch as the module computes it;
+- a dense FFN: `layer_halves.ffn_block` (norm, gated FFN, post norm, residual).
+
+Where every layer of the range has both halves as compiled calls on host rows, the token runs
+them back to back over float32 arrays (each call streams megabytes of weights, so the Python
+between two of them runs on cold caches) and hands the executor the token's routing once, after
+its last layer: the expert cache steps its policy for every layer in one compiled call a group.
+An expert cache that reads its plan before computing (a prefetch, a trace, a device's slots)
+offers no token call: its layers run the module's FFN half, which calls the cache per layer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from ..kernels.layer_halves import AttentionBlockCall
+from ..kernels.moe_token import MoeTokenCall
+from ..moe.host_experts import ExpertExecutor
+from ..nn.layers import KVCache, LayerCache, Rope, host_heads, host_rows, rms_norm
+from ..nn.qlinear import QLinear, ffn_one_token, one_call_ffn
+from .decoder import Attention, Block, DenseFFN, MoeFFN
+
+if TYPE_CHECKING:
+    from .decoder import DecoderBase
+
+logger = logging.getLogger(__name__)
+
+AttentionHalf = Callable[[torch.Tensor, int, LayerCache], torch.Tensor]  # (x [1, E], pos0, layer's cache) -> x'
+FfnHalf = Callable[[torch.Tensor], torch.Tensor]  # x [1, E] -> x'
+Kind = tuple[str, torch.dtype]  # the KV cache's device type and dtype
+
+
+@dataclass(frozen=True)
+class LayerPlan:
+    """A layer's two halves for one token, and what each is (for `describe`)."""
+
+    attention: AttentionHalf
+    ffn: FfnHalf
+    kinds: tuple[str, str]  # each half: "compiled", "routed call", "module" or "skipped"
+    # Both halves as compiled calls on host rows (the tight loop), where they are.
+    calls: tuple[AttentionBlockCall, MoeTokenCall] | None = None
+    moe: MoeFFN | None = None
+
+
+class DecodePlan:
+    """Per layer, the calls one token runs (`LayerPlan`); `run` is a decode step's blocks."""
+
+    def __init__(self, model: DecoderBase, layers: list[LayerPlan]) -> None:
+        self.model = model
+        self.layers = layers
+        self.prefetch = getattr(model.experts, "prefetch_tokens", 0) >= 1
+        # Layers before i without both compiled calls: a range [a, b) runs the tight loop when none is.
+        self._loose = np.concatenate([[0], np.cumsum([p.calls is None for p in layers])]).tolist()
+
+    @classmethod
+    def build(cls, model: DecoderBase, kind: Kind, *, attention: bool = True, compiled: bool = True) -> DecodePlan:
+        """The plan for `model` as it now is, on a KV cache of `kind`. `attention=False` skips every attention
+        half (what compiles a model's other kernels ahead, `compile_ahead`); `compiled=False` runs every
+        half as its module does (the reference the tests and `bench/decode_parts.py` compare with)."""
+        on_cpu = model.device.type == "cpu" and compiled
+        cpu_f32 = kind == ("cpu", torch.float32) and compiled
+        layers = []
+        for i, block in enumerate(model.blocks):
+            if not isinstance(block, Block):
+                raise TypeError(f"layer {i}: a decode plan runs decoder.Block layers, not {type(block).__name__}")
+            rope = model.layer_rope(i)
+            attn_call = _attention_call(block, rope) if cpu_f32 and attention else None
+            if not attention:
+                attn: AttentionHalf = _skipped
+            elif attn_call is not None:
+                attn = _compiled_attention(attn_call)
+            else:
+                attn = _module_attention(block, rope)
+            ffn, ffn_kind, moe_call = _ffn_half(model, block) if on_cpu else (_module_ffn(model, block), "module", None)
+            calls = (attn_call, moe_call) if attn_call is not None and moe_call is not None else None
+            kinds = ("skipped" if not attention else "compiled" if attn_call else "module", ffn_kind)
+            moe = block.ffn if isinstance(block.ffn, MoeFFN) else None
+            layers.append(LayerPlan(attn, ffn, kinds, calls, moe))
+        plan = cls(model, layers)
+        logger.debug("decode plan: %s", plan.describe())
+        return plan
+
+    def describe(self) -> str:
+        """Each distinct pair of halves and the layers that run it, in words."""
+        runs: dict[tuple[str, str], list[int]] = {}
+        for i, p in enumerate(self.layers):
+            runs.setdefault(p.kinds, []).append(i)
+        return "; ".join(f"layers {_span(ls)}: attention {a}, FFN {f}" for (a, f), ls in runs.items())
+
+    def run(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
+        """One token x [1, E] at position pos0 through layers first..end-1 -> [1, E]; appends to `cache`."""
+        if self._loose[end] == self._loose[first]:
+            return self._run_calls(x, pos0, cache, first, end)
+        model, layers = self.model, self.layers
+        for i in range(first, end):
+            p = layers[i]
+            x = p.ffn(p.attention(x, pos0, cache.layers[i]))
+            if self.prefetch:
+                model.prefetch_next(i, x)
+        return x
+
+    def _run_calls(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
+        """Every layer's two compiled calls back to back on host rows; then the routing, told once."""
+        h, chosen = host_rows(x), []
+        kv = cache.layers
+        for i in range(first, end):
+            attend, experts = self.layers[i].calls  # type: ignore[misc]  # (run checked: every layer has them)
+            ids, _, h = experts(attend(h, *host_heads(kv[i]), pos0))
+            chosen.append(ids)
+        moes = [self.layers[i].moe for i in range(first, end)]
+        self.model.experts.account([m.i for m in moes], chosen)  # type: ignore[union-attr]
+        for moe, ids in zip(moes, chosen, strict=True):
+            moe.remember(torch.from_numpy(ids))  # type: ignore[union-attr]
+        return torch.from_numpy(h)
+
+
+def _span(layers: list[int]) -> str:
+    """0-11, or 0,4,8 where they are not consecutive."""
+    if len(layers) > 1 and layers[-1] - layers[0] + 1 == len(layers):
+        return f"{layers[0]}-{layers[-1]}"
+    return ",".join(map(str, layers))
+
+
+# -- attention halves ------------------------------------------------------------------------------
+
+
+def _attention_call(block: Block, rope: Rope) -> AttentionBlockCall | None:
+    """The layer's attention block as one compiled call (on a float32 CPU cache); None where the kernel has no
+    form for it: another kind of attention, float or mixed-width matrices, partial biases or QK norms over the
+    whole projection, a soft cap."""
+    attn = block.attn
+    if type(attn) is not Attention or attn.cfg.attn_softcap:
+        return None
+    ws = (attn.wq, attn.wk, attn.wv, attn.wo)
+    norms_fit = attn.qk_norm_per_head or (attn.q_norm is None and attn.k_norm is None)
+    biases_fit = (attn.bq is None) == (attn.bk is None) == (attn.bv is None)
+    mats = [w for w in ws if isinstance(w, QLinear)]
+    if len(mats) != 4 or len({w.bits for w in mats}) != 1 or not (norms_fit and biases_fit):
+        return None
+    cfg = attn.cfg
+
+    def array(t: torch.Tensor | None) -> np.ndarray | None:
+        return None if t is None else t.numpy()
+
+    return AttentionBlockCall(
+        block.attn_norm.numpy(), block.eps, tuple((w.raw, w.qtype) for w in mats),
+        tuple(array(b) for b in (attn.bq, attn.bk, attn.bv, attn.bo)), array(attn.q_norm), array(attn.k_norm),
+        array(block.post_attn_norm), (cfg.n_head, cfg.n_head_kv[attn.i], cfg.head_dim), rope.parts(), rope.neox,
+        attn.window, cfg.head_dim**-0.5, mats[0].bits, array(attn.sinks),
+    )  # fmt: skip
+
+
+def _compiled_attention(call: AttentionBlockCall) -> AttentionHalf:
+    def half(x: torch.Tensor, pos0: int, layer: LayerCache) -> torch.Tensor:
+        return torch.from_numpy(call(host_rows(x), *host_heads(layer), pos0))
+
+    return half
+
+
+def _module_attention(block: Block, rope: Rope) -> AttentionHalf:
+    def half(x: torch.Tensor, pos0: int, layer: LayerCache) -> torch.Tensor:
+        return block.attention_half(x, pos0, layer, rope)
+
+    return half
+
+
+def _skipped(x: torch.Tensor, pos0: int, layer: LayerCache) -> torch.Tensor:
+    return x
+
+
+# -- FFN halves --------------------------------------------------------------------------------------
+
+
+def _ffn_half(model: DecoderBase, block: Block) -> tuple[FfnHalf, str, MoeTokenCall | None]:
+    """The layer's FFN half on the CPU, what it is, and the whole half as one call on host rows where it is one."""
+    ffn, eps = block.ffn, block.eps
+    if isinstance(ffn, DenseFFN) and one_call_ffn(ffn.gate, ffn.up, ffn.down, ffn.act):
+        return _compiled_dense(block, ffn), "compiled", None
+    if isinstance(ffn, MoeFFN) and ffn.i in model.moe_layers:  # (a split model's stage has its own layers' experts)
+        whole = ffn.sh_gate is None and block.post_ffn_norm is None  # norm and residual inside the call
+        call = moe_token_call(ffn, model.experts, block.ffn_norm if whole else None, eps)
+        if call is not None and whole:
+            return _compiled_moe(model, ffn, call), "compiled", call
+        if call is not None:
+            return _routed_call(model, block, ffn, call), "routed call", None
+    return _module_ffn(model, block), "module", None
+
+
+def moe_token_call(ffn: MoeFFN, experts: ExpertExecutor, norm: torch.Tensor | None = None,
+                   eps: float = 0.0) -> MoeTokenCall | None:  # fmt: skip
+    """One token's routing and routed experts as one compiled call, with `norm` also the FFN's norm before and
+    the residual add after; None where the executor offers no such call for the layer (`token_call`) or the
+    routing has no compiled form (a choice bias, expert groups). Its caller owes the executor the ids."""
+    if type(ffn) is not MoeFFN or ffn.choice_bias is not None or ffn.cfg.expert_groups != 1:
+        return None
+    bound = experts.token_call(ffn.i)
+    if bound is None:
+        return None
+    cfg = ffn.cfg
+    router_bias = None if ffn.router_bias is None else ffn.router_bias.numpy()
+    return MoeTokenCall(ffn.router.numpy(), router_bias, cfg.expert_gating, cfg.n_expert_used,
+                        cfg.expert_weights_norm, cfg.expert_weights_scale, *bound,
+                        norm=None if norm is None else norm.numpy(), eps=eps)  # fmt: skip
+
+
+def _compiled_dense(block: Block, ffn: DenseFFN) -> FfnHalf:
+    norm, post, eps = block.ffn_norm, block.post_ffn_norm, block.eps
+
+    def half(x: torch.Tensor) -> torch.Tensor:
+        return ffn_one_token(x, ffn.gate, ffn.up, ffn.down, ffn.act, norm=norm, eps=eps, post_norm=post,
+                             residual=True)  # fmt: skip
+
+    return half
+
+
+def _compiled_moe(model: DecoderBase, ffn: MoeFFN, call: MoeTokenCall) -> FfnHalf:
+    """x + the routed experts of norm(x), in one call; the executor is told the token's ids."""
+    layer, experts = (ffn.i,), model.experts
+
+    def half(x: torch.Tensor) -> torch.Tensor:
+        ids, _, y = call(host_rows(x))
+        experts.account(layer, (ids,))
+        ffn.remember(torch.from_numpy(ids))
+        return torch.from_numpy(y)
+
+    return half
+
+
+def _routed_call(model: DecoderBase, block: Block, ffn: MoeFFN, call: MoeTokenCall) -> FfnHalf:
+    """The routing and routed experts of norm(x) in one call; the shared expert and post norm as the module has them."""
+    layer, experts, eps = (ffn.i,), model.experts, block.eps
+    norm, post = block.ffn_norm, block.post_ffn_norm
+
+    def half(x: torch.Tensor) -> torch.Tensor:
+        h = rms_norm(x, norm, eps)
+        ids, _, routed = call(host_rows(h))
+        experts.account(layer, (ids,))
+        ffn.remember(torch.from_numpy(ids))
+        y = torch.from_numpy(routed)
+        shared = ffn.shared(h)
+        if shared is not None:
+            y = y + shared
+        return x + (y if post is None else rms_norm(y, post, eps))
+
+    return half
+
+
+def _module_ffn(model: DecoderBase, block: Block) -> FfnHalf:
+    def half(x: torch.Tensor) -> torch.Tensor:
+        return block.ffn_half(x, model.experts)
+
+    return half
