@@ -5,8 +5,8 @@
 
 1. The expert cache's bookkeeping per MoE layer per decode token, on the CPU device: its lookup, the
    policy's decision, the counters and the lookup log. Where the slots are the host copy the token runs
-   the one-call kernels and the cache is told the token's lookups afterwards (`ExpertCache.account`,
-   timed over the layers it covers); elsewhere each layer's call until it hands the layer to its
+   the one-call kernels and the cache is told the token's lookups (`ExpertCache.account`, its time per
+   token over the token's MoE layers); elsewhere each layer's call until it hands the layer to its
    execution path. Median and 95th percentile over `--tokens` decode steps at several sizes and
    shares, interleaved in one process. Models: the demo (16 experts, top-1), generated layers of 16
    to 256 experts at top-1 to top-8 (a DeepSeek-V3-sized router: 256 experts, top-8), and with --big
@@ -61,11 +61,18 @@ def bookkeeping(lm: LoadedModel, settings: CacheSettings, n_tokens: int) -> tupl
     cls = type(cache_obj)
     if cache_obj.per_token:
         original: Any = cls.account
+        token = [0.0, 0]  # this token's time in account so far, and its layers
 
         def account(self: Any, layers: Any, ids: Any) -> None:
+            # Per token: a plan that runs its layers one by one tells the cache each layer as it goes, and
+            # the cache steps them all at the last one; a tight loop tells it all at once.
             t = time.perf_counter()
             original(self, layers, ids)
-            books.append((time.perf_counter() - t) * 1e6 / len(layers))
+            token[0] += time.perf_counter() - t
+            token[1] += len(layers)
+            if layers[-1] == self.last_layer:
+                books.append(token[0] * 1e6 / token[1])
+                token[:] = [0.0, 0]
 
         cls.account = account
         restore = ("account", original)
