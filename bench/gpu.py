@@ -12,7 +12,7 @@
 5. Decode t/s for each of those, CUDA kernels launched per token (profiler), and t/s against the
    bound: uploaded bytes per token / link speed + bytes read on the device per token / HBM speed.
 6. --moe-cache-mib auto: the size it gives from the free memory, the same greedy tokens, the memory
-   left free after a decode.
+   left free after a decode, and the decode plan each layer ran.
 """
 
 from __future__ import annotations
@@ -184,8 +184,10 @@ def auto_size_check(path: Path, prompt: list[int], reference: list[int]) -> list
     fit = lm.fit
     same = greedy(lm, prompt, 32) == reference
     free_after = torch.cuda.mem_get_info()[0] / 2**20
+    described = lm.model.decode_plan(lm.new_cache()).describe()  # what a decode token ran (models.decode_plan)
     lm.close()
     out = ["\n## --moe-cache-mib auto\n"] + [f"- {line}" for line in (fit.lines() if fit else ["no fit"])]
+    out.append(f"- decode plan: {described}")
     out.append(f"- same 32 tokens as the CPU: {'yes' if same else 'NO'}; free after a decode: {free_after:,.0f} MiB "
                f"(the margin was {fit.margin if fit else 0:,.0f} MiB)\n")  # fmt: skip
     return out

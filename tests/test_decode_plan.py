@@ -90,19 +90,23 @@ def test_each_layer_gets_the_calls_its_weights_allow(arch: str, kinds: set[tuple
     lm.close()
 
 
-def test_a_dense_lead_layer_runs_its_compiled_ffn(tmp_path: Path) -> None:
-    """A dense first layer (DeepSeek-style lead layers): its FFN in one call, the MoE layers' in theirs; the
-    token goes layer by layer (the loop over host rows wants every layer's MoE call)."""
-    path = tiny_moe(tmp_path / "lead.gguf", n_layers=3, dense_layers=1, expert_type=Q.Q4_K, dense_type=Q.Q4_K)
+@pytest.mark.parametrize("dense_layers", [1, 3])
+def test_dense_layers_run_their_compiled_ffn(dense_layers: int, tmp_path: Path) -> None:
+    """A dense first layer (DeepSeek-style lead layers), or a dense model: a dense FFN in one call, in the same
+    loop over host rows as the MoE layers' calls, with the modules' results."""
+    path = tiny_moe(tmp_path / "lead.gguf", n_layers=3, dense_layers=dense_layers, expert_type=Q.Q4_K,
+                    dense_type=Q.Q4_K, n_expert=8 if dense_layers < 3 else 0)  # fmt: skip
     lm = load_model(path, n_ctx=64)
     plan = lm.model.decode_plan(lm.new_cache())
     assert [p.kinds for p in plan.layers] == [("compiled", "compiled")] * 3
-    assert [p.calls is not None for p in plan.layers] == [False, True, True]
-    assert "layers 0-2: attention compiled, FFN compiled" in plan.describe()
+    assert all(p.calls is not None for p in plan.layers)
+    assert [p.moe is not None for p in plan.layers] == [i >= dense_layers for i in range(3)]
+    assert plan.describe() == "layers 0-2: attention compiled, FFN compiled"
     fast, fast_routes = _steps(lm, True)
     ref, ref_routes = _steps(lm, False)
     _close(fast, ref)
     assert fast_routes == ref_routes
+    assert all(len(r) == 3 - dense_layers for r in fast_routes)
     lm.close()
 
 

@@ -351,18 +351,32 @@ def _ffn_kernel(tg: Q, tu: Q, td: Q, bits: int) -> Any:
     return block
 
 
+class FfnBlockCall:
+    """A dense FFN block for one token, everything but the token bound once: x [1, E] -> x (+ if residual)
+    post_norm(down @ act(gate @ h, up @ h)), h = rms_norm(x) (x itself if norm is None). ws: (raw bytes,
+    type) of gate, up and down; code: `cpu_kernels.ACT_*`; bits: as for AttentionBlockCall."""
+
+    def __init__(
+        self, norm: np.ndarray | None, eps: float, ws: tuple[tuple[np.ndarray, Q], ...], code: int,
+        post_norm: np.ndarray | None = None, residual: bool = True, bits: int = 16,
+    ) -> None:  # fmt: skip
+        (gate, tg), (up, tu), (down, td) = ws
+        self.kernel = _ffn_kernel(tg, tu, td, bits)
+        self.head = (_NONE if norm is None else norm, np.float32(eps), gate, up, down, code)
+        self.tail = (_NONE if post_norm is None else post_norm, residual)
+
+    def __call__(self, x: np.ndarray) -> np.ndarray:
+        out = np.empty_like(x)
+        self.kernel(x, *self.head, *self.tail, out)
+        return out
+
+
 def ffn_block(
     x: np.ndarray, norm: np.ndarray | None, eps: float, ws: tuple[tuple[np.ndarray, Q], ...], code: int,
     post_norm: np.ndarray | None = None, residual: bool = True, bits: int = 16,
 ) -> np.ndarray:  # fmt: skip
-    """x [1, E] (+ if residual) post_norm(down @ act(gate @ h, up @ h)), h = rms_norm(x) (x itself if
-    norm is None) -> [1, E]. ws: (raw bytes, type) of gate, up and down; code: `cpu_kernels.ACT_*`;
-    bits: as for AttentionBlockCall."""
-    (gate, tg), (up, tu), (down, td) = ws
-    out = np.empty_like(x)
-    _ffn_kernel(tg, tu, td, bits)(x, _NONE if norm is None else norm, np.float32(eps), gate, up, down, code,
-                            _NONE if post_norm is None else post_norm, residual, out)  # fmt: skip
-    return out
+    """`FfnBlockCall`'s result for x [1, E], bound for this call only."""
+    return FfnBlockCall(norm, eps, ws, code, post_norm, residual, bits)(x)
 
 
 # The logits over the kernel's threads: a router's float32 rows are a megabyte a layer (Qwen3-30B's

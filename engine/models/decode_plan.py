@@ -27,16 +27,17 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
 import torch
 
-from ..kernels.layer_halves import AttentionBlockCall
+from ..kernels.layer_halves import AttentionBlockCall, FfnBlockCall
 from ..kernels.moe_token import MoeTokenCall
 from ..moe.host_experts import ExpertExecutor
+from ..nn.activations import activation_code
 from ..nn.layers import KVCache, LayerCache, Rope, host_heads, host_rows, rms_norm
-from ..nn.qlinear import QLinear, ffn_one_token, one_call_ffn
+from ..nn.qlinear import QLinear, one_call_ffn
 from .decoder import Attention, Block, DenseFFN, MoeFFN
 
 if TYPE_CHECKING:
@@ -56,8 +57,9 @@ class LayerPlan:
     attention: AttentionHalf
     ffn: FfnHalf
     kinds: tuple[str, str]  # each half: "compiled", "routed call", "module" or "skipped"
-    # Both halves as compiled calls on host rows (the tight loop), where they are.
-    calls: tuple[AttentionBlockCall, MoeTokenCall] | None = None
+    # Both halves as compiled calls on host rows (the tight loop), where they are: a MoE layer's FFN call
+    # returns (ids, weights, x'), a dense one x'.
+    calls: tuple[AttentionBlockCall, MoeTokenCall | FfnBlockCall] | None = None
     moe: MoeFFN | None = None
 
 
@@ -90,8 +92,8 @@ class DecodePlan:
                 attn = _compiled_attention(attn_call)
             else:
                 attn = _module_attention(block, rope)
-            ffn, ffn_kind, moe_call = _ffn_half(model, block) if on_cpu else (_module_ffn(model, block), "module", None)
-            calls = (attn_call, moe_call) if attn_call is not None and moe_call is not None else None
+            ffn, ffn_kind, ffn_call = _ffn_half(model, block) if on_cpu else (_module_ffn(model, block), "module", None)
+            calls = (attn_call, ffn_call) if attn_call is not None and ffn_call is not None else None
             kinds = ("skipped" if not attention else "compiled" if attn_call else "module", ffn_kind)
             moe = block.ffn if isinstance(block.ffn, MoeFFN) else None
             layers.append(LayerPlan(attn, ffn, kinds, calls, moe))
@@ -120,16 +122,22 @@ class DecodePlan:
 
     def _run_calls(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
         """Every layer's two compiled calls back to back on host rows; then the routing, told once."""
-        h, chosen = host_rows(x), []
+        h, chosen, moes = host_rows(x), [], []
         kv = cache.layers
         for i in range(first, end):
-            attend, experts = self.layers[i].calls  # type: ignore[misc]  # (run checked: every layer has them)
-            ids, _, h = experts(attend(h, *host_heads(kv[i]), pos0))
-            chosen.append(ids)
-        moes = [self.layers[i].moe for i in range(first, end)]
-        self.model.experts.account([m.i for m in moes], chosen)  # type: ignore[union-attr]
-        for moe, ids in zip(moes, chosen, strict=True):
-            moe.remember(torch.from_numpy(ids))  # type: ignore[union-attr]
+            p = self.layers[i]
+            attend, ffn = p.calls  # type: ignore[misc]  # (run checked: every layer has them)
+            h = attend(h, *host_heads(kv[i]), pos0)
+            if p.moe is None:
+                h = ffn(h)  # type: ignore[assignment]
+            else:
+                ids, _, h = ffn(h)
+                chosen.append(ids)
+                moes.append(p.moe)
+        if moes:
+            self.model.experts.account([m.i for m in moes], chosen)
+            for moe, ids in zip(moes, chosen, strict=True):
+                moe.remember(torch.from_numpy(ids))
         return torch.from_numpy(h)
 
 
@@ -190,11 +198,12 @@ def _skipped(x: torch.Tensor, pos0: int, layer: LayerCache) -> torch.Tensor:
 # -- FFN halves --------------------------------------------------------------------------------------
 
 
-def _ffn_half(model: DecoderBase, block: Block) -> tuple[FfnHalf, str, MoeTokenCall | None]:
+def _ffn_half(model: DecoderBase, block: Block) -> tuple[FfnHalf, str, MoeTokenCall | FfnBlockCall | None]:
     """The layer's FFN half on the CPU, what it is, and the whole half as one call on host rows where it is one."""
     ffn, eps = block.ffn, block.eps
     if isinstance(ffn, DenseFFN) and one_call_ffn(ffn.gate, ffn.up, ffn.down, ffn.act):
-        return _compiled_dense(block, ffn), "compiled", None
+        dense = _dense_call(block, ffn)
+        return _compiled_dense(dense), "compiled", dense
     if isinstance(ffn, MoeFFN) and ffn.i in model.moe_layers:  # (a split model's stage has its own layers' experts)
         whole = ffn.sh_gate is None and block.post_ffn_norm is None  # norm and residual inside the call
         call = moe_token_call(ffn, model.experts, block.ffn_norm if whole else None, eps)
@@ -222,12 +231,18 @@ def moe_token_call(ffn: MoeFFN, experts: ExpertExecutor, norm: torch.Tensor | No
                         norm=None if norm is None else norm.numpy(), eps=eps)  # fmt: skip
 
 
-def _compiled_dense(block: Block, ffn: DenseFFN) -> FfnHalf:
-    norm, post, eps = block.ffn_norm, block.post_ffn_norm, block.eps
+def _dense_call(block: Block, ffn: DenseFFN) -> FfnBlockCall:
+    ws = tuple((w.raw, w.qtype) for w in (ffn.gate, ffn.up, ffn.down) if isinstance(w, QLinear))
+    post = None if block.post_ffn_norm is None else block.post_ffn_norm.numpy()
+    code = activation_code(ffn.act)
+    if code is None or len(ws) != 3:
+        raise ValueError("a dense FFN in one call needs quantized matrices and a compiled activation")
+    return FfnBlockCall(block.ffn_norm.numpy(), block.eps, ws, code, post, True, cast(QLinear, ffn.gate).bits)
 
+
+def _compiled_dense(call: FfnBlockCall) -> FfnHalf:
     def half(x: torch.Tensor) -> torch.Tensor:
-        return ffn_one_token(x, ffn.gate, ffn.up, ffn.down, ffn.act, norm=norm, eps=eps, post_norm=post,
-                             residual=True)  # fmt: skip
+        return torch.from_numpy(call(host_rows(x)))
 
     return half
 

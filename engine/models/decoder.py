@@ -29,6 +29,8 @@ class Plan(Protocol):
 
     def run(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor: ...
 
+    def describe(self) -> str: ...
+
 
 Planner = Callable[["DecoderBase", tuple[str, torch.dtype]], Plan]  # (model, the KV cache's kind) -> its plan
 

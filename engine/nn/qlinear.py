@@ -140,32 +140,19 @@ def gated(x: torch.Tensor, gate: Weight, up: Weight, act: Act) -> torch.Tensor:
 
 
 def one_call_ffn(gate: Weight, up: Weight, down: Weight, act: Act) -> bool:
-    """Whether one token's gated FFN over these matrices runs as one compiled call (`ffn_one_token`)."""
+    """Whether one token's gated FFN over these matrices runs as one compiled call (`layer_halves.ffn_block`)."""
     return (activation_code(act) is not None and isinstance(gate, QLinear) and isinstance(up, QLinear)
             and isinstance(down, QLinear) and gate.shape == up.shape and gate.bits == up.bits == down.bits)  # fmt: skip
 
 
 def ffn(x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: Act) -> torch.Tensor:
     """down @ act(gate @ x, up @ x) for x [T, E]: one compiled call for one token where it can be."""
-    if x.shape[0] == 1 and one_call_ffn(gate, up, down, act):
-        return ffn_one_token(x, gate, up, down, act)
-    return linear(gated(x, gate, up, act), down)
-
-
-def ffn_one_token(
-    x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: Act, *, norm: torch.Tensor | None = None,
-    eps: float = 0.0, post_norm: torch.Tensor | None = None, residual: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    """x (+ if residual) post_norm(down @ act(gate @ h, up @ h)), h = rms_norm(x) (x without a norm), for one
-    token x [1, E] in one compiled call (`layer_halves.ffn_block`); only where `one_call_ffn` holds."""
     code = activation_code(act)
-    if x.shape[0] != 1 or code is None or not one_call_ffn(gate, up, down, act):
-        raise ValueError("ffn_one_token: one token, quantized matrices of one shape and width")
-    g, u, d = cast(QLinear, gate), cast(QLinear, up), cast(QLinear, down)
-    ws = ((g.raw, g.qtype), (u.raw, u.qtype), (d.raw, d.qtype))
-    out = ffn_block(host_rows(x), None if norm is None else norm.numpy(), eps, ws, code,
-                    None if post_norm is None else post_norm.numpy(), residual, g.bits)  # fmt: skip
-    return torch.from_numpy(out)
+    if x.shape[0] == 1 and code is not None and one_call_ffn(gate, up, down, act):
+        g, u, d = cast(QLinear, gate), cast(QLinear, up), cast(QLinear, down)
+        ws = ((g.raw, g.qtype), (u.raw, u.qtype), (d.raw, d.qtype))
+        return torch.from_numpy(ffn_block(host_rows(x), None, 0.0, ws, code, None, False, g.bits))
+    return linear(gated(x, gate, up, act), down)
 
 
 def set_activation_bits(model: torch.nn.Module, bits: int, prompt_bits: int) -> None:
