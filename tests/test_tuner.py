@@ -493,18 +493,23 @@ def test_recommendation_survives_degenerate_and_noisy_runs(tmp_path: Path) -> No
     assert not recommend(fast, path.name, workers=1).recommendation.cache_off
 
 
+# Slow enough that the uploads' time (waited, not computed) outweighs what another process's work does to the
+# compute's: at 4 GB/s the fit failed with the suite's other worker beside it.
+LINK = "1"
+
+
 @pytest.mark.slow
 def test_tune_finds_the_emulated_link(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    """`moechat tune --device cpu --emulate-link-gbps 4` on a test model: a physical fit that finds the link.
+    """`moechat tune --device cpu --emulate-link-gbps 1` on a test model: a physical fit that finds the link.
     Loose on purpose (the machine is shared): within 40%, leave-one-out within 30%; bench/tune_accuracy.py
     holds the tight figures (within 20% and 15%)."""
     path = tiny_moe(tmp_path / "m.gguf", n_layers=2, n_embd=512, n_expert=16, n_expert_used=4, n_ff_exp=1024)
-    rc = main(["tune", str(path), "--device", "cpu", "--emulate-link-gbps", "4", "--json", "-c", "512"])
+    rc = main(["tune", str(path), "--device", "cpu", "--emulate-link-gbps", LINK, "--json", "-c", "512"])
     out = capsys.readouterr()
     assert rc == 0, out.err
     m = json.loads(out.out)["time_model"]
     assert m["physical"] and m["cpu_free"]  # on the CPU device a CPU miss is the work of a hit
-    assert m["upload_gibps"] == pytest.approx(4e9 / 2**30, rel=0.4)
+    assert m["upload_gibps"] == pytest.approx(float(LINK) * 1e9 / 2**30, rel=0.4)
     assert m["spread"] <= 0.3
 
 
