@@ -12,7 +12,7 @@ have for the layer's weights where there is one, else the module's own half:
 - a MoE FFN: the executor's token call (`kernels.moe_token`: routing and the routed experts, with
   the norm and residual around it) where the executor offers one; with a shared expert or a post
   norm, that call on the normed token and the rest in torch as the module computes it;
-- a dense FFN: `layer_halves.ffn_block` (norm, gated FFN, post norm, residual).
+- a dense FFN: `layer_halves.FfnBlockCall` (norm, gated FFN, post norm, residual).
 
 Where every layer of the range has both halves as compiled calls on host rows, the token runs
 them back to back over float32 arrays (each call streams megabytes of weights, so the Python
@@ -27,7 +27,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -35,9 +35,8 @@ import torch
 from ..kernels.layer_halves import AttentionBlockCall, FfnBlockCall
 from ..kernels.moe_token import MoeTokenCall
 from ..moe.host_experts import ExpertExecutor
-from ..nn.activations import activation_code
 from ..nn.layers import KVCache, LayerCache, Rope, host_heads, host_rows, rms_norm
-from ..nn.qlinear import QLinear, one_call_ffn
+from ..nn.qlinear import QLinear, ffn_call
 from .decoder import Attention, Block, DenseFFN, MoeFFN
 
 if TYPE_CHECKING:
@@ -201,8 +200,9 @@ def _skipped(x: torch.Tensor, pos0: int, layer: LayerCache) -> torch.Tensor:
 def _ffn_half(model: DecoderBase, block: Block) -> tuple[FfnHalf, str, MoeTokenCall | FfnBlockCall | None]:
     """The layer's FFN half on the CPU, what it is, and the whole half as one call on host rows where it is one."""
     ffn, eps = block.ffn, block.eps
-    if isinstance(ffn, DenseFFN) and one_call_ffn(ffn.gate, ffn.up, ffn.down, ffn.act):
-        dense = _dense_call(block, ffn)
+    dense = ffn_call(ffn.gate, ffn.up, ffn.down, ffn.act, norm=block.ffn_norm, eps=eps, post_norm=block.post_ffn_norm,
+                     residual=True) if isinstance(ffn, DenseFFN) else None  # fmt: skip
+    if dense is not None:
         return _compiled_dense(dense), "compiled", dense
     if isinstance(ffn, MoeFFN) and ffn.i in model.moe_layers:  # (a split model's stage has its own layers' experts)
         whole = ffn.sh_gate is None and block.post_ffn_norm is None  # norm and residual inside the call
@@ -229,15 +229,6 @@ def moe_token_call(ffn: MoeFFN, experts: ExpertExecutor, norm: torch.Tensor | No
     return MoeTokenCall(ffn.router.numpy(), router_bias, cfg.expert_gating, cfg.n_expert_used,
                         cfg.expert_weights_norm, cfg.expert_weights_scale, *bound,
                         norm=None if norm is None else norm.numpy(), eps=eps)  # fmt: skip
-
-
-def _dense_call(block: Block, ffn: DenseFFN) -> FfnBlockCall:
-    ws = tuple((w.raw, w.qtype) for w in (ffn.gate, ffn.up, ffn.down) if isinstance(w, QLinear))
-    post = None if block.post_ffn_norm is None else block.post_ffn_norm.numpy()
-    code = activation_code(ffn.act)
-    if code is None or len(ws) != 3:
-        raise ValueError("a dense FFN in one call needs quantized matrices and a compiled activation")
-    return FfnBlockCall(block.ffn_norm.numpy(), block.eps, ws, code, post, True, cast(QLinear, ffn.gate).bits)
 
 
 def _compiled_dense(call: FfnBlockCall) -> FfnHalf:

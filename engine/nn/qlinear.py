@@ -12,7 +12,6 @@ the kernels for a few tokens (decode), `prompt_bits` for many: see `kernels.isa.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import cast
 
 import numpy as np
 import torch
@@ -24,7 +23,7 @@ from ..gguf.quant_types import CPU, supports
 from ..kernels import cpu as cpu_kernels
 from ..kernels import device as device_kernels
 from ..kernels.codes import GEMM_TOKENS
-from ..kernels.layer_halves import ffn_block
+from ..kernels.layer_halves import FfnBlockCall
 from .activations import activation_code
 from .layers import host_rows
 
@@ -139,19 +138,27 @@ def gated(x: torch.Tensor, gate: Weight, up: Weight, act: Act) -> torch.Tensor:
     return act(linear(x, gate), linear(x, up))
 
 
-def one_call_ffn(gate: Weight, up: Weight, down: Weight, act: Act) -> bool:
-    """Whether one token's gated FFN over these matrices runs as one compiled call (`layer_halves.ffn_block`)."""
-    return (activation_code(act) is not None and isinstance(gate, QLinear) and isinstance(up, QLinear)
-            and isinstance(down, QLinear) and gate.shape == up.shape and gate.bits == up.bits == down.bits)  # fmt: skip
+def ffn_call(
+    gate: Weight, up: Weight, down: Weight, act: Act, *, norm: torch.Tensor | None = None, eps: float = 0.0,
+    post_norm: torch.Tensor | None = None, residual: bool = False,
+) -> FfnBlockCall | None:  # fmt: skip
+    """One token's gated FFN over these matrices bound as one compiled call (`layer_halves.FfnBlockCall`: x (+ if
+    residual) post_norm(down @ act(gate @ h, up @ h)), h = rms_norm(x) or x); None where there is none: float
+    matrices, other shapes or widths, an activation without a compiled form."""
+    code = activation_code(act)
+    if code is None or not (isinstance(gate, QLinear) and isinstance(up, QLinear) and isinstance(down, QLinear)
+                            and gate.shape == up.shape and gate.bits == up.bits == down.bits):  # fmt: skip
+        return None
+    ws = ((gate.raw, gate.qtype), (up.raw, up.qtype), (down.raw, down.qtype))
+    return FfnBlockCall(None if norm is None else norm.numpy(), eps, ws, code,
+                        None if post_norm is None else post_norm.numpy(), residual, gate.bits)  # fmt: skip
 
 
 def ffn(x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: Act) -> torch.Tensor:
     """down @ act(gate @ x, up @ x) for x [T, E]: one compiled call for one token where it can be."""
-    code = activation_code(act)
-    if x.shape[0] == 1 and code is not None and one_call_ffn(gate, up, down, act):
-        g, u, d = cast(QLinear, gate), cast(QLinear, up), cast(QLinear, down)
-        ws = ((g.raw, g.qtype), (u.raw, u.qtype), (d.raw, d.qtype))
-        return torch.from_numpy(ffn_block(host_rows(x), None, 0.0, ws, code, None, False, g.bits))
+    call = ffn_call(gate, up, down, act) if x.shape[0] == 1 else None
+    if call is not None:
+        return torch.from_numpy(call(host_rows(x)))
     return linear(gated(x, gate, up, act), down)
 
 
