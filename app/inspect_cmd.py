@@ -157,16 +157,17 @@ def run_fit(path: str, console: Console, device: str, emulate_device_mib: float,
     gguf, cfg = open_model(path)
     n_ctx = min(n_ctx, cfg.n_ctx_train or n_ctx)
     with gguf:
+        total, per_layer = auto_size.expert_bytes(gguf, cfg.n_layers)
+        dense = sum(t.n_bytes for t in gguf.tensors.values()) - total
+        # What a decode token reads of them: one row of its own embedding where the head is another matrix.
+        read = dense - (gguf.tensors["token_embd.weight"].n_bytes if "output.weight" in gguf.tensors else 0)
         free = None
         if settings.device == "cuda":  # the dense weights are not there yet: what they will leave
             import torch
             from moechat.engine.cache.device_memory import device_free_bytes
 
-            total, _ = auto_size.expert_bytes(gguf, cfg.n_layers)
-            dense = sum(t.n_bytes for t in gguf.tensors.values()) - total
             free = (device_free_bytes(torch.device("cuda")) - dense) / 2**20
         f = auto_size.fit(gguf, cfg, n_ctx, settings, free)
-        _, per_layer = auto_size.expert_bytes(gguf, cfg.n_layers)
     for line in f.lines():
         console.print(line, markup=False, highlight=False)
     if f.cache > 0 and per_layer:
@@ -176,25 +177,20 @@ def run_fit(path: str, console: Console, device: str, emulate_device_mib: float,
         speeds, token_ms = _speeds(path, replace(settings, mib=f.cache), n_ctx, remeasure)
         console.print(speeds.line(), markup=False, highlight=False)
         if speeds.cpu_gbps > 0:  # (measured: there is a link to trade against)
-            line = _forecast(path, cfg, f, speeds, settings.device, token_ms).line()
+            line = _forecast(cfg, read, per_layer, f, speeds, settings.device, token_ms).line()
             console.print(line, markup=False, highlight=False)
     return 0
 
 
-def _forecast(path: str, cfg: ModelConfig, f: auto_size.Fit, speeds: share_auto.Speeds, device: str,
-              token_ms: float) -> Forecast:  # fmt: skip
-    """The time model's t/s at the auto size and share, from the speeds alone (`tuner.time_model.forecast`)."""
+def _forecast(cfg: ModelConfig, read_bytes: int, per_layer: dict[int, int], f: auto_size.Fit,
+              speeds: share_auto.Speeds, device: str, token_ms: float) -> Forecast:  # fmt: skip
+    """The time model's t/s at the auto size and share, from the speeds alone (`tuner.time_model.forecast`):
+    `read_bytes` of dense weights a token reads, one expert's bytes per MoE layer."""
     from moechat.engine.cache import share_auto
     from moechat.tuner.time_model import forecast
 
-    gguf, _ = open_model(path)
-    with gguf:
-        experts, per_layer = expert_bytes(gguf, cfg.n_layers)
-        dense = sum(t.n_bytes for t in gguf.tensors.values()) - experts
-        if "output.weight" in gguf.tensors:  # a token reads one row of its own embedding
-            dense -= gguf.tensors["token_embd.weight"].n_bytes
     on_device = {} if device == "cpu" else {"device_gbps": share_auto.device_gbps(device, speeds.cpu_gbps)}
-    return forecast(dense, [per_layer[i] for i in sorted(per_layer)], cfg.n_expert_used, cfg.n_expert,
+    return forecast(read_bytes, [per_layer[i] for i in sorted(per_layer)], cfg.n_expert_used, cfg.n_expert,
                     f.cache * 2**20, speeds.share, link_gbps=speeds.link_gbps, cpu_gbps=speeds.cpu_gbps,
                     token_ms=token_ms, **on_device)  # fmt: skip
 
