@@ -78,17 +78,9 @@ def link_gbps(settings: CacheSettings) -> float:
     on the CPU device the emulated link's (math.inf: none)."""
     if settings.device == "cpu":
         return settings.emulate_link_gbps or math.inf
-    dev = torch.device(settings.device)
     n = LINK_PROBE_MIB * 2**20
     src = torch.empty(n, dtype=torch.uint8, pin_memory=settings.load_mode == "pinned")
-    dst = torch.empty(n, dtype=torch.uint8, device=dev)
-    dst.copy_(src)  # the first copy sets up the transfer path: not timed
-    torch.cuda.synchronize(dev)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        dst.copy_(src, non_blocking=True)
-    torch.cuda.synchronize(dev)
-    return 3 * n / (time.perf_counter() - t0) / 1e9
+    return _copy_gbps(src, torch.empty(n, dtype=torch.uint8, device=settings.device), non_blocking=True)
 
 
 def device_gbps(device: str, cpu: float) -> float:
@@ -96,16 +88,20 @@ def device_gbps(device: str, cpu: float) -> float:
     reads and writes each byte); the CPU device is the CPU, which computes experts at `cpu`."""
     if device == "cpu":
         return cpu
-    dev = torch.device(device)
     n = LINK_PROBE_MIB * 2**20
-    src, dst = torch.empty(n, dtype=torch.uint8, device=dev), torch.empty(n, dtype=torch.uint8, device=dev)
+    src, dst = (torch.empty(n, dtype=torch.uint8, device=device) for _ in range(2))
+    return 2 * _copy_gbps(src, dst)
+
+
+def _copy_gbps(src: torch.Tensor, dst: torch.Tensor, non_blocking: bool = False) -> float:
+    """GB/s of copying src into dst on a CUDA device: three copies timed after one that sets up the path."""
     dst.copy_(src)
-    torch.cuda.synchronize(dev)
+    torch.cuda.synchronize(dst.device)
     t0 = time.perf_counter()
     for _ in range(3):
-        dst.copy_(src)
-    torch.cuda.synchronize(dev)
-    return 2 * 3 * n / (time.perf_counter() - t0) / 1e9
+        dst.copy_(src, non_blocking=non_blocking)
+    torch.cuda.synchronize(dst.device)
+    return 3 * src.numel() / (time.perf_counter() - t0) / 1e9
 
 
 def cpu_gbps(host: HostExperts, n_expert_used: int, seconds: float = CPU_PROBE_S) -> float:
