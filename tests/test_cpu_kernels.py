@@ -205,6 +205,35 @@ def test_fused_moe_parts_add_up_bit_for_bit() -> None:
     assert np.array_equal(cpu_kernels.sum_by_token(parts, ids), cpu_kernels.sum_by_token(whole, ids))
 
 
+@pytest.mark.parametrize("bits", [16, 8])
+def test_a_token_alone_equals_the_same_token_in_a_batch(bits: int) -> None:
+    """A token or three write each row as it is made, more write a block at once (`_staged`): the same floats,
+    biases, routing scales and the activation included. Q8_0 rows read no tiles: the same dot products."""
+    rng = np.random.default_rng(11)
+    n_expert, e, f, t = 3, 256, 96, 6
+    gate, up, down = (np.stack([quantized(shape, Q.Q8_0, rng) for _ in range(n_expert)]) for shape in
+                      ((f, e), (f, e), (e, f)))  # fmt: skip
+    bg, bu, bd = (rng.standard_normal((n_expert, n)).astype(np.float32) for n in (f, f, e))
+    x = rng.standard_normal((t, e)).astype(np.float32)
+    scale = rng.random(t).astype(np.float32)
+    sel = np.array([2], np.int64)
+
+    def run(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        n = rows.size
+        ptr, a = np.array([0, n], np.int64), np.arange(n, dtype=np.int64)
+        h = np.empty((n, f), np.float32)
+        cpu_kernels.gate_up(gate, Q.Q8_0, up, Q.Q8_0, x[rows], a, sel, sel, ptr, a, a, h, 0, bg, bu, bits=bits)
+        y = np.empty((n, e), np.float32)
+        cpu_kernels.matmul(down, Q.Q8_0, h, a, sel, sel, ptr, a, a, y, scale[rows], bd, bits=bits)
+        return h, y
+
+    h_all, y_all = run(np.arange(t))
+    for i in range(t):
+        h, y = run(np.array([i]))
+        np.testing.assert_array_equal(h[0], h_all[i])
+        np.testing.assert_array_equal(y[0], y_all[i])
+
+
 def test_combine_sums_in_expert_order() -> None:
     """The sum per token does not depend on the order in which the router listed its experts."""
     rng = np.random.default_rng(5)
