@@ -15,10 +15,10 @@ inlined where they are called, so LLVM sees the whole loop and vectorizes it for
   scale per 256: a block's integer form (`IntBlock`: each weight's integer and its integer
   sub-scale) keeps the whole block in int32 (int16: the integer times its sub-scale, then
   pmaddwd, fused into vpdpwssd with VNNI; int8: pmaddubsw, then pmaddwd with the sub-scales, as
-  llama.cpp does), and one float multiply-add per 256 weights instead of per 32. MXFP4 with int8 on
-  AVX-512 goes four blocks a pass (`QuadBlock`): unsigned weights (the code book plus an offset that
-  returns as a bias), the four blocks' products in two 64-byte instructions, one conversion and one
-  multiply-add for the four. The weights'
+  llama.cpp does), and one float multiply-add per 256 weights instead of per 32. Q4_0, Q4_1 and
+  MXFP4 with int8 on AVX-512 go four blocks a pass (`QuadBlock`): unsigned weights (MXFP4's code book
+  plus an offset that returns as a bias, as Q4_0's), the four blocks' products in two 64-byte
+  instructions, one conversion and one multiply-add for the four. The weights'
   integers are unpacked once for the four tokens; each token's operations are the same whatever
   the number of tokens, so how many tokens share a row never changes a token's result.
 - `decode_row`: a row's weights as float32 (the tiles a float GEMM multiplies in prefill).
@@ -183,36 +183,65 @@ def _mxfp4(v: VecBuilder, p: ir.Value, dxp: ir.Value | None) -> Block:
 class QuadBlock(NamedTuple):
     """Four 32-weight blocks of a 4-bit type in 64-byte vectors, for AVX-512's byte products: each
     block's weights 0..15 (its low nibbles) in `lo`, 16 lanes a block, weights 16..31 in `hi`, as
-    unsigned integers (the weight's integer plus `offset`), and the four blocks' scales."""
+    unsigned integers, the four blocks' scales, and their biases (what multiplies the sum of a block's
+    activations: a min, or an offset that made the integers unsigned times the scale)."""
 
     lo: ir.Value  # <64 x i8>
     hi: ir.Value  # <64 x i8>
     scales: ir.Value  # <4 x float32>
-    offset: int
+    bias: ir.Value  # <4 x float32>
+
+
+def _quad_nibbles(v: VecBuilder, ps: list[ir.Value], off: int) -> tuple[ir.Value, ir.Value]:
+    """The 16 bytes at off of each of four blocks -> (low nibbles, high nibbles), <64 x i8> each."""
+    b = v.b
+    nib = [v.load(p, off, I8, 16) for p in ps]
+
+    def cat(x: ir.Value, y: ir.Value) -> ir.Value:
+        n = 2 * x.type.count
+        return b.shuffle_vector(x, y, ir.Constant(vec(I32, n), list(range(n))))
+
+    q = cat(cat(nib[0], nib[1]), cat(nib[2], nib[3]))  # 16 bytes a block
+    return b.and_(q, ir.Constant(vec(I8, 64), [15] * 64)), b.lshr(q, ir.Constant(vec(I8, 64), [4] * 64))
+
+
+def _quad_f16(v: VecBuilder, ps: list[ir.Value], off: int) -> ir.Value:
+    """The float16 at off of each of four blocks -> <4 x float32>."""
+    out = ir.Constant(vec(F32, 4), None)
+    for j, p in enumerate(ps):
+        out = v.b.insert_element(out, v.f16(p, off), ir.Constant(I32, j))
+    return out
+
+
+def _offset_bias(v: VecBuilder, scales: ir.Value, offset: int) -> ir.Value:
+    return v.b.fmul(scales, ir.Constant(vec(F32, 4), [-float(offset)] * 4))
+
+
+def _q4_0_quad(v: VecBuilder, ps: list[ir.Value]) -> QuadBlock:
+    lo, hi = _quad_nibbles(v, ps, 2)
+    scales = _quad_f16(v, ps, 0)
+    return QuadBlock(lo, hi, scales, _offset_bias(v, scales, 8))
+
+
+def _q4_1_quad(v: VecBuilder, ps: list[ir.Value]) -> QuadBlock:
+    lo, hi = _quad_nibbles(v, ps, 4)
+    return QuadBlock(lo, hi, _quad_f16(v, ps, 0), _quad_f16(v, ps, 2))
 
 
 def _mxfp4_quad(v: VecBuilder, ps: list[ir.Value]) -> QuadBlock:
     # The code book plus 12 is 0..24: an unsigned byte times an activation is one instruction, where a
     # signed one took three (abs, sign, product); the offset comes back as a bias, as for Q4_0.
     b = v.b
-    nib = [v.load(p, 1, I8, 16) for p in ps]
-
-    def cat(x: ir.Value, y: ir.Value) -> ir.Value:
-        n = 2 * x.type.count
-        return b.shuffle_vector(x, y, ir.Constant(vec(I32, n), list(range(n))))
-
-    q = cat(cat(nib[0], nib[1]), cat(nib[2], nib[3]))  # <64 x i8>: 16 bytes a block
     tab = ir.Constant(vec(I8, 64), [c + 12 for c in _MXFP4] * 4)
 
     def look(idx: ir.Value) -> ir.Value:
         return call_intrinsic(b, "llvm.x86.avx512.pshuf.b.512", vec(I8, 64), [tab, idx])
 
-    lo = look(b.and_(q, ir.Constant(vec(I8, 64), [15] * 64)))
-    hi = look(b.lshr(q, ir.Constant(vec(I8, 64), [4] * 64)))
+    lo, hi = _quad_nibbles(v, ps, 1)
     scales = ir.Constant(vec(F32, 4), None)
     for j, p in enumerate(ps):
         scales = b.insert_element(scales, _e8m0_half(v, p), ir.Constant(I32, j))
-    return QuadBlock(lo, hi, scales, 12)
+    return QuadBlock(look(lo), look(hi), scales, _offset_bias(v, scales, 12))
 
 
 # -- 256-weight super-blocks: eight chunks each --------------------------------------------------
@@ -377,7 +406,9 @@ _CHUNKS: dict[Q, Chunks] = {
 _INTS: dict[Q, Callable[[VecBuilder, ir.Value], IntBlock]] = {
     Q.Q4_K: _q4_k_ints, Q.Q5_K: _q5_k_ints, Q.Q6_K: _q6_k_ints, Q.IQ4_XS: _iq4_xs_ints,
 }  # fmt: skip
-_QUADS: dict[Q, Callable[[VecBuilder, list[ir.Value]], QuadBlock]] = {Q.MXFP4: _mxfp4_quad}
+_QUADS: dict[Q, Callable[[VecBuilder, list[ir.Value]], QuadBlock]] = {
+    Q.Q4_0: _q4_0_quad, Q.Q4_1: _q4_1_quad, Q.MXFP4: _mxfp4_quad,
+}  # fmt: skip
 # One entry per quant type the registry (gguf.quant_types) gives the CPU kernels: its whole block layout.
 # A type claimed there without its chunks here fails at import.
 LAYOUTS: dict[Q, Layout] = {t: _layout(t, _CHUNKS[t]) for t in sorted(types_for(CPU))}
@@ -778,7 +809,6 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
                 _prefetch(v, quad_p[0], 4 * layout.size)
                 quad = four(v, quad_p)
                 first = b.mul(index, ir.Constant(I64, LANES))  # the first block's first weight
-                bias = b.fmul(quad.scales, ir.Constant(vec(F32, 4), [-float(quad.offset)] * 4))
                 v16 = vec(I32, 16)
                 # activations 0..15 of each of the four blocks, then 16..31: the order of lo and hi
                 halves = [[32 * j + h + i for j in range(4) for i in range(16)] for h in (0, 16)]
@@ -791,7 +821,7 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
                         for w, x in zip((quad.lo, quad.hi), xs, strict=True):
                             sums = call_intrinsic(b, "llvm.x86.avx512.vpdpbusd.512", v16,
                                          [sums, b.bitcast(w, v16), b.bitcast(x, v16)])  # fmt: skip
-                    else:  # |pair| <= 2 * 24 * 127 each, the two halves' sum < 2^15: exact in int16
+                    else:  # weights <= 24: |pair| <= 2 * 24 * 127 each, the two halves' sum < 2^15, exact in int16
                         p16 = [call_intrinsic(b, "llvm.x86.avx512.pmaddubs.w.512", vec(I16, 32), [w, x])
                                for w, x in zip((quad.lo, quad.hi), xs, strict=True)]  # fmt: skip
                         ones = ir.Constant(vec(I16, 32), [1] * 32)
@@ -802,7 +832,7 @@ def _dot_intrinsic(layout: Layout, nt: int, bits: int) -> Any:
                     acc = acc16[t][0]
                     b.store(v.fma(b.sitofp(sums, vec(F32, 16)), scale, b.load(acc)), acc)
                     bsum = v.load(bps[t], index, F32, 4, align=4)
-                    b.store(v.fma(bias, bsum, b.load(accq[t])), accq[t])
+                    b.store(v.fma(quad.bias, bsum, b.load(accq[t])), accq[t])
                 used.update(("16", "q"))
 
             n_blocks = args[2]
