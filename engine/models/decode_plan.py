@@ -253,19 +253,14 @@ def _compiled_moe(model: DecoderBase, ffn: MoeFFN, call: MoeTokenCall) -> FfnHal
 
 def _routed_call(model: DecoderBase, block: Block, ffn: MoeFFN, call: MoeTokenCall) -> FfnHalf:
     """The routing and routed experts of norm(x) in one call; the shared expert and post norm as the module has them."""
-    layer, experts, eps = (ffn.i,), model.experts, block.eps
-    norm, post = block.ffn_norm, block.post_ffn_norm
+    layer, experts = (ffn.i,), model.experts
 
     def half(x: torch.Tensor) -> torch.Tensor:
-        h = rms_norm(x, norm, eps)
+        h = rms_norm(x, block.ffn_norm, block.eps)
         ids, _, routed = call(host_rows(h))
         experts.account(layer, (ids,))
         ffn.remember(torch.from_numpy(ids))
-        y = torch.from_numpy(routed)
-        shared = ffn.shared(h)
-        if shared is not None:
-            y = y + shared
-        return x + (y if post is None else rms_norm(y, post, eps))
+        return block.ffn_out(x, ffn.with_shared(h, torch.from_numpy(routed)))
 
     return half
 

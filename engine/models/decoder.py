@@ -271,9 +271,12 @@ class MoeFFN(Routed):
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
         ids, weights = self.select(h)
         self.remember(ids)
-        y = experts(self.i, h, ids, weights)
+        return self.with_shared(h, experts(self.i, h, ids, weights))
+
+    def with_shared(self, h: torch.Tensor, routed: torch.Tensor) -> torch.Tensor:
+        """The layer's output from its routed experts' sum on h: plus the shared expert, where it has one."""
         shared = self.shared(h)
-        return y if shared is None else y + shared
+        return routed if shared is None else routed + shared
 
 
 class DenseFFN(nn.Module):
@@ -331,7 +334,10 @@ class Block(nn.Module):
         return x + (a if self.post_attn_norm is None else rms_norm(a, self.post_attn_norm, self.eps))
 
     def ffn_half(self, x: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:
-        f = self.ffn(rms_norm(x, self.ffn_norm, self.eps), experts)
+        return self.ffn_out(x, self.ffn(rms_norm(x, self.ffn_norm, self.eps), experts))
+
+    def ffn_out(self, x: torch.Tensor, f: torch.Tensor) -> torch.Tensor:
+        """The FFN half from the FFN's output f on norm(x): x + f, f through the post norm where there is one."""
         return x + (f if self.post_ffn_norm is None else rms_norm(f, self.post_ffn_norm, self.eps))
 
     def forward(
