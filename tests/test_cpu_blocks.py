@@ -20,9 +20,9 @@ from moechat.engine.kernels.codes import (
 )
 from moechat.engine.kernels.jit import njit
 from moechat.engine.kernels.layer_halves import (
+    FfnBlockCall,
     decode_attention,
     exp_nonpositive,
-    ffn_block,
     route_rows,
     router_logits,
     select_compiled,
@@ -87,8 +87,8 @@ def test_ffn_block_matches_dequantized_weights(act_code: int, residual: bool) ->
                       for r, t in zip(raws, types, strict=True))  # fmt: skip
     x = torch.from_numpy(rng.standard_normal((1, e)).astype(np.float32))
     norm, post = torch.rand(e) + 0.5, torch.rand(e) + 0.5
-    got = ffn_block(x.numpy(), norm.numpy(), 1e-6, tuple(zip(raws, types, strict=True)), act_code, post.numpy(),
-                    residual)  # fmt: skip
+    got = FfnBlockCall(norm.numpy(), 1e-6, tuple(zip(raws, types, strict=True)), act_code, post.numpy(),
+                       residual)(x.numpy())  # fmt: skip
     h = F.rms_norm(x.double(), (e,), norm.double(), 1e-6)
     g, u = h @ gate.T, h @ up.T
     a = F.silu(g) * u if act_code == ACT_SILU else F.gelu(g, approximate="tanh") * u

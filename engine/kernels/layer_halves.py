@@ -7,7 +7,7 @@ parallel region), biases and per-head q/k norms where the model has them, rotary
 KV cache write, attention over the cached positions (grouped-query, optionally a sliding window),
 the output projection (a second parallel region), a post-attention norm where the model has one
 (Gemma), and the residual add. `decode_attention` is the part between the projections.
-`ffn_block` does the same for a dense gated FFN (RMS norm, gate and up with the activation, down,
+`FfnBlockCall` does the same for a dense gated FFN (RMS norm, gate and up with the activation, down,
 post-norm, residual add), or without norm and residual for a MoE layer's shared expert.
 `rms_rows` and `route_rows` are a few rows' RMS norm and a MoE layer's routing.
 
@@ -369,14 +369,6 @@ class FfnBlockCall:
         out = np.empty_like(x)
         self.kernel(x, *self.head, *self.tail, out)
         return out
-
-
-def ffn_block(
-    x: np.ndarray, norm: np.ndarray | None, eps: float, ws: tuple[tuple[np.ndarray, Q], ...], code: int,
-    post_norm: np.ndarray | None = None, residual: bool = True, bits: int = 16,
-) -> np.ndarray:  # fmt: skip
-    """`FfnBlockCall`'s result for x [1, E], bound for this call only."""
-    return FfnBlockCall(norm, eps, ws, code, post_norm, residual, bits)(x)
 
 
 # The logits over the kernel's threads: a router's float32 rows are a megabyte a layer (Qwen3-30B's
