@@ -44,18 +44,39 @@ def test_the_governor_takes_a_thread_away_while_a_core_is_busy() -> None:
     n_cores = len(os.sched_getaffinity(0))
     changes: list[int] = []
     governor = ThreadGovernor(n_cores, on_change=changes.append)
-    assert governor.pace() == n_cores and changes == [n_cores]  # applied to this thread at once
+    try:
+        assert governor.pace() == n_cores and changes == [n_cores]  # applied to this thread at once
+        spin = _spinner()
+        try:
+            time.sleep(0.2)
+            deadline = time.monotonic() + 20 * LOOK_EVERY_S
+            while governor.pace() == n_cores and time.monotonic() < deadline:
+                time.sleep(LOOK_EVERY_S / 5)
+        finally:
+            spin.kill()
+            spin.wait()
+        assert governor.n < n_cores and governor.busy_elsewhere >= 0.5
+        assert changes[-1] == governor.n
+    finally:
+        governor.close()
+
+
+@linux_only
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_a_reply_that_starts_beside_a_busy_core_starts_with_fewer_threads() -> None:
+    """The watcher looks while the engine waits, so the first step of a reply (a short prompt is often
+    one step, over in a fraction of a second) already runs on the cores others leave."""
+    n_cores = len(os.sched_getaffinity(0))
+    governor = ThreadGovernor(n_cores)
     spin = _spinner()
     try:
-        time.sleep(0.2)
-        deadline = time.monotonic() + 20 * LOOK_EVERY_S
-        while governor.pace() == n_cores and time.monotonic() < deadline:
-            time.sleep(LOOK_EVERY_S / 5)
+        time.sleep(8 * LOOK_EVERY_S)  # the engine idle: no step, no pace()
+        first = governor.pace()
     finally:
         spin.kill()
         spin.wait()
-    assert governor.n < n_cores and governor.busy_elsewhere >= 0.5
-    assert changes[-1] == governor.n
+        governor.close()
+    assert first < n_cores, governor.busy_elsewhere
 
 
 def test_only_the_default_thread_count_is_governed() -> None:
@@ -89,44 +110,37 @@ def test_a_thread_is_taken_at_once_and_given_back_after_two_quiet_looks(tmp_path
         stat.write_text("\n".join(lines) + "\n")
 
     write(0)
-    now = [0.0]
-    governor = ThreadGovernor(len(cpus), CoreWatch(str(stat)), clock=lambda: now[0])
+    governor = ThreadGovernor(len(cpus), CoreWatch(str(stat)), start=False)
     if os.sysconf("SC_CLK_TCK") != 100:
         pytest.skip("the recorded ticks assume 100 Hz")
     seen = []
     for busy in (1, 0, 1, 0, 0):
         write(busy)
-        now[0] += LOOK_EVERY_S
+        governor.look()
         seen.append(governor.pace())
     full = len(cpus)
     assert seen == [full - 1, full - 1, full - 1, full - 1, full]
 
 
-def test_a_look_after_an_idle_stretch_takes_no_thread_for_what_others_did_meanwhile(tmp_path: Path) -> None:
-    """Between two replies (or two served requests) another process may have used every core: the first
-    look of the next reply spans that history, not the present, and only starts the next span."""
+def test_every_core_busy_leaves_one_thread_and_the_cores_come_back_after_two_quiet_looks(tmp_path: Path) -> None:
+    """Another process on every core while this one waits (the watcher looks all the while): the next
+    reply starts on one thread; the cores come back two quiet looks after the other process stops."""
     stat = tmp_path / "stat"
     cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else [0, 1]
     if len(cpus) < 2 or os.sysconf("SC_CLK_TCK") != 100:
         pytest.skip("needs two cores and 100 Hz ticks")
     ticks = {"busy": 0, "idle": 0}
 
-    def write(busy: bool, looks: int = 1) -> None:  # `looks` x 0.25 s more, every core busy or idle
-        ticks["busy" if busy else "idle"] += 25 * looks
+    def write(busy: bool) -> None:  # 0.25 s more, every core busy or idle
+        ticks["busy" if busy else "idle"] += 25
         lines = ["cpu  0 0 0 0 0 0 0 0 0 0"] + [f"cpu{c} {ticks['busy']} 0 0 {ticks['idle']} 0 0 0 0 0 0" for c in cpus]
         stat.write_text("\n".join(lines) + "\n")
 
     write(False)
-    now = [0.0]
-    governor = ThreadGovernor(len(cpus), CoreWatch(str(stat)), clock=lambda: now[0])
-    now[0] += LOOK_EVERY_S
-    assert governor.pace() == len(cpus)
-    write(True, looks=40)  # 10 s: this process waits while another keeps every core busy
-    now[0] += 40 * LOOK_EVERY_S
-    assert governor.pace() == len(cpus)  # that span is history
-    write(False)
-    now[0] += LOOK_EVERY_S
-    assert governor.pace() == len(cpus)
-    write(True)  # a core busy now, within a reply: a thread goes at once
-    now[0] += LOOK_EVERY_S
-    assert governor.pace() < len(cpus)
+    governor = ThreadGovernor(len(cpus), CoreWatch(str(stat)), start=False)
+    seen = []
+    for busy in (True, True, False, False, True):
+        write(busy)
+        seen.append(governor.look())
+    assert seen == [1, 1, 1, len(cpus), 1]
+    assert governor.pace() == 1

@@ -3,9 +3,9 @@
 The parallel kernels split each call evenly over their threads and wait for the last one. When
 another process takes a core, one of the threads waits for the scheduler (milliseconds) at every
 call, hundreds of calls per token: decode then runs slower on two threads than on one. So with the
-default thread count (`-t 0`) a `ThreadGovernor` looks, a few times a second, at how many of this
-process's cores other processes (and the hypervisor's steal) used since its last look, and runs the
-kernels on the cores left. A count the user set is kept as set.
+default thread count (`-t 0`) a `ThreadGovernor` looks, four times a second from a thread of its own,
+at how many of this process's cores other processes (and the hypervisor's steal) used since its last
+look, and runs the kernels and torch's ops on the cores left. A count the user set is kept as set.
 
 The look reads /proc/stat (the cores this process may run on) and the process's own CPU time; where
 there is no /proc/stat the count stays at its maximum. Processes named by `yielding_to_us` (the chat
@@ -18,7 +18,6 @@ from __future__ import annotations
 import logging
 import os
 import threading
-import time
 from collections.abc import Callable
 
 from .jit import set_kernel_threads
@@ -99,9 +98,13 @@ class CoreWatch:
 class ThreadGovernor:
     """The kernels' thread count for the calling thread: at most `n_max`, one fewer per core others keep busy.
 
-    `pace()` is cheap (a clock read) except every LOOK_EVERY_S, when it looks at the cores; call it
-    before each decode step. `on_change(n)` runs, on the calling thread, when the count changes
-    (torch's threads follow the kernels').
+    A watcher thread looks at the cores every `every_s`, all the time (while the engine waits too), so the
+    first step of a reply already runs with a count that fits what others do now: a prompt is often over
+    before a look made on the decode path would have happened, and two threads that share a core with
+    another process run it 5-30x slower. `pace()` only applies the latest count to the calling thread
+    (numba's count is per thread); call it before each step, and between a prompt's layers.
+    `on_change(n)` runs, on the calling thread, when the count it applies changes (torch's threads follow
+    the kernels'). `start=False` leaves out the watcher (tests call `look()` themselves).
     """
 
     def __init__(
@@ -109,43 +112,56 @@ class ThreadGovernor:
         n_max: int,
         watch: CoreWatch | None = None,
         on_change: Callable[[int], None] | None = None,
-        clock: Callable[[], float] = time.monotonic,
+        every_s: float = LOOK_EVERY_S,
+        start: bool = True,
     ) -> None:
         self.n_max = max(1, n_max)
         self.watch = watch or CoreWatch()
         self.on_change = on_change
-        self.clock = clock
+        self.every_s = every_s
         self.n = self.n_max
         self.busy_elsewhere = 0.0
-        self._next = clock() + LOOK_EVERY_S
         self._up_votes = 0
         self._applied = threading.local()
+        self._stop = threading.Event()
+        self._watcher: threading.Thread | None = None
+        if start:
+            self._watcher = threading.Thread(target=self._run, name="moechat-thread-governor", daemon=True)
+            self._watcher.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            self.look()
+
+    def close(self) -> None:
+        """Stop the watcher (the count stays as it was)."""
+        self._stop.set()
+
+    def look(self) -> int:
+        """One look at what other processes did since the previous one; returns the count it leaves."""
+        others = self.watch.others()
+        if others is None:
+            return self.n
+        self.busy_elsewhere = others
+        n = max(1, min(self.n_max, len(self.watch.cpus) - int(others + (1 - TAKE_AT))))
+        # A thread is taken away at once, given back only after two looks agree: a core that looked free
+        # for one look (the other process between two bursts) costs a collapse.
+        self._up_votes = self._up_votes + 1 if n > self.n else 0
+        if n < self.n or (n > self.n and self._up_votes >= UP_AFTER):
+            logger.info("other processes keep %.1f cores busy: %d kernel threads", others, n)
+            self.n = n
+            self._up_votes = 0
+        return self.n
 
     def pace(self) -> int:
         """The thread count to run the next step with, applied to the calling thread."""
-        now = self.clock()
-        if now >= self._next:
-            # A look after an idle stretch (between replies, between requests) would measure what others
-            # did while this process waited, not what they do now: it only starts the next span.
-            stale = now - self._next > LOOK_EVERY_S
-            self._next = now + LOOK_EVERY_S
-            others = self.watch.others()
-            if others is not None and not stale:
-                self.busy_elsewhere = others
-                n = max(1, min(self.n_max, len(self.watch.cpus) - int(others + (1 - TAKE_AT))))
-                # A thread is taken away at once, given back only after two looks agree: a core that
-                # looked free for one look (the other process between two bursts) costs a collapse.
-                self._up_votes = self._up_votes + 1 if n > self.n else 0
-                if n < self.n or (n > self.n and self._up_votes >= UP_AFTER):
-                    logger.info("other processes keep %.1f cores busy: %d kernel threads", others, n)
-                    self.n = n
-                    self._up_votes = 0
-        if getattr(self._applied, "n", None) != self.n:
-            self._applied.n = self.n
-            set_kernel_threads(self.n)
+        n = self.n
+        if getattr(self._applied, "n", None) != n:
+            self._applied.n = n
+            set_kernel_threads(n)
             if self.on_change is not None:
-                self.on_change(self.n)
-        return self.n
+                self.on_change(n)
+        return n
 
 
 _governor: ThreadGovernor | None = None
@@ -154,6 +170,8 @@ _governor: ThreadGovernor | None = None
 def govern(governor: ThreadGovernor | None) -> None:
     """Set (or, with None, remove) the process's governor: the default thread count has one, a set count none."""
     global _governor
+    if _governor is not None and _governor is not governor:
+        _governor.close()
     _governor = governor
 
 

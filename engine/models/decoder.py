@@ -15,6 +15,7 @@ from torch import nn
 
 from ..config import ModelConfig
 from ..gguf.sources import Layout, Source
+from ..kernels import threads
 from ..moe.expert_tensors import load_layer_experts
 from ..moe.host_experts import ExpertExecutor, HostExperts
 from ..moe.routing import select
@@ -209,6 +210,7 @@ class DecoderBase(nn.Module):
         if x.shape[0] == 1:
             return self.decode_plan(cache).run(x, pos0, cache, first, end)
         for i in range(first, end):
+            threads.pace()  # a long prompt's layers follow other processes' load as it changes
             x = self.blocks[i](x, pos0, cache.layers[i], self.layer_rope(i), self.experts)
             self.prefetch_next(i, x)
         return x
