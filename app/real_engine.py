@@ -147,11 +147,13 @@ class RealEngine:
         DoneEvent's `n_prompt` counts the tokens read now."""
         cutter = StopStrings(PLAIN_STOPS if self.plain else ())
         max_tokens = max(1, min(max_tokens, self.lm.n_ctx - len(prompt)))
-        kv, held = self.prompts.resume(prompt)
+        kv, held, kept = self.prompts.resume(prompt)
         replied: list[int] = []
+        after: list[tuple[int, torch.Tensor]] = []  # the logits after the prompt, kept for the same prompt again
         try:
             for ev in generate(self.model, self.lm.tokenizer, prompt[held:], kv, max_tokens=max_tokens,
-                               params=params, stop=stop, before=prompt[:held]):  # fmt: skip
+                               params=params, stop=stop, before=prompt[:held], logits=kept,
+                               on_prompt=lambda logits: after.append((len(prompt), logits))):  # fmt: skip
                 if isinstance(ev, TokenEvent):
                     if ev.token >= 0:
                         replied.append(ev.token)
@@ -167,7 +169,7 @@ class RealEngine:
                         ev = replace(ev, stop_reason="eos")
                     yield ev
         finally:
-            self.prompts.record([*prompt, *replied])
+            self.prompts.record([*prompt, *replied], after[0] if after else None)
 
     def snapshot(self) -> StatsSnapshot | None:
         if self.split is not None:

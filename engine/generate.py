@@ -9,7 +9,7 @@ import contextlib
 import logging
 import threading
 import time
-from collections.abc import Generator, Iterator, Sequence
+from collections.abc import Callable, Generator, Iterator, Sequence
 from typing import Protocol
 
 import torch
@@ -119,19 +119,26 @@ def generate(
     ignore_eos: bool = False,
     stop: threading.Event | None = None,
     before: Sequence[int] = (),
+    logits: torch.Tensor | None = None,
+    on_prompt: Callable[[torch.Tensor], None] | None = None,
 ) -> Generator[Event, None, None]:
     """Prefill `prompt` after what `cache` holds, then decode; yields TokenEvents and one DoneEvent.
 
     `before`: the tokens the cache holds ahead of `prompt` (a resumed prompt): the repeat penalty
-    looks back over them as over the prompt."""
+    looks back over them as over the prompt. `logits`: the cache holds the whole prompt (`prompt` is
+    empty) and these are the logits after it, kept from when it was read. `on_prompt` hears the logits
+    after the prompt, before the first token is sampled from them."""
     params.validate()
     seed = params.seed if params.seed is not None else int(time.time_ns() % 2**63)
     t0 = time.perf_counter()
-    try:
-        logits = prefill(model, prompt, cache, stop=stop)
-    except Stopped:  # while reading the prompt
-        yield DoneEvent(len(prompt), 0, time.perf_counter() - t0, 0.0, "stopped", len(before))
-        return
+    if logits is None:
+        try:
+            logits = prefill(model, prompt, cache, stop=stop)
+        except Stopped:  # while reading the prompt
+            yield DoneEvent(len(prompt), 0, time.perf_counter() - t0, 0.0, "stopped", len(before))
+            return
+    if on_prompt is not None:
+        on_prompt(logits)
     t1 = time.perf_counter()
     gen = torch.Generator(logits.device).manual_seed(seed)  # sampling stays on the model's device
     history = [*before, *prompt]

@@ -9,11 +9,18 @@ Attention layers roll back by position (what lies beyond is overwritten). A recu
 (linear attention) holds one state for everything it has read and cannot roll back: a model
 with such layers resumes only when the prompt extends all that the cache holds, and starts over
 otherwise.
+
+The logits after the last prompt are kept too: the same prompt asked again (a regenerated reply, a
+repeated request) starts from them and reads nothing, so the same seed gives the same reply. Reading
+its last token again would run it through the one-token path, whose last bits differ from the
+prompt path's, and a sampled reply could part from the first one.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+
+import torch
 
 from .nn.layers import KVCache
 
@@ -32,24 +39,37 @@ class PromptCache:
         self.can_roll_back = can_roll_back
         self.kv: KVCache | None = None
         self.tokens: list[int] = []  # what the cache holds, position by position
+        self.after: tuple[int, torch.Tensor] | None = None  # the logits after the first n tokens held
 
-    def resume(self, prompt: Sequence[int]) -> tuple[KVCache, int]:
-        """The cache, positioned after the part of `prompt` it already holds, and that part's length.
+    def resume(self, prompt: Sequence[int]) -> tuple[KVCache, int, torch.Tensor | None]:
+        """The cache, positioned after the part of `prompt` it already holds, that part's length, and the
+        logits to start the reply from where the cache kept them for this very prompt (else None).
 
-        The prompt's last token is always read again: its logits are where the reply starts.
+        Without kept logits the prompt's last token is read again: its logits are where the reply starts.
         """
-        held = min(common_prefix(self.tokens, prompt), len(prompt) - 1)
+        shared = common_prefix(self.tokens, prompt)
+        kept = self.after is not None and shared == len(prompt) == self.after[0] > 0
+        if self.kv is not None and self.after is not None and kept and (self.can_roll_back or self.kv.pos == shared):
+            self.kv.pos = shared
+            del self.tokens[shared:]
+            return self.kv, shared, self.after[1]
+        held = min(shared, len(prompt) - 1)
         if self.kv is None or held <= 0 or (held < self.kv.pos and not self.can_roll_back):
             self.kv, self.tokens, held = self._make(), [], 0
         else:
             self.kv.pos = held
             del self.tokens[held:]
-        return self.kv, held
+        if self.after is not None and self.after[0] > held:
+            self.after = None
+        return self.kv, held, None
 
-    def record(self, tokens: Sequence[int]) -> None:
-        """What was fed after `resume`: the whole prompt and the reply; the cache keeps what it read of them."""
+    def record(self, tokens: Sequence[int], after: tuple[int, torch.Tensor] | None = None) -> None:
+        """What was fed after `resume`: the whole prompt and the reply; the cache keeps what it read of them.
+        `after`: the prompt's length and the logits after it, kept for the same prompt asked again."""
         if self.kv is not None:
             self.tokens = list(tokens[: self.kv.pos])
+            if after is not None and after[0] <= len(self.tokens):
+                self.after = (after[0], after[1].detach().clone())
 
     def clear(self) -> None:
-        self.kv, self.tokens = None, []
+        self.kv, self.tokens, self.after = None, [], None

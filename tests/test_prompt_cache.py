@@ -61,7 +61,7 @@ def test_regenerate_and_edit_roll_back_to_the_common_prefix(model: Path) -> None
     prompt, _, _ = engine.fit_messages(chat)
     assert done.n_prompt == len(prompt)
     again, done = _reply(engine, chat)  # regenerate: the same prompt
-    assert done.n_prompt == 1 and again == first  # only its last token is read again
+    assert done.n_prompt == 0 and again == first  # nothing is read again: the logits after it were kept
     edited = [{"role": "user", "content": "Tell me about lakes"}]
     new_prompt, _, _ = engine.fit_messages(edited)
     _, done = _reply(engine, edited)
@@ -71,9 +71,9 @@ def test_regenerate_and_edit_roll_back_to_the_common_prefix(model: Path) -> None
 
 
 def _logits_after(lm: LoadedModel, cache: PromptCache, prompt: list[int]) -> torch.Tensor:
-    kv, held = cache.resume(prompt)
-    logits = prefill(lm.model, prompt[held:], kv)
-    cache.record(prompt)
+    kv, held, kept = cache.resume(prompt)
+    logits = prefill(lm.model, prompt[held:], kv) if kept is None else kept
+    cache.record(prompt, (len(prompt), logits))
     return logits
 
 
@@ -96,7 +96,7 @@ def test_a_resumed_prompt_computes_what_a_whole_one_does(arch: str, tmp_path: Pa
     # What was read again: after `longer`, `other` keeps its first 5 tokens, or nothing where the
     # layers cannot roll back.
     assert kept.kv is not None and kept.kv.pos == len(other)
-    _, held = kept.resume(other[:5] + lm.tokenizer.encode(" road"))
+    _, held, _ = kept.resume(other[:5] + lm.tokenizer.encode(" road"))
     assert held == (0 if recurrent else 5)
     lm.close()
 
@@ -112,12 +112,39 @@ def test_resume_reads_the_last_token_again_and_starts_over_when_nothing_is_share
         return made[-1]
 
     cache = PromptCache(make, can_roll_back=True)
-    kv, held = cache.resume([1, 2, 3])
-    assert held == 0 and len(made) == 1
+    kv, held, kept = cache.resume([1, 2, 3])
+    assert held == 0 and kept is None and len(made) == 1
     kv.pos = 5
     cache.record([1, 2, 3, 4, 5, 6])  # 6 was sampled, never read
     assert cache.tokens == [1, 2, 3, 4, 5]
-    kv, held = cache.resume([1, 2, 3, 4, 5])  # the same prompt: its last token is read again
-    assert held == 4 and kv.pos == 4 and len(made) == 1
-    kv, held = cache.resume([9, 9])
+    kv, held, kept = cache.resume([1, 2, 3, 4, 5])  # the same prompt, no logits kept: its last token is read again
+    assert held == 4 and kv.pos == 4 and kept is None and len(made) == 1
+    kv, held, kept = cache.resume([9, 9])
     assert held == 0 and len(made) == 2  # nothing shared: a fresh cache
+
+
+def test_the_same_prompt_again_starts_from_the_kept_logits_and_reads_nothing() -> None:
+    class FakeKV:
+        pos = 0
+
+    cache = PromptCache(FakeKV, can_roll_back=True)
+    kv, _, _ = cache.resume([1, 2, 3])
+    kv.pos = 5  # the prompt and two of the reply's tokens read
+    after = torch.arange(4.0)
+    cache.record([1, 2, 3, 7, 8, 9], (3, after))
+    kv, held, kept = cache.resume([1, 2, 3])
+    assert held == 3 and kv.pos == 3 and kept is not None and torch.equal(kept, after)
+    kv, held, kept = cache.resume([1, 2, 3, 4])  # a longer prompt: read from where they part
+    assert held == 3 and kept is None
+    kv, held, kept = cache.resume([1, 2])  # rolled back before the kept logits: they are gone
+    assert held == 1 and kept is None
+    kv.pos = 3
+    cache.record([1, 2, 3])
+    assert cache.resume([1, 2, 3])[2] is None
+
+    recurrent = PromptCache(FakeKV, can_roll_back=False)  # cannot go back to the prompt's end
+    kv, _, _ = recurrent.resume([1, 2, 3])
+    kv.pos = 5
+    recurrent.record([1, 2, 3, 7, 8, 9], (3, after))
+    kv, held, kept = recurrent.resume([1, 2, 3])
+    assert held == 0 and kept is None
