@@ -150,7 +150,7 @@ def test_stop_sequences_stop(server: Server) -> None:
         (b'{"messages": []}', 400, "at least one message"),
         (b'{"messages": [{"role": "user", "content": 5}]}', 400, "content' must be a string"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "8"}', 400, "'max_tokens' must be"),
-        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}', 400, "context size"),
+        (b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}', 400, "at least 1"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "temperature": true}', 400, "not a boolean"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}', 400, "'n' other than 1"),
         (b'{"messages": [{"role": "user", "content": "hi"}], "tools": [{"type": "function"}]}', 400, "tools"),
@@ -171,6 +171,18 @@ def test_bad_requests_get_their_status_and_an_openai_error_and_the_next_is_answe
     good = httpx.post(server.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}],
                                                                  "max_tokens": 2}, timeout=60)  # fmt: skip
     assert good.status_code == 200 and good.json()["choices"][0]["message"]["content"]
+
+
+def test_more_tokens_than_the_context_end_at_the_context_and_a_wrong_method_is_405(server: Server) -> None:
+    r = httpx.post(server.url + "/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 100000,
+                                                         "temperature": 0}, timeout=120)  # fmt: skip
+    assert r.status_code == 200, r.text
+    use = r.json()["usage"]
+    assert use["prompt_tokens"] + use["completion_tokens"] <= N_CTX and r.json()["choices"][0]["finish_reason"]
+    wrong = httpx.get(server.url + "/v1/chat/completions", timeout=30)
+    assert wrong.status_code == 405 and wrong.headers["allow"] == "POST"
+    assert wrong.json()["error"]["code"] == "method_not_allowed"
+    assert httpx.get(server.url + "/v1/nothing", timeout=30).status_code == 404
 
 
 def test_metrics_parse_and_their_cache_counters_are_the_engines(server: Server) -> None:
@@ -278,7 +290,11 @@ def test_an_api_key_guards_every_endpoint_but_health(model: Path) -> None:
     s = Server(model, "--api-key", KEY)
     try:
         assert httpx.get(s.url + "/health", timeout=30).status_code == 200
-        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
+        lower = httpx.get(s.url + "/v1/models", headers={"Authorization": f"bearer {KEY}"}, timeout=30)
+        assert lower.status_code == 200  # the scheme's case does not matter
+        wrong: list[dict[str, str]] = [{}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}]
+        wrong.append({"Authorization": f"Basic {KEY}"})
+        for headers in wrong:
             for method, path in (("GET", "/v1/models"), ("GET", "/metrics"), ("POST", "/v1/chat/completions")):
                 r = httpx.request(method, s.url + path, headers=headers, json={}, timeout=30)
                 assert r.status_code == 401 and r.json()["error"]["code"] == "invalid_api_key", (headers, path)
@@ -342,13 +358,25 @@ async def test_attach_shows_the_servers_numbers_moving_while_another_client_gene
             return ours is not None and theirs is not None and replace(ours, time=0) == replace(theirs, time=0)
 
         await until(pilot, same, timeout=60)
-        remote.close()
         await say(pilot, screen, "hello there")
         reply = screen.conv.messages[-1]
         assert reply["role"] == "assistant" and "stats" in reply and reply["stats"]["n_generated"] > 0, reply
         want = httpx.post(server.url + "/v1/chat/completions", timeout=120, json={
             "messages": [{"role": "user", "content": "hello there"}], "temperature": 0}).json()  # fmt: skip
         assert reply["content"] == want["choices"][0]["message"]["content"].strip()
+        # The wizard measures the server's machine: from here it is refused in one line, and the
+        # session's counters stay the server's (they were added twice once the wizard had opened).
+        await pilot.press("ctrl+t")
+        await pilot.pause()
+        assert app.screen is screen and not app.session.periods
+        assert any("tuning runs on the server's machine" in n.message for n in app._notifications)
+        await pilot.press("escape")
+        await until(pilot, same, timeout=60)
+        remote.close()
+        theirs = RemoteEngine(server.url)
+        snap = theirs.snapshot()
+        theirs.close()
+        assert snap is not None and app.session.to_dict()["tokens"] == snap.tokens
 
 
 def test_a_conversation_that_grows_reuses_the_kv_of_the_request_before(server: Server) -> None:
@@ -362,3 +390,70 @@ def test_a_conversation_that_grows_reuses_the_kv_of_the_request_before(server: S
     second = client.chat.completions.create(model="m.gguf", messages=grown, max_tokens=6, temperature=0)  # type: ignore[attr-defined]
     cached = second.usage.prompt_tokens_details.cached_tokens
     assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens
+
+
+def test_the_same_seeded_request_twice_gives_the_same_text(server: Server) -> None:
+    """The second request finds its whole prompt in the KV cache: it starts from the logits kept after
+    the first one's prompt, not from its last token read again by the one-token path."""
+    body = {"messages": [{"role": "user", "content": "Tell me about the sea."}], "max_tokens": 24,
+            "temperature": 1.0, "top_p": 1.0, "seed": 42}  # fmt: skip
+    texts = []
+    for _ in range(2):
+        r = httpx.post(server.url + "/v1/chat/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        texts.append((r.json()["choices"][0]["message"]["content"], r.json()["usage"]))
+    assert texts[0][0] == texts[1][0]
+    assert texts[1][1]["prompt_tokens_details"]["cached_tokens"] == texts[1][1]["prompt_tokens"]
+
+
+def test_the_port_is_bound_before_the_model_loads(model: Path) -> None:
+    """A port in use is one line and exit 2 before any load; /health says loading until the model is ready."""
+    import socket
+
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    try:
+        r = subprocess.run([*MOECHAT, "serve", str(model), "--port", str(port)], capture_output=True, text=True,
+                           timeout=120)  # fmt: skip
+    finally:
+        taken.close()
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        f"moechat: error: --port {port}: 127.0.0.1:{port} is in use (another server?); pick another port, "
+        "or --port 0 for any free one"
+    ]
+    env = {**os.environ, "MOECHAT_COMPILE_AHEAD": "0"}
+    proc = subprocess.Popen([*MOECHAT, "serve", str(model), "--port", "0", *FLAGS], stderr=subprocess.PIPE,
+                            text=True, env=env)  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        line = proc.stderr.readline()
+        m = re.search(r"listening on (http://[\d.]+:\d+) \(loading", line)
+        assert m is not None, line
+        url = m.group(1)
+        health = httpx.get(url + "/health", timeout=30)  # the engine's process is still starting
+        assert health.status_code == 503 and health.json() == {"status": "loading"}
+        early = httpx.post(url + "/v1/chat/completions", json={"messages": [{"role": "user", "content": "hi"}]},
+                           timeout=30)  # fmt: skip
+        assert early.status_code == 503 and early.json()["error"]["code"] == "loading"
+        while "serving" not in line:
+            line = proc.stderr.readline()
+            assert line, "the server ended while loading"
+        assert httpx.get(url + "/health", timeout=30).json()["status"] == "ok"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(30)
+
+
+def test_the_api_key_can_come_from_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key on the command line shows in `ps`; MOECHAT_API_KEY keeps it out, for serve and attach alike."""
+    from moechat.app.cli import build_parser
+
+    monkeypatch.setenv("MOECHAT_API_KEY", KEY)
+    assert build_parser().parse_args(["attach"]).api_key == KEY
+    assert build_parser().parse_args(["serve", "m.gguf"]).api_key == KEY
+    assert build_parser().parse_args(["serve", "m.gguf", "--api-key", "other"]).api_key == "other"
+    monkeypatch.delenv("MOECHAT_API_KEY")
+    assert build_parser().parse_args(["attach"]).api_key is None

@@ -5,18 +5,24 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
+import os
 import sys
+import threading
+from typing import Any
 
 from moechat.app.run_cmd import add_config_flag
 from moechat.app.settings import APP, ENGINE, MODEL_HELP, SAMPLING, add_flags
+
+API_KEY_ENV = "MOECHAT_API_KEY"
 
 
 def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("model", nargs="?", help=MODEL_HELP)
     p.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     p.add_argument("--port", type=int, default=8080, help="port (default 8080; 0: any free one, printed)")
-    p.add_argument("--api-key", default=None, metavar="KEY",
-                   help="every endpoint but /health then needs 'Authorization: Bearer KEY'")  # fmt: skip
+    p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
+                   help=f"every endpoint but /health then needs 'Authorization: Bearer KEY' (env {API_KEY_ENV}, "
+                        "which keeps the key out of the process list)")  # fmt: skip
     add_flags(p, (*SAMPLING, *ENGINE))
     add_config_flag(p)
 
@@ -47,37 +53,56 @@ def run_serve(args: argparse.Namespace) -> int:
     import uvicorn
     from moechat.app.paths import app_paths
     from moechat.app.run_cmd import StatusLine
-    from moechat.app.serve.server import build_app
+    from moechat.app.serve.server import Gate, bind, build_app
     from moechat.app.tui import real_engine_factory
 
-    status = StatusLine()
-    engine = real_engine_factory(args.model, settings, app_paths().data / "warm")(status)
-    status.done()
+    # The port first: one in use is one line within a second, not after the model's load; /health
+    # says "loading" while the model loads behind the bound port.
+    sock = bind(args.host, args.port)
+    host, port = sock.getsockname()[:2]
+    gate = Gate()
+    server = uvicorn.Server(uvicorn.Config(gate, host=args.host, port=args.port, log_level="warning",
+                                           access_log=False, lifespan="off"))  # fmt: skip
+    loaded: list[Any] = []  # the engine, once loaded
+    failed: list[BaseException] = []
+    print(f"moechat: listening on http://{host}:{port} (loading the model: /health says loading)",
+          file=sys.stderr, flush=True)  # fmt: skip
+
+    def load() -> None:
+        try:
+            status = StatusLine()
+            engine = real_engine_factory(args.model, settings, app_paths().data / "warm")(status)
+            loaded.append(engine)
+            status.done()
+            gate.open(build_app(engine, defaults, api_key=args.api_key))
+            print(f"moechat: serving {engine.info.name} on http://{host}:{port}/v1 (Ctrl+C stops)",
+                  file=sys.stderr, flush=True)  # fmt: skip
+        except BaseException as e:  # the reason is said once the server has stopped
+            failed.append(e)
+            server.should_exit = True
+
+    loader = threading.Thread(target=load, name="moechat-serve-load", daemon=True)
+    loader.start()
     try:
-        app = build_app(engine, defaults, api_key=args.api_key)
-        server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                               access_log=False))  # fmt: skip
-
-        async def serve() -> None:
-            task = asyncio.create_task(server.serve())
-            while not server.started and not task.done():
-                await asyncio.sleep(0.05)
-            for s in server.servers:
-                for sock in s.sockets:
-                    host, port = sock.getsockname()[:2]
-                    print(f"moechat: serving {engine.info.name} on http://{host}:{port}/v1 (Ctrl+C stops)",
-                          file=sys.stderr, flush=True)  # fmt: skip
-            await task
-
-        asyncio.run(serve())
+        asyncio.run(server.serve(sockets=[sock]))
     finally:
-        engine.close()
-    return 0 if server.started else 2
+        sock.close()
+        gate.close()
+        for engine in loaded:
+            engine.close()
+    if failed:
+        raise failed[0]
+    return 0
 
 
 def add_attach_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("url", nargs="?", default="http://127.0.0.1:8080", help="the server (default http://127.0.0.1:8080)")
-    p.add_argument("--api-key", default=None, metavar="KEY", help="the server's --api-key")
+    p.add_argument(
+        "--api-key",
+        default=os.environ.get(API_KEY_ENV),
+        metavar="KEY",
+        help=f"the server's --api-key (env {API_KEY_ENV}, which keeps the key out of the process list)",
+    )
     add_flags(p, (*SAMPLING, *APP))
     add_config_flag(p)
 

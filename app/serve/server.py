@@ -8,9 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import errno
 import hmac
 import json
 import logging
+import socket
 import threading
 import time
 from collections import Counter
@@ -51,14 +53,15 @@ def build_app(engine: ChatEngine, defaults: SamplingParams, api_key: str | None 
         async def run(request: Request) -> Response:
             try:
                 if auth and api_key is not None:
-                    given = request.headers.get("authorization", "")
-                    if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
+                    # The scheme is case-insensitive (RFC 9110): "bearer KEY" is as good as "Bearer KEY".
+                    scheme, _, given = request.headers.get("authorization", "").strip().partition(" ")
+                    if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), api_key.encode()):
                         raise ApiError(401, "a valid API key is needed: Authorization: Bearer KEY",
                                        code="invalid_api_key")  # fmt: skip
                 response = await handler(request)
             except ApiError as e:
                 logger.warning("%s %s: %d %s", request.method, request.url.path, e.status, e.message)
-                headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else None
+                headers = {"Retry-After": str(RETRY_AFTER_S)} if e.status in (429, 503) else e.headers
                 response = JSONResponse(e.body(), status_code=e.status, headers=headers)
             requests[(endpoint, response.status_code)] += 1
             return response
@@ -140,6 +143,10 @@ def build_app(engine: ChatEngine, defaults: SamplingParams, api_key: str | None 
         return JSONResponse({"model": asdict(engine.info), "cache": list(cache_setting)})
 
     async def not_found(request: Request) -> Response:
+        allowed = takes.get(request.url.path)
+        if allowed is not None:  # a route that takes another method: 405, with the method it takes
+            raise ApiError(405, f"{request.url.path} takes {allowed}, not {request.method}",
+                           code="method_not_allowed", headers={"Allow": allowed})  # fmt: skip
         raise ApiError(404, f"no route {request.method} {request.url.path}", code="not_found")
 
     routes = [
@@ -152,6 +159,8 @@ def build_app(engine: ChatEngine, defaults: SamplingParams, api_key: str | None 
         Route("/moechat/info", guarded("info", info), methods=["GET"]),
         Route("/{path:path}", guarded("other", not_found), methods=["GET", "POST", "PUT", "DELETE", "PATCH"]),
     ]
+    # Each route's path and the methods it takes: another method there is a 405 that names them.
+    takes = {r.path: ", ".join(sorted((r.methods or set()) - {"HEAD"})) for r in routes[:-1]}
 
     @contextlib.asynccontextmanager
     async def lifespan(app: Starlette) -> AsyncIterator[None]:
@@ -161,6 +170,57 @@ def build_app(engine: ChatEngine, defaults: SamplingParams, api_key: str | None 
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.jobs = jobs
     return app
+
+
+def bind(host: str, port: int) -> socket.socket:
+    """A listening socket on host:port, bound before the model loads; a port in use is one clear error."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: not an address of this machine ({e.strerror})") from None
+    family, kind, proto, _, address = infos[0]
+    sock = socket.socket(family, kind, proto)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart reuses a port in TIME_WAIT
+    try:
+        sock.bind(address)
+        sock.listen(2048)
+    except OSError as e:
+        sock.close()
+        if e.errno == errno.EADDRINUSE:
+            raise ValueError(f"--port {port}: {host}:{port} is in use (another server?); pick another port, "
+                             "or --port 0 for any free one") from None  # fmt: skip
+        raise ValueError(f"--host {host} --port {port}: cannot listen there ({e.strerror})") from None
+    sock.set_inheritable(True)
+    return sock
+
+
+class Gate:
+    """The server's ASGI app from the moment the port is bound: while the model loads, /health answers
+    503 {"status": "loading"} (as llama-server's does) and every other route 503 with an OpenAI error;
+    once `open(app)` is called, everything goes to `app`."""
+
+    def __init__(self) -> None:
+        self.app: Starlette | None = None
+
+    def open(self, app: Starlette) -> None:
+        self.app = app
+
+    def close(self) -> None:
+        if self.app is not None:
+            self.app.state.jobs.close()
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if self.app is not None:
+            await self.app(scope, receive, send)
+            return
+        if scope["type"] != "http":
+            return
+        if scope["path"] == "/health":
+            response: Response = JSONResponse({"status": "loading"}, status_code=503)
+        else:
+            err = ApiError(503, "the model is loading; try again shortly", kind="server_error", code="loading")
+            response = JSONResponse(err.body(), status_code=503, headers={"Retry-After": str(RETRY_AFTER_S)})
+        await response(scope, receive, send)
 
 
 async def _events(first: Any, out: asyncio.Queue[Any], stop: threading.Event, rid: str, model: str, chat: bool,

@@ -21,9 +21,10 @@ class ApiError(Exception):
     """A request refused: the HTTP status and OpenAI's error body."""
 
     def __init__(self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:  # fmt: skip
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:  # fmt: skip
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
+        self.headers = headers
 
     def body(self) -> dict[str, Any]:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
@@ -125,9 +126,10 @@ def read_request(body: Any, defaults: SamplingParams, n_ctx: int, chat: bool) ->
     max_tokens = _get(body, "max_completion_tokens", int, None)
     if max_tokens is None:
         max_tokens = _get(body, "max_tokens", int, None)
-    if max_tokens is not None and not 1 <= max_tokens <= n_ctx:
-        raise ApiError(400, f"'max_tokens' must be between 1 and the context size ({n_ctx}), got {max_tokens}",
-                       param="max_tokens")  # fmt: skip
+    if max_tokens is not None and max_tokens < 1:
+        raise ApiError(400, f"'max_tokens' must be at least 1, got {max_tokens}", param="max_tokens")
+    if max_tokens is not None:  # more than the context holds: the reply ends where the context does ("length")
+        max_tokens = min(max_tokens, n_ctx)
     temperature = float(_get(body, "temperature", (int, float), defaults.temperature))
     top_p = float(_get(body, "top_p", (int, float), defaults.top_p))
     seed = _get(body, "seed", int, defaults.seed)
