@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 from collections.abc import Sequence
 
@@ -88,6 +89,18 @@ def _fail(message: str) -> int:
 COMMANDS = ("inspect", "chat", "run", "tune", "sim", "export", "serve", "attach")
 
 
+def _could_be_model(arg: str) -> bool:
+    """Whether `moechat ARG` may name a model (then the chat opens on it) rather than a mistyped command."""
+    return (
+        arg.startswith("-")
+        or arg.startswith("demo")
+        or arg.lower().endswith(".gguf")
+        or "/" in arg
+        or os.sep in arg
+        or os.path.exists(arg)
+    )
+
+
 def check_plan_arguments(hosts: int, host_memory: list[float] | None, n_ctx: int) -> None:
     """`--hosts`, `--host-memory` and `--ctx-size`, checked before the file is read."""
     if hosts < 1:
@@ -111,6 +124,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if not (i < len(argv) and argv[i] in COMMANDS) and not any(
         a in ("-h", "--help", "--version", "--paths") for a in argv
     ):
+        if i < len(argv) and not _could_be_model(argv[i]):
+            return _fail(f"'{argv[i]}' is neither a command ({', '.join(COMMANDS)}) nor a model file (a .gguf path, "
+                         "demo or demo:gemma); `moechat --help` lists the commands")  # fmt: skip
         argv = [*argv[:i], "chat", *argv[i:]]
     args = parser.parse_args(argv)
     # -v is moechat's own debug messages: numba's would be tens of thousands of lines on a first start.

@@ -107,7 +107,11 @@ def reply(args: argparse.Namespace, settings: Settings, lm: LoadedModel, model: 
     from moechat.engine.generate import generate
 
     params = sampling_params(settings)
-    chat = args.chat if args.chat is not None else lm.template.origin != "plain fallback"
+    plain = lm.template.origin == "plain fallback"
+    chat = args.chat if args.chat is not None else not plain
+    if chat and plain:
+        print("moechat: warning: the model has no usable chat template: the prompt is one 'User:' turn of a plain "
+              "format (--raw sends it as given)", file=sys.stderr)  # fmt: skip
     prompt = lm.chat_prompt(args.prompt) if chat else lm.tokenizer.encode(args.prompt)
     stop = threading.Event()
     out = sys.stdout

@@ -203,6 +203,9 @@ def run_sim(args: argparse.Namespace) -> int:
     for s in args.shares:
         if not 0 <= s <= 1:
             raise ValueError(f"--shares: {s} is outside [0, 1]")
+    for path in args.trace:
+        if not Path(path).is_file():
+            raise ValueError(f"{path}: no such trace file")
     routing = load_routing(args.trace[0])
     for path in args.trace[1:]:
         try:
@@ -230,8 +233,11 @@ def run_sim(args: argparse.Namespace) -> int:
         if s <= 0:
             raise ValueError(f"--sizes: {s} MiB is not a cache size")
     rows = []
+    empty = [mib for mib in sizes if not any(routing.slots(mib))]
     for mib in sizes:
         slots = routing.slots(mib)
+        if not any(slots):  # no slot fits: there is no cache to replay (its "0 misses" would read as perfect)
+            continue
         base = {p: simulate_baseline(routing, slots, p, scored_from) for p in ("min", "min-bypass")}
 
         def ratio(misses: int, of: str, base: dict[str, BaselineResult] = base) -> str:
@@ -268,6 +274,9 @@ def run_sim(args: argparse.Namespace) -> int:
     if split is not None:
         header.append(f"first part ({args.warmup}..{split})")
     print(table(header, rows, markdown=args.markdown))
+    if empty:
+        print(f"note: {', '.join(f'{s:g}' for s in empty)} MiB hold no expert slot (each layer needs at least "
+              f"{routing.n_expert_used} of its experts): no cache to replay at that size")  # fmt: skip
     over = [f"{s:g}" for s in sizes if s > full]
     if over:
         print(f"note: {', '.join(over)} MiB exceed the trace's {full:.2f} MiB of experts: such a cache holds them all")

@@ -58,6 +58,16 @@ def test_sim_reads_a_route_csv_and_shows_each_layer_beside_min(tmp_path: Path,
     assert all("% / " in line for line in per_layer[3:6])
 
 
+def test_a_size_that_holds_no_slot_is_said_not_scored(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A cache too small for one slot is no cache: its row would read "0 misses, vs MIN 1.00"."""
+    path = _write(tmp_path / "r.csv", _steps(40))
+    assert main(["sim", str(path), "--sizes", "0.0001", "0.015", "--warmup", "8", "--policy", "classlru"]) == 0
+    out = capsys.readouterr().out
+    rows = [line for line in out.splitlines() if "classlru" in line]
+    assert len(rows) == 1 and "0.015" in rows[0]
+    assert "note: 0.0001 MiB hold no expert slot" in out
+
+
 @pytest.mark.parametrize(
     ("extra", "header", "message"),
     [

@@ -145,6 +145,8 @@ def test_bad_files_and_values_fail_before_the_engine_loads(tmp_path: Path) -> No
         (["tune", str(truncated)], "truncated file or bad count"),
         (["inspect", str(truncated)], "truncated file or bad count"),
         (["--moe-cache-mib", "-5"], "moe_cache_mib from flag --moe-cache-mib: -5.0 must be >= 0"),
+        (["frobnicate"], "'frobnicate' is neither a command (inspect, chat, run"),
+        (["sim", str(tmp_path / "nope.csv")], "nope.csv: no such trace file"),
     ]
     code = (
         "import sys, contextlib, io\n"

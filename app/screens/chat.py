@@ -393,6 +393,10 @@ class ChatScreen(Screen[None]):
     def action_tune(self) -> None:
         if self._loading_refused("the wizard runs"):
             return
+        if self.moechat.attached:  # the wizard measures the machine the model runs on: the server's
+            self.notify("tuning runs on the server's machine: start `moechat tune` there "
+                        "(an attached app watches and chats)", severity="warning")  # fmt: skip
+            return
         if self.generating:
             self.notify("stop the reply first (Esc)", severity="warning")
             return

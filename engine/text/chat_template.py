@@ -247,7 +247,8 @@ def load_chat_template(
             logger.warning("%s; using a plain 'User:/Assistant:' format instead", e)
             return plain_template(bos_token, eos_token, reason=str(e))
         return template
-    logger.warning("the model has no chat template: using a plain 'User:/Assistant:' format")
+    # Said where a chat is formatted with it (the app's info line, `run --chat`): a raw prompt needs none.
+    logger.info("the model has no chat template: a chat uses a plain 'User:/Assistant:' format")
     return plain_template(bos_token, eos_token)
 
 
