@@ -9,6 +9,7 @@ from __future__ import annotations
 import csv
 import io
 import json
+import math
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -200,12 +201,38 @@ def _chart(title: str, lines: list[tuple[str, list[float], list[float]]], ylabel
         marker = markers[sorted({lab for lab, _, _ in lines}).index(label) % len(markers)]
         plt.plot(xs, ys, marker=marker, label=label if label not in named else "")
         named.add(label)
+    ticks = _whole_ticks([x for _, xs, _ in lines for x in xs])
+    plt.xticks(ticks, [str(t) for t in ticks])  # tokens are whole: no fractions on the axis
     plt.title(title)
     plt.xlabel("tokens generated in the session")
     plt.ylabel(ylabel)
     out = plt.build()
     plt.clear_figure()
     return str(plt.uncolorize(out))
+
+
+def _whole_ticks(xs: list[float], most: int = 6) -> list[int]:
+    """At most `most` whole-number ticks spanning xs, at a round step (1, 2, 5, 10, 20, 50, ...)."""
+    lo, hi = math.floor(min(xs, default=0)), math.ceil(max(xs, default=0))
+    step = 1
+    while (hi - lo) / step > most - 1:
+        step = step * 5 // 2 if str(step)[0] == "2" else step * 2
+    first = -(-lo // step) * step
+    return list(range(first, hi + 1, step)) or [lo]
+
+
+def charts(d: dict[str, Any]) -> list[tuple[str, str, str, list[tuple[str, list[float], list[float]]]]]:
+    """The report's charts: (key, title, y label, lines), each line one reply's points on the session's tokens."""
+    series = d["series"]
+    if len(series) < 2:
+        return []
+    replies_of = _by_reply(series)
+    tps = [("t/s", xs, [p["tps"] for p in ps]) for xs, ps in replies_of]
+    hits = [("since the cache's start", xs, [100 * p["hit_rate"] for p in ps]) for xs, ps in replies_of]
+    hits += [(f"last ~{RECENT_TOKENS} tokens", xs, [100 * p["recent_hit_rate"] for p in ps])
+             for xs, ps in replies_of if any(p.get("recent_tokens") for p in ps)]  # fmt: skip
+    return [("tps", "tokens/s of each reply, on the session's token axis", "t/s", tps),
+            ("hit-rate", "expert cache hit rate", "%", hits)]  # fmt: skip
 
 
 def _recent_line(d: dict[str, Any]) -> list[str]:
@@ -240,7 +267,9 @@ def _bound_line(d: dict[str, Any]) -> list[str]:
                 f"{100 * bound['rate']:.1f}%, against {100 * bound['hit_rate']:.1f}% for {policy}."]  # fmt: skip
 
 
-def to_markdown(d: dict[str, Any]) -> str:
+def to_markdown(d: dict[str, Any], pictures: dict[str, str] | None = None) -> str:
+    """The session as a Markdown report; `pictures`: each chart's key and the file its picture is in (linked
+    above the plain-text chart)."""
     m, s = d["model"], d["settings"]
     replies = d["replies"]
     total = {k: sum(layer[k] for layer in d["layers"]) for k in ("lookups", "hits", "cpu", "uploaded_bytes")}
@@ -288,15 +317,10 @@ def to_markdown(d: dict[str, Any]) -> str:
             cells = [i, r["n_prompt"], r["n_generated"], f"{r.get('gen_tps', 0):.2f}"]
             cells += [rs.get(k, "?") for k in ("temp", "top_k", "top_p", "moe_cache_mib", "moe_cache_cpu_share")]
             out.append("| " + " | ".join(str(c) for c in [*cells, system]) + " |")
-    series = d["series"]
-    if len(series) >= 2:
-        replies_of = _by_reply(series)
-        tps = [("t/s", xs, [p["tps"] for p in ps]) for xs, ps in replies_of]
-        out += ["", "```", _chart("tokens/s of each reply, on the session's token axis", tps, "t/s"), "```"]
-        hits = [("since the cache's start", xs, [100 * p["hit_rate"] for p in ps]) for xs, ps in replies_of]
-        hits += [(f"last ~{RECENT_TOKENS} tokens", xs, [100 * p["recent_hit_rate"] for p in ps])
-                 for xs, ps in replies_of if any(p.get("recent_tokens") for p in ps)]  # fmt: skip
-        out += ["", "```", _chart("expert cache hit rate", hits, "%"), "```"]
+    for key, title, ylabel, lines in charts(d):
+        if pictures and key in pictures:
+            out += ["", f"![{title}]({pictures[key]})"]
+        out += ["", "```", _chart(title, lines, ylabel), "```"]
     return "\n".join(out) + "\n"
 
 
@@ -321,16 +345,21 @@ def _by_reply(series: list[dict[str, Any]]) -> list[tuple[list[float], list[dict
     return out
 
 
-def write_stats(d: dict[str, Any], path: Path, fmt: str) -> Path:
+def write_stats(d: dict[str, Any], path: Path, fmt: str) -> list[Path]:
+    """The session in `fmt` at `path`; Markdown also writes its charts as SVG pictures beside it. The files
+    written, the report first."""
     if fmt == "json":
-        text = json.dumps(d, indent=1)
-    elif fmt == "csv":
-        text = to_csv(d)
-    elif fmt in ("md", "markdown"):
-        text = to_markdown(d)
-    else:
+        return [write_atomic(path, json.dumps(d, indent=1))]
+    if fmt == "csv":
+        return [write_atomic(path, to_csv(d))]
+    if fmt not in ("md", "markdown"):
         raise ValueError(f"unknown export format '{fmt}' (json, csv or md)")
-    return write_atomic(path, text)
+    from moechat.app.export_charts import picture_names, svg_chart
+
+    found = charts(d)
+    files = picture_names(path, [key for key, *_ in found])
+    pictures = [write_atomic(files[key], svg_chart(title, lines, ylabel)) for key, title, ylabel, lines in found]
+    return [write_atomic(path, to_markdown(d, {k: f.name for k, f in files.items()})), *pictures]
 
 
 def transcript_markdown(conv: Conversation) -> str:

@@ -1,4 +1,5 @@
-"""`moechat export`: the stats of the last (or a given) app session as JSON, CSV or Markdown."""
+"""`moechat export`: the stats of the last (or a given) app session as JSON, CSV or Markdown (with `-o`, its
+charts also as SVG pictures beside the Markdown)."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def run_export(args: argparse.Namespace) -> int:
     d = read_stats(path)
     if args.output:
         out = write_stats(d, Path(args.output), args.format)
-        print(f"moechat: wrote {out}", file=sys.stderr)
+        print(f"moechat: wrote {', '.join(str(p) for p in out)}", file=sys.stderr)
         return 0
     from moechat.app.export import to_csv, to_markdown
 

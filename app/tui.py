@@ -186,7 +186,7 @@ class MoechatApp(App[int]):
         written = []
         try:
             for fmt, ext in (("json", "json"), ("csv", "csv"), ("md", "md")):
-                written.append(write_stats(d, folder / f"stats-{stamp}.{ext}", fmt))
+                written += write_stats(d, folder / f"stats-{stamp}.{ext}", fmt)
             from moechat.app.atomic import write_atomic
 
             if isinstance(self.screen, ChatScreen):

@@ -7,6 +7,7 @@ import csv
 import io
 import json
 from pathlib import Path
+from xml.etree import ElementTree
 
 import pytest
 from moechat.app.settings import Settings
@@ -24,7 +25,8 @@ async def test_export_files_parse_and_match_the_counters(tmp_path: Path) -> None
         await say(pilot, screen, "hi")
         await pilot.press("ctrl+e")  # the key works from the input box
         await until(pilot, lambda: (tmp_path / "data" / "exports").is_dir())
-        assert len(list((tmp_path / "data" / "exports").glob("stats-*"))) == 3
+        names = sorted(p.suffix for p in (tmp_path / "data" / "exports").glob("stats-*"))
+        assert names == [".csv", ".json", ".md", ".svg", ".svg"], names  # the two charts as pictures
         written = app.export_all(tmp_path / "out")
         snap = engine.snapshot()
         assert snap is not None
@@ -37,6 +39,13 @@ async def test_export_files_parse_and_match_the_counters(tmp_path: Path) -> None
         assert len(rows) == len(snap.layers) and int(rows[0]["lookups"]) == snap.layers[0].total.lookups
         md = by_ext[".md"].read_text()
         assert "| model |" in md and "| tg6 |" in md and "\x1b" not in md
+        # Each chart's picture: an SVG beside the report, linked above its plain-text chart.
+        pictures = [p for p in written if p.suffix == ".svg"]
+        assert len(pictures) == 2
+        for picture in pictures:
+            assert f"]({picture.name})" in md
+            root = ElementTree.fromstring(picture.read_bytes())
+            assert root.tag.endswith("svg") and len(list(root.iter())) > 50  # axes, ticks, lines: a drawn chart
         # The recent window: the fake engine hits 3 of 4 lookups, whatever the span.
         recent = [p for p in d["series"] if p["recent_tokens"]]
         assert d["recent_window_min_tokens"] == 32 and recent
@@ -116,6 +125,7 @@ def test_export_command_renders_a_saved_session(tmp_path: Path, capsys: pytest.C
     out = tmp_path / "r.md"
     assert main(["export", "-f", "md", "-o", str(out)]) == 0
     assert "| layer |" in out.read_text()
+    assert sorted(p.name for p in tmp_path.glob("r-*.svg")) == ["r-hit-rate.svg", "r-tps.svg"]
     bad = tmp_path / "bad.json"
     bad.write_text("{")
     assert main(["export", str(bad)]) == 2
