@@ -26,7 +26,7 @@ def svg_chart(title: str, lines: list[Line], ylabel: str) -> str:
         first = label not in colours
         (drawn,) = ax.plot(xs, ys, marker="." if len(xs) < 40 else None, linewidth=1.4,
                            color=colours.get(label), label=label if first else None)  # fmt: skip
-        colours.setdefault(label, drawn.get_color())
+        colours.setdefault(label, str(drawn.get_color()))
     ax.set_title(title)
     ax.set_xlabel("tokens generated in the session")
     ax.set_ylabel(ylabel)
