@@ -10,6 +10,7 @@ import csv
 import io
 import json
 import math
+import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -278,17 +279,19 @@ def to_markdown(d: dict[str, Any], pictures: dict[str, str] | None = None) -> st
         "",
         f"moechat {d['moechat_version']}, exported {d['exported']}",
         "",
-        "| model | arch | device | cache MiB | cpu share | test | t/s |",
-        "| ----- | ---- | ------ | --------: | --------: | ---: | --: |",
+        "| model | arch | device | cache MiB | cpu share | test | t/s | median reply t/s |",
+        "| ----- | ---- | ------ | --------: | --------: | ---: | --: | ---------------: |",
     ]
     base = f"| {m.get('name', '?')} | {m.get('arch', '?')} | {m.get('device', '?')} | {s.get('moe_cache_mib', 0):g} " \
            f"| {s.get('moe_cache_cpu_share', 0):g} "  # fmt: skip
-    # Rates over the whole session, weighted by tokens: all tokens over all the time they took.
+    # Rates over the whole session, weighted by tokens: all tokens over all the time they took; beside them the
+    # median reply's, which one slow reply (a first start, a busy machine) does not drag down.
     for test, n_key, tps_key in (("pp", "n_prompt", "prompt_tps"), ("tg", "n_generated", "gen_tps")):
         timed = [(r[n_key], r[n_key] / r[tps_key]) for r in replies if r.get(tps_key) and r.get(n_key)]
         if timed:
             n, seconds = sum(t[0] for t in timed), sum(t[1] for t in timed)
-            out.append(base + f"| {test}{round(n / len(timed))} | {n / seconds:.2f} |")
+            median = statistics.median(count / took for count, took in timed)
+            out.append(base + f"| {test}{round(n / len(timed))} | {n / seconds:.2f} | {median:.2f} |")
     hit = total["hits"] / total["lookups"] if total["lookups"] else 0.0
     out += [
         "",

@@ -16,6 +16,7 @@ Line = tuple[str, list[float], list[float]]  # label, xs (the session's tokens),
 def svg_chart(title: str, lines: list[Line], ylabel: str) -> str:
     """One chart as SVG text: each (label, xs, ys) drawn apart, so a line never joins two replies; the
     token axis in whole tokens."""
+    from matplotlib.colors import to_hex
     from matplotlib.figure import Figure
     from matplotlib.ticker import MaxNLocator
 
@@ -26,7 +27,7 @@ def svg_chart(title: str, lines: list[Line], ylabel: str) -> str:
         first = label not in colours
         (drawn,) = ax.plot(xs, ys, marker="." if len(xs) < 40 else None, linewidth=1.4,
                            color=colours.get(label), label=label if first else None)  # fmt: skip
-        colours.setdefault(label, str(drawn.get_color()))
+        colours.setdefault(label, to_hex(drawn.get_color()))
     ax.set_title(title)
     ax.set_xlabel("tokens generated in the session")
     ax.set_ylabel(ylabel)

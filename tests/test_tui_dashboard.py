@@ -139,6 +139,8 @@ async def test_dashboard_draws_the_final_snapshot(tmp_path: Path) -> None:
         t1, t0 = final.tokens, final.tokens - span
         rate = (t1 * K * 3 // 4 - t0 * K * 3 // 4) / ((t1 - t0) * K)
         assert span >= 32 and totals.lines[1].startswith(f"last {span} tok {100 * rate:.1f}%  |  worst 0 ")
+        # The CPU device copies a miss's expert within RAM: no upload over a link to name.
+        assert totals.lines[2].startswith(f"copied {final.total.uploaded_bytes / 2**20:.1f} MiB  |")
         assert totals.lines[3].startswith(f"cpu misses {final.total.cpu}  |")
         assert all(len(line) <= totals.size.width for line in totals.lines)  # nothing cropped
         stats = screen.query_one(LayerStats)

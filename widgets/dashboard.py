@@ -29,6 +29,9 @@ class Dashboard(VerticalScroll):
         self._totals: tuple[float, float, Recent | None] = (0.0, 0.0, None)  # t/s, MiB/token, recent window
         self._snap: StatsSnapshot | None = None  # the latest, to fold again on a resize
         self.off_note = ""  # why there is no cache (auto's words), shown where the cache's numbers would be
+        # What a miss's copy into a slot is: an upload over the link to a GPU; on the CPU device a copy
+        # within RAM ("copied": the same bookkeeping, no link), which "uploaded" would misname.
+        self.copied = "uploaded"
 
     def compose(self) -> ComposeResult:
         yield Static(SCOPES[False], classes="title", id="cache-title")
@@ -80,7 +83,7 @@ class Dashboard(VerticalScroll):
             [(f"hit rate {100 * t.hit_rate:.1f}%" + bound + f"  |  {tps:.1f} t/s", "")],
             [(last, "")],
             *window,
-            [(f"uploaded {t.uploaded_bytes / 2**20:.1f} MiB  |  {uploaded_per_token_mib:.2f} MiB/token", "")],
+            [(f"{self.copied} {t.uploaded_bytes / 2**20:.1f} MiB  |  {uploaded_per_token_mib:.2f} MiB/token", "")],
             [(f"cpu misses {t.cpu}  |  share {snap.cpu_share:g}", "")],
             [("slots " + ", ".join(f"{g.n_slots}" for g in snap.groups)
               + (f"  |  warm start {snap.warm_uploads}" if snap.warm_uploads else "")

@@ -148,6 +148,7 @@ class ChatScreen(Screen[None]):
         info = self.moechat.engine.info
         self.conv.model = info.name
         self.query_one(Dashboard).off_note = info.cache_note if info.cache_note.startswith("auto: off") else ""
+        self.query_one(Dashboard).copied = "uploaded" if info.device != "cpu" else "copied"
         self.refresh_info()
         if info.template_note:
             self.notify(f"{info.template_note}; using the plain format", severity="warning")
