@@ -180,3 +180,38 @@ def test_the_forecast_follows_the_traffic() -> None:
     best = max(tps, key=tps.__getitem__)
     assert best == pytest.approx(2 / 3, abs=0.015)  # (1 - s) / 10 = s / 20
     assert tps[0.0] < tps[best] and tps[1.0] < tps[best]
+
+
+def test_the_cpu_probe_calls_each_kind_of_layer_before_its_clock_starts(tmp_path: Path,
+                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    """A layer whose experts are of other types runs kernels of its own: their first call (a compile on a
+    first start) must not be timed as the CPU's speed."""
+    from gguf import GGMLQuantizationType as Q
+
+    path = tiny_moe(tmp_path / "mixed.gguf", n_layers=3, n_expert=8, layer_expert_types={1: Q.Q4_K})
+    lm = load_model(path, n_ctx=N_CTX)
+    host = lm.model.host_experts
+    started: list[bool] = []
+    timed: list[tuple[int, bool]] = []  # (layer, whether the probe's clock had started)
+
+    class Watched:
+        layers = host.layers
+
+        def __call__(self, layer: int, *args: object) -> object:
+            timed.append((layer, bool(started)))
+            return host(layer, *args)  # type: ignore[arg-type]
+
+    clock = share_auto.time.perf_counter
+
+    def perf_counter() -> float:
+        started.append(True)
+        return clock()
+
+    monkeypatch.setattr(share_auto.time, "perf_counter", perf_counter)
+    try:
+        assert share_auto.cpu_gbps(Watched(), 2, seconds=0.05) > 0  # type: ignore[arg-type]
+    finally:
+        lm.close()
+    before = {layer for layer, t in timed if not t}
+    assert {0, 1} <= before  # Q8_0's layer and Q4_K's, each called before the clock started
+    assert any(t for _, t in timed)
