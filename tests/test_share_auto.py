@@ -182,8 +182,9 @@ def test_the_forecast_follows_the_traffic() -> None:
     assert tps[0.0] < tps[best] and tps[1.0] < tps[best]
 
 
-def test_the_cpu_probe_calls_each_kind_of_layer_before_its_clock_starts(tmp_path: Path,
-                                                                          monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+def test_the_cpu_probe_calls_each_kind_of_layer_before_its_clock_starts(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A layer whose experts are of other types runs kernels of its own: their first call (a compile on a
     first start) must not be timed as the CPU's speed."""
     from gguf import GGMLQuantizationType as Q
@@ -199,7 +200,7 @@ def test_the_cpu_probe_calls_each_kind_of_layer_before_its_clock_starts(tmp_path
 
         def __call__(self, layer: int, *args: object) -> object:
             timed.append((layer, bool(started)))
-            return host(layer, *args)  # type: ignore[arg-type]
+            return host(layer, *args)
 
     clock = share_auto.time.perf_counter
 
@@ -209,7 +210,7 @@ def test_the_cpu_probe_calls_each_kind_of_layer_before_its_clock_starts(tmp_path
 
     monkeypatch.setattr(share_auto.time, "perf_counter", perf_counter)
     try:
-        assert share_auto.cpu_gbps(Watched(), 2, seconds=0.05) > 0  # type: ignore[arg-type]
+        assert share_auto.cpu_gbps(Watched(), 2, seconds=0.05) > 0
     finally:
         lm.close()
     before = {layer for layer, t in timed if not t}
