@@ -37,12 +37,11 @@ def pane(session: str) -> str:
 
 
 def info_line(screen: str) -> str:
-    """The chat pane's first line: what the load is doing, or the model's description once loaded."""
-    for line in screen.splitlines():
-        text = line.split("\u2502")[0].strip()
-        if text:
-            return text
-    return ""
+    """The chat pane's first two lines: what the load is doing (a first start's kernel count is on the
+    second), or the model's description once loaded."""
+    lines = [line.split("\u2502")[0].strip() for line in screen.splitlines()]
+    lines = [text for text in lines if text]
+    return " ".join(lines[:2])
 
 
 def one_start(exe: str, model: str | None, home: Path, kernels: Path, n: int, timeout: float) -> dict[str, float]:
