@@ -86,11 +86,25 @@ def test_the_cache_on_token_calls_counts_what_its_general_path_counts(
 
 
 def test_a_cache_that_reads_its_plan_first_takes_the_general_path(tmp_path: Path) -> None:
-    """A prefetch or a trace acts on the plan before the experts run: no token calls then."""
+    """A prefetch acts on the plan before the experts run: no token calls then."""
     path = tiny_moe(tmp_path / "q.gguf")
-    for settings in (CacheSettings(mib=2, prefetch=True), CacheSettings(mib=2, trace=tmp_path / "t.jsonl")):
-        lm = load_model(path, n_ctx=32, cache=settings)
-        ffn = next(b.ffn for b in lm.model.blocks if isinstance(b.ffn, MoeFFN))
-        assert lm.cache is not None and not lm.cache.per_token
-        assert moe_token_call(ffn, lm.model.experts) is None
-        lm.close()
+    lm = load_model(path, n_ctx=32, cache=CacheSettings(mib=2, prefetch=True))
+    ffn = next(b.ffn for b in lm.model.blocks if isinstance(b.ffn, MoeFFN))
+    assert lm.cache is not None and not lm.cache.per_token
+    assert moe_token_call(ffn, lm.model.experts) is None
+    lm.close()
+
+
+def test_a_traced_cache_keeps_its_token_calls_and_writes_the_same_trace(tmp_path: Path) -> None:
+    """A trace records the lookups, it does not act on them: the token calls stay (the general path cost
+    the tuner's cached runs a quarter of their speed against its run without a cache), and `account`
+    writes the records the general path writes, in the same order."""
+    from moechat.engine.cache.trace import read_trace
+
+    path = tiny_moe(tmp_path / "m.gguf", n_expert=16)
+    runs = {}
+    for per_token in (True, False):
+        trace = tmp_path / f"{per_token}.trace"
+        _decode(path, CacheSettings(mib=1.6, cpu_share=0.5, trace=trace), per_token)
+        runs[per_token] = [(r.layer, r.n_used, tuple(r.ids)) for r in read_trace(trace).records]
+    assert runs[True] == runs[False] and len(runs[True]) > 24

@@ -479,7 +479,7 @@ def test_recommendation_survives_degenerate_and_noisy_runs(tmp_path: Path) -> No
     # is no cache, said in words, and it is what a confirm run would then measure.
     assert done.off is not None
     slow = replace(done, arms=tuple(replace(a, ms_per_token=20.0 + i) for i, a in enumerate(done.arms)),
-                   off=replace(done.off, ms_per_token=10.0))  # fmt: skip
+                   off=replace(done.off, ms_per_token=10.0), no_link=False)  # as with a slow link  # fmt: skip
     report = recommend(slow, path.name, workers=1)
     rec = report.recommendation
     assert rec.cache_off and rec.measured and rec.tps == pytest.approx(100.0)
@@ -709,3 +709,24 @@ def test_tune_command_on_a_busy_machine_checks_again_then_measures_anyway(
                "--fresh"])  # fmt: skip
     out = capsys.readouterr()
     assert rc == 0 and out.err.count("the machine looks steady") == 1 and "busy" not in out.err
+
+
+def test_with_no_link_the_advice_is_no_cache_in_plain_words_without_a_fit(tmp_path: Path) -> None:
+    """The CPU device without a link: a hit and a miss are the same kernels on the same bytes, so the runs
+    differ by the machine's noise only. No time model is fitted to that noise (it was "not physical", with
+    an empty table and a run picked by noise); the advice is no cache, saying why."""
+    from moechat.tuner.events import Arm
+
+    def arm(mib: float, share: float, ms: float) -> Arm:
+        return Arm(mib, share, 64, ms, 0.5 if mib else 0.0, 0.001, 0.001 * share, 60.0, 60.0, 1,
+                   "x.trace" if mib else "")  # fmt: skip
+
+    settings = itertools.product((27.3, 150.0), (0.0, 0.5, 0.95))
+    arms = tuple(arm(m, s, 16.5 + 0.2 * i) for i, (m, s) in enumerate(settings))
+    done = SweepDone(tmp_path, arms, 273.2, 16000.0, "cpu", off=arm(0.0, 0.0, 16.7), no_link=True)
+    report = recommend(done, "m.gguf")
+    rec = report.recommendation
+    assert rec.cache_off and rec.command() == "--moe-cache-mib 0" and not report.warnings and not report.rows
+    assert "neither saves nor costs time" in rec.describe() and "within 5% of the run without one" in rec.describe()
+    text = render(report)
+    assert "no size or share changes the speed" in text and "not physical" not in text

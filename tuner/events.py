@@ -82,6 +82,9 @@ class SweepDone:
     room_mib: float  # largest cache the device has room for (or --max-mib)
     device: str
     off: Arm | None = None  # the same run without a cache, measured beside the arms
+    # The CPU device with no emulated link: an upload is a copy in the same memory, a hit and a miss the
+    # same kernels on the same bytes, so no size or share changes the speed (nothing to fit or predict).
+    no_link: bool = False
 
 
 @dataclass(frozen=True)

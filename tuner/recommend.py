@@ -32,6 +32,7 @@ class Recommendation:
     tps_share0: float  # nan when not known
     all_fit: bool  # every expert fits in the cache
     measured: bool = False  # the fastest measured run, not a prediction (the time model did not fit)
+    reason: str = ""  # why no cache, where it is not "the fastest measured"
 
     @property
     def cache_off(self) -> bool:
@@ -45,7 +46,7 @@ class Recommendation:
     def describe(self) -> str:
         """The advice in words."""
         if self.cache_off:
-            return f"no expert cache: it is the fastest here ({self.tps:.1f} t/s measured without one)"
+            return self.reason or f"no expert cache: it is the fastest here ({self.tps:.1f} t/s measured without one)"
         how = "measured" if self.measured else "predicted"
         return f"{self.mib:g} MiB, CPU share {self.share:g} ({self.tps:.1f} t/s {how})"
 
@@ -111,6 +112,8 @@ def predict_rows(routing: Routing, sizes: list[float], model: TimeModel, shares:
 
 def recommend(done: SweepDone, model_name: str, workers: int = 2) -> TuneReport:
     """The report and advice; never fails on what the runs measured (a fit that does not hold is said so)."""
+    if done.no_link and done.off is not None:
+        return _no_link(done, model_name)
     warnings = []
     try:
         model = fit(observations(done.arms), cpu_is_device=done.device == "cpu")
@@ -176,3 +179,23 @@ def recommend(done: SweepDone, model_name: str, workers: int = 2) -> TuneReport:
         )
     return TuneReport(model_name, done.device, done.expert_mib, cap, done.arms, model, TABLE_SHARES, tuple(rows),
                       rec, closed, tuple(warnings), done.off)  # fmt: skip
+
+
+def _no_link(done: SweepDone, model_name: str) -> TuneReport:
+    """The CPU device with no link: every run does the same work at the same speed, whatever the size and
+    share (their spread is the machine's noise), so there is no time model to fit and no table to predict:
+    the advice is no cache, as `--moe-cache-mib auto` leaves it here (a cache there only shows statistics)."""
+    runs = [*done.arms, done.off]
+    mean = sum(a.ms_per_token for a in runs) / len(runs)
+    errors = tuple((mean - a.ms_per_token) / a.ms_per_token for a in done.arms)
+    model = TimeModel(mean, 0.0, 0.0, errors=errors)  # the rest of the token is all there is
+    off = done.off
+    assert off is not None  # (the caller's test)
+    spread = max(abs(a.tps / off.tps - 1) for a in done.arms)
+    reason = (f"on the CPU device with no link a cache neither saves nor costs time (every run within "
+              f"{100 * spread:.0f}% of the run without one, {off.tps:.1f} t/s): its hits and misses are "
+              "statistics only, so run without one, as --moe-cache-mib auto does here (--emulate-link-gbps X "
+              "tunes for a GPU's link)")  # fmt: skip
+    rec = Recommendation(0.0, 0.0, off.tps, off.tps, all_fit=False, measured=True, reason=reason)
+    return TuneReport(model_name, done.device, done.expert_mib, done.room_mib, done.arms, model, TABLE_SHARES, (),
+                      rec, 0.0, (), off)  # fmt: skip

@@ -105,6 +105,8 @@ def render(report: TuneReport, markdown: bool = False) -> str:
             table(["cache MiB"] + [f"{s:g}" for s in report.shares], cells, markdown),
             "",
         ]
+    elif report.recommendation.reason:  # nothing to predict: the reason says why
+        out += ["no predicted table: no size or share changes the speed here", ""]
     else:
         out += ["no predicted table: the time model does not describe the runs (see the warnings)", ""]
     rec = report.recommendation

@@ -111,10 +111,10 @@ class ExpertCache:
         self._uncached_path = self.host if self.device.type == "cpu" else self._run_uncached_on_device
         # Where the slots are the host copy, a decode token's layer computes exactly what the host copy's
         # one-call token kernel computes, whatever the plan: the decoder runs those calls (`token_call`)
-        # and tells the cache the token's lookups afterwards, all layers at once (`account`). Not where
-        # something reads the plan before the compute: a prefetch, a trace, a group that a token's
-        # experts could outnumber.
-        self.per_token = self.in_place and not self.prefetch_tokens and self._trace is None and all(
+        # and tells the cache the token's lookups afterwards, all layers at once (`account`), which also
+        # writes them to the trace. Not where something reads the plan before the compute: a prefetch, a
+        # group that a token's experts could outnumber.
+        self.per_token = self.in_place and not self.prefetch_tokens and all(
             g.policy is not None and not bypasses(1, n_expert_used, g.info.n_expert, g.policy.n_slots,
                                                   settings.max_batch) for g in self.groups)  # fmt: skip
         self.last_layer = max(host.layers)
@@ -254,6 +254,9 @@ class ExpertCache:
         rows = np.concatenate(self._owed_ids)  # [n, k]
         self._owed_layers.clear()
         self._owed_ids.clear()
+        if self._trace is not None:  # each layer's record, in the order `__call__` would have written them
+            for layer, row in zip(key, rows, strict=True):
+                self._trace.write(layer, row.shape[0], row)
         if key[0] == self.first_layer:
             self.log.tick(1, self._slot_contents)
             self.tokens += 1
