@@ -17,6 +17,7 @@ import torch
 from moechat.app.engine_api import PLAIN_STOPS, Message, ModelInfo
 from moechat.app.paths import app_paths
 from moechat.app.settings import Settings
+from moechat.app.stop_strings import StopStrings
 from moechat.app.tuned import file_identity
 from moechat.engine.cache.settings import CacheSettings
 from moechat.engine.cache.stats import StatsSnapshot
@@ -35,35 +36,6 @@ if TYPE_CHECKING:
     from moechat.engine.distributed.pipeline import PipelineModel
 
 logger = logging.getLogger(__name__)
-
-
-class StopStrings:
-    """Cuts a streamed reply at the first stop string, holding back text that could start one."""
-
-    def __init__(self, stops: Sequence[str]) -> None:
-        self.stops = tuple(stops)
-        self.hold = max((len(s) for s in stops), default=0)
-        self.text = ""
-        self.shown = 0
-        self.hit = False
-
-    def push(self, piece: str) -> str:
-        """The new text that is safe to show (nothing once a stop string was found: tokens the engine
-        still wrote before it saw the stop are not part of the reply)."""
-        if self.hit:
-            return ""
-        self.text += piece
-        for s in self.stops:
-            cut = self.text.find(s)
-            if cut >= 0:
-                self.text, self.hit = self.text[:cut], True
-        safe = len(self.text) if self.hit else max(self.shown, len(self.text) - self.hold)
-        out, self.shown = self.text[self.shown : safe], safe
-        return out
-
-    def flush(self) -> str:
-        out, self.shown = self.text[self.shown :], len(self.text)
-        return out
 
 
 def load_for(

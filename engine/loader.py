@@ -18,7 +18,7 @@ from .config import ModelConfig
 from .errors import ParameterError
 from .gguf.reader import GGUFFile
 from .kernels.isa import activation_bits
-from .kernels.jit import EXPECTED_COMPILES, compile_notes
+from .kernels.jit import compile_notes
 from .models import build_model, compile_ahead
 from .models.decoder import MoeDecoder
 from .models.gemma3 import Gemma3
@@ -249,8 +249,7 @@ def load_model(
         if not on_cpu:
             model.to_device(torch.device(device))
         apply_widths(model, cpu_kernels, cache)  # the widths it will run with: the kernels compiled next are those
-        expected = compile_ahead.expected_compiles(EXPECTED_COMPILES)
-        with compile_notes(progress, expected) as compiled:  # one token through every layer: the kernels compile here
+        with compile_notes(progress) as compiled:  # one token through every layer: the kernels compile here
             check_fit(gguf, cfg, model, tok, own_layers)
             if on_cpu:
                 compile_ahead.warm_prompt_kernels(model)  # a prompt's dense matrices, before a first reply waits

@@ -3,8 +3,6 @@ axis that never fold back, a legend that says which line is which; the run summa
 
 from __future__ import annotations
 
-import re
-
 from moechat.app.export import SessionStats, _by_reply, to_markdown
 from moechat.engine.cache.stats import (
     CountersSnapshot,
@@ -67,10 +65,7 @@ def test_a_batch_class_without_lookups_says_so_instead_of_a_zero_hit_rate() -> N
     assert "hit rate = none (every lookup bypassed)" in large and "0.0%" not in large.split("uploaded")[0]
 
 
-def test_compile_progress_is_a_bar_with_a_total() -> None:
-    first, later = compile_line(1, 200), compile_line(150, 200)
-    assert first.startswith("compiling kernels for this model (first start only) [")
-    assert first.endswith("] 1 of about 200") and later.endswith("] 150 of about 200")
-    assert re.search(r"\[#{15}\.{5}\]", later)
-    # Past the estimate the total moves on, and the bar never reads full before the end.
-    assert compile_line(250, 200).endswith("] 250 of about 251") and "[" + "#" * 20 + "]" not in compile_line(250, 200)
+def test_compile_progress_counts_without_a_total_that_could_drift() -> None:
+    first, later = compile_line(1), compile_line(150)
+    assert first == "compiling kernels for this model (first start only, a minute or two on 2 cores): 1 compiled"
+    assert later.endswith(": 150 compiled") and "of about" not in later

@@ -197,11 +197,13 @@ def test_a_first_start_says_it_is_compiling_and_a_second_does_not(tmp_path: Path
     assert any(cache.rglob("layer_halves.*.nbi")) and not any(cache.rglob("layer_halves.rms_compiled*"))
     first = run(cache)
     assert first.returncode == 0, first.stderr
-    # In words and with a total: a bar, then "n of about N" kernels (N an earlier first start's count).
-    assert "moechat: compiling kernels for this model (first start only) [" in first.stderr
-    assert re.search(r"\] 1 of about \d+\n", first.stderr), first.stderr
-    last = re.search(r"\] (\d+) of about (\d+), done", first.stderr)
-    assert last is not None and 1 < int(last[1]) < int(last[2]), first.stderr
+    # In words, counting up, with no total to drift past (one estimated from other models' first starts did).
+    assert (
+        "moechat: compiling kernels for this model (first start only, a minute or two on 2 cores): 1 compiled\n"
+        in first.stderr
+    ), first.stderr
+    last = re.search(r": (\d+) compiled, done", first.stderr)
+    assert last is not None and int(last[1]) > 1 and "of about" not in first.stderr, first.stderr
     assert "now " not in first.stderr  # no numba function names
     second = run(cache)
     assert second.returncode == 0 and "compiling" not in second.stderr, second.stderr

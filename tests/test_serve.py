@@ -457,3 +457,11 @@ def test_the_api_key_can_come_from_the_environment(monkeypatch: pytest.MonkeyPat
     assert build_parser().parse_args(["serve", "m.gguf", "--api-key", "other"]).api_key == "other"
     monkeypatch.delenv("MOECHAT_API_KEY")
     assert build_parser().parse_args(["attach"]).api_key is None
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc/PID/maps")
+def test_the_http_process_maps_no_torch(server: Server) -> None:
+    """The model runs in the engine's process: the server's own (HTTP, the queue, /metrics) loads neither
+    torch nor numba (it mapped libtorch 12 times through the stop strings' module and the app's)."""
+    maps = Path(f"/proc/{server.proc.pid}/maps").read_text()
+    assert "libtorch" not in maps and "numba" not in maps

@@ -51,10 +51,10 @@ def run_serve(args: argparse.Namespace) -> int:
         print(f"moechat: warning: serving on {args.host} without --api-key: anyone who reaches this address can "
               "use the model", file=sys.stderr)  # fmt: skip
     import uvicorn
+    from moechat.app.engine_process import EngineSpec, ProcessEngine
     from moechat.app.paths import app_paths
     from moechat.app.run_cmd import StatusLine
     from moechat.app.serve.server import Gate, bind, build_app
-    from moechat.app.tui import real_engine_factory
 
     # The port first: one in use is one line within a second, not after the model's load; /health
     # says "loading" while the model loads behind the bound port.
@@ -71,7 +71,8 @@ def run_serve(args: argparse.Namespace) -> int:
     def load() -> None:
         try:
             status = StatusLine()
-            engine = real_engine_factory(args.model, settings, app_paths().data / "warm")(status)
+            # The model runs in the engine's own process: this one (HTTP) loads neither torch nor the UI.
+            engine = ProcessEngine(EngineSpec(args.model, settings, str(app_paths().data / "warm")), status)
             loaded.append(engine)
             status.done()
             gate.open(build_app(engine, defaults, api_key=args.api_key))

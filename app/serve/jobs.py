@@ -17,8 +17,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from moechat.app.engine_api import ChatEngine
-from moechat.app.real_engine import StopStrings
 from moechat.app.serve.wire import ApiError, Request
+from moechat.app.stop_strings import StopStrings
 from moechat.engine.events import DoneEvent, TokenEvent, tokens_per_second
 
 logger = logging.getLogger(__name__)

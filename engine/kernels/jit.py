@@ -90,42 +90,33 @@ def concurrent_calls_safe() -> bool:
         return numba.config.THREADING_LAYER in ("omp", "tbb", "safe")  # type: ignore[attr-defined]
 
 
-# A first start's kernel count where this machine has no count of its own yet (the demo compiled 208 in
-# its loading process beside the compile-ahead helper); every first start records its count for the next.
-EXPECTED_COMPILES = 200
-BAR = 20  # characters of the progress bar
-
-
-def compile_line(n: int, total: int) -> str:
-    """A first start's progress in words a user knows: a bar and "n of about N" kernels. The total is an
-    estimate (what an earlier first start here compiled), so the bar stops short of full until the end."""
-    total = max(total, n + 1)
-    filled = BAR * n // total
-    bar = "#" * filled + "." * (BAR - filled)
-    return f"compiling kernels for this model (first start only) [{bar}] {n} of about {total}"
+def compile_line(n: int) -> str:
+    """A first start's progress in words a user knows: how many kernels are compiled so far. No total: the
+    kernels a model needs are known only once compiled, and a total estimated from another model's first
+    start drifted as the count went past it ("of about 200", then 231)."""
+    return f"compiling kernels for this model (first start only, a minute or two on 2 cores): {n} compiled"
 
 
 class CompileCount(numba.core.event.Listener):
     """Counts the kernels numba compiles (not those it loads from its disk cache), saying each one."""
 
-    def __init__(self, note: Callable[[str], None] | None, expected: int) -> None:
+    def __init__(self, note: Callable[[str], None] | None) -> None:
         self.note = note
-        self.expected = expected
         self.started = 0
 
     def on_start(self, event: Any) -> None:
         self.started += 1
         if self.note is not None:
-            self.note(compile_line(self.started, self.expected))
+            self.note(compile_line(self.started))
 
     def on_end(self, event: Any) -> None:
         pass
 
 
 @contextlib.contextmanager
-def compile_notes(note: Callable[[str], None] | None, expected: int = EXPECTED_COMPILES) -> Iterator[CompileCount]:
+def compile_notes(note: Callable[[str], None] | None) -> Iterator[CompileCount]:
     """Count, and say with `note`, each kernel numba compiles while the block runs: a first start compiles
-    for a minute, and says how far it is instead of going quiet. `expected`: the total the bar runs to."""
-    listener = CompileCount(note, expected)
+    for a minute or two, and says how far it is instead of going quiet."""
+    listener = CompileCount(note)
     with numba.core.event.install_listener("numba:compile", listener):
         yield listener

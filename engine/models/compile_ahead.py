@@ -14,7 +14,6 @@ MOECHAT_COMPILE_AHEAD=0 (the test suite's many small models would each start one
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import logging
 import os
@@ -53,8 +52,7 @@ def compiled(model_kind: str) -> bool:
 
 
 def mark_compiled(model_kind: str, n_compiled: int) -> None:
-    """Stamp the model kind as compiled here, with the kernels its load compiled (the next first start's
-    progress bar runs to the largest such count)."""
+    """Stamp the model kind as compiled here, with the kernels its load compiled."""
     stamp = _stamp(model_kind)
     if stamp is not None:
         try:
@@ -63,17 +61,6 @@ def mark_compiled(model_kind: str, n_compiled: int) -> None:
                 stamp.write_text(f"{n_compiled}\n")
         except OSError as e:  # a read-only cache: the next start compiles on one core again
             logger.debug("cannot write %s: %s", stamp, e)
-
-
-def expected_compiles(default: int) -> int:
-    """The most kernels a first start here compiled (its stamps' counts), else `default`."""
-    stamp = _stamp("x")
-    counts = []
-    if stamp is not None and stamp.parent.is_dir():
-        for p in stamp.parent.iterdir():
-            with contextlib.suppress(OSError, ValueError):
-                counts.append(int(p.read_text().strip() or 0))
-    return max(counts, default=0) or default
 
 
 def start(path: Path, n_ctx: int, cpu_kernels: str, model_kind: str) -> subprocess.Popen[bytes] | None:
