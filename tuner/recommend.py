@@ -185,12 +185,13 @@ def _no_link(done: SweepDone, model_name: str) -> TuneReport:
     """The CPU device with no link: every run does the same work at the same speed, whatever the size and
     share (their spread is the machine's noise), so there is no time model to fit and no table to predict:
     the advice is no cache, as `--moe-cache-mib auto` leaves it here (a cache there only shows statistics)."""
-    runs = [*done.arms, done.off]
+    off = done.off
+    if off is None:
+        raise ValueError("no run without a cache to compare the cache's runs with")  # (the caller checks first)
+    runs = [*done.arms, off]
     mean = sum(a.ms_per_token for a in runs) / len(runs)
     errors = tuple((mean - a.ms_per_token) / a.ms_per_token for a in done.arms)
     model = TimeModel(mean, 0.0, 0.0, errors=errors)  # the rest of the token is all there is
-    off = done.off
-    assert off is not None  # (the caller's test)
     spread = max(abs(a.tps / off.tps - 1) for a in done.arms)
     reason = (f"on the CPU device with no link a cache neither saves nor costs time (every run within "
               f"{100 * spread:.0f}% of the run without one, {off.tps:.1f} t/s): its hits and misses are "
