@@ -9,7 +9,6 @@ from __future__ import annotations
 import csv
 import io
 import json
-import math
 import statistics
 from collections import deque
 from dataclasses import asdict, dataclass, field
@@ -27,6 +26,7 @@ from moechat.engine.cache.stats import (
 )
 from moechat.engine.events import DoneEvent
 from moechat.tuner.baselines import MinBound
+from moechat.widgets.ticks import whole_ticks
 
 from moechat import __version__
 
@@ -202,7 +202,7 @@ def _chart(title: str, lines: list[tuple[str, list[float], list[float]]], ylabel
         marker = markers[sorted({lab for lab, _, _ in lines}).index(label) % len(markers)]
         plt.plot(xs, ys, marker=marker, label=label if label not in named else "")
         named.add(label)
-    ticks = _whole_ticks([x for _, xs, _ in lines for x in xs])
+    ticks = whole_ticks([x for _, xs, _ in lines for x in xs])
     plt.xticks(ticks, [str(t) for t in ticks])  # tokens are whole: no fractions on the axis
     plt.title(title)
     plt.xlabel("tokens generated in the session")
@@ -210,16 +210,6 @@ def _chart(title: str, lines: list[tuple[str, list[float], list[float]]], ylabel
     out = plt.build()
     plt.clear_figure()
     return str(plt.uncolorize(out))
-
-
-def _whole_ticks(xs: list[float], most: int = 6) -> list[int]:
-    """At most `most` whole-number ticks spanning xs, at a round step (1, 2, 5, 10, 20, 50, ...)."""
-    lo, hi = math.floor(min(xs, default=0)), math.ceil(max(xs, default=0))
-    step = 1
-    while (hi - lo) / step > most - 1:
-        step = step * 5 // 2 if str(step)[0] == "2" else step * 2
-    first = -(-lo // step) * step
-    return list(range(first, hi + 1, step)) or [lo]
 
 
 def charts(d: dict[str, Any]) -> list[tuple[str, str, str, list[tuple[str, list[float], list[float]]]]]:

@@ -69,3 +69,16 @@ def test_compile_progress_counts_without_a_total_that_could_drift() -> None:
     first, later = compile_line(1), compile_line(150)
     assert first == "compiling kernels for this model (first start only, a minute or two on 2 cores): 1 compiled"
     assert later.endswith(": 150 compiled") and "of about" not in later
+
+
+def test_token_axes_are_ticked_in_whole_tokens() -> None:
+    """The dashboard's chart and the report's: plotext's own ticks fell on fractions of a token."""
+    from moechat.widgets.ticks import whole_ticks
+
+    assert whole_ticks([1, 2, 3]) == [1, 2, 3]
+    assert whole_ticks([0.5, 7.2]) == [0, 2, 4, 6, 8]
+    assert whole_ticks([3, 130]) == [50, 100] and whole_ticks([0, 1234]) == [0, 500, 1000]
+    assert whole_ticks([5, 5]) == [5]
+    for lo, hi in ((0, 17), (12, 1000), (7, 9)):
+        ticks = whole_ticks([lo, hi], most=6)
+        assert all(isinstance(t, int) for t in ticks) and len(ticks) <= 6 and lo <= ticks[0] <= ticks[-1] <= hi

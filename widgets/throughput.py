@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections import deque
 from collections.abc import Sequence
 
+from moechat.widgets.ticks import whole_ticks
 from textual_plotext import PlotextPlot
 
 POINTS = 300
@@ -56,4 +57,6 @@ class ThroughputPlot(PlotextPlot):
         if len(self.points) >= 2:
             xs, ys = thin(list(self.points), self.size.width)  # one a column
             self.plt.plot(xs, ys, marker="braille")
+            ticks = whole_ticks(xs, most=max(2, self.size.width // 8))
+            self.plt.xticks([float(t) for t in ticks], [str(t) for t in ticks])
         self.refresh()
