@@ -48,11 +48,12 @@ class PromptCache:
         Without kept logits the prompt's last token is read again: its logits are where the reply starts.
         """
         shared = common_prefix(self.tokens, prompt)
-        kept = self.after is not None and shared == len(prompt) == self.after[0] > 0
-        if self.kv is not None and self.after is not None and kept and (self.can_roll_back or self.kv.pos == shared):
+        after = self.after
+        if (self.kv is not None and after is not None and shared == len(prompt) == after[0] > 0
+                and (self.can_roll_back or self.kv.pos == shared)):  # fmt: skip
             self.kv.pos = shared
             del self.tokens[shared:]
-            return self.kv, shared, self.after[1]
+            return self.kv, shared, after[1]
         held = min(shared, len(prompt) - 1)
         if self.kv is None or held <= 0 or (held < self.kv.pos and not self.can_roll_back):
             self.kv, self.tokens, held = self._make(), [], 0

@@ -124,10 +124,8 @@ class ThreadGovernor:
         self._up_votes = 0
         self._applied = threading.local()
         self._stop = threading.Event()
-        self._watcher: threading.Thread | None = None
         if start:
-            self._watcher = threading.Thread(target=self._run, name="moechat-thread-governor", daemon=True)
-            self._watcher.start()
+            threading.Thread(target=self._run, name="moechat-thread-governor", daemon=True).start()
 
     def _run(self) -> None:
         while not self._stop.wait(self.every_s):
