@@ -149,6 +149,10 @@ class SessionStats:
             "prefetch": {
                 k: sum(layer[k] for layer in layers) for k in ("prefetched", "prefetched_bytes", "prefetch_hits")
             },
+            # The experts' RAM tier (a model whose experts do not fit in RAM): lookups, reads and waits, whole session.
+            "ram_tier": asdict(self.snapshot.ram)
+            if self.snapshot is not None and self.snapshot.ram is not None
+            else None,
             "min_hit_rate": self.min_hit_rate,
             "min_bound": asdict(self.min_bound) if self.min_bound is not None else None,
             "layers": layers,

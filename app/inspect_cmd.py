@@ -146,7 +146,7 @@ def run_fit(path: str, console: Console, device: str, emulate_device_mib: float,
     (engine.cache.share_auto: the speeds kept on this machine, measured on a load of the model where
     there are none, or with `remeasure`)."""
     from moechat.app.paths import app_paths
-    from moechat.engine.cache import auto_size
+    from moechat.engine.cache import auto_size, ram_size
     from moechat.engine.cache.settings import AUTO_MIB, AUTO_SHARE, CacheSettings
     from moechat.engine.loader import resolve_device
 
@@ -168,8 +168,10 @@ def run_fit(path: str, console: Console, device: str, emulate_device_mib: float,
 
             free = (device_free_bytes(torch.device("cuda")) - dense) / 2**20
         f = auto_size.fit(gguf, cfg, n_ctx, settings, free)
+        ram = ram_size.plan(gguf, cfg, n_ctx, AUTO_MIB)  # the RAM tier, where the experts do not fit in RAM
     for line in f.lines():
         console.print(line, markup=False, highlight=False)
+    console.print(ram.line(), markup=False, highlight=False)
     if f.cache > 0 and per_layer:
         slots = int(f.cache * 2**20 // (sum(per_layer.values()) / len(per_layer)))
         console.print(f"about {slots // len(per_layer)} expert slots per MoE layer of {cfg.n_expert} "

@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import platform
 import threading
+import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -49,7 +50,8 @@ def load_for(
     try:
         return load_model(path, n_ctx=settings.ctx_size, chat_template=settings.chat_template or None, cache=cache,
                           cpu_dequant_mib=settings.cpu_dequant_mib, cpu_kernels=settings.cpu_kernels,
-                          progress=progress)  # fmt: skip
+                          progress=progress, ram_cache_mib=float(settings.ram_cache_mib),
+                          emulate_host_mib=settings.emulate_host_mib)  # fmt: skip
     except ContextTooLarge as e:
         raise ValueError(f"ctx_size from {settings.source('ctx_size')}: {e}") from None
 
@@ -146,7 +148,13 @@ class RealEngine:
     def snapshot(self) -> StatsSnapshot | None:
         if self.split is not None:
             return self.split.snapshot()
-        return self.lm.cache.snapshot() if self.lm.cache is not None else None
+        snap = self.lm.cache.snapshot() if self.lm.cache is not None else None
+        tier = self.lm.ram_tier
+        if tier is None:
+            return snap
+        if snap is None:  # the tier alone: a snapshot without slot groups, which carries it
+            return StatsSnapshot(time.time(), tier.tokens, (), (), 0.0, ram=tier.snapshot())
+        return replace(snap, ram=tier.snapshot())
 
     def cache(self) -> tuple[float, float]:
         c = self.lm.cache

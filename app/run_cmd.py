@@ -23,7 +23,7 @@ from moechat.app.settings import (
 )
 
 if TYPE_CHECKING:
-    from moechat.engine.cache.stats import StatsSnapshot
+    from moechat.engine.cache.stats import StatsSnapshot, TierSnapshot
     from moechat.engine.generate import Model
     from moechat.engine.loader import LoadedModel
 
@@ -39,6 +39,13 @@ def add_run_arguments(p: argparse.ArgumentParser) -> None:
     mode = p.add_mutually_exclusive_group()
     mode.add_argument("--chat", dest="chat", action="store_true", default=None, help="prompt as one user turn")
     mode.add_argument("--raw", dest="chat", action="store_false", help="prompt as given (BOS per the model)")
+    p.add_argument("--bench-replay-routing", metavar="TRACE", default=None,
+                   help="benchmarks only: take each token's experts from a recorded routing trace (route_trace "
+                        "CSV or --moe-cache-trace) instead of the router, to measure the tiers under real routing "
+                        "on a generated model; the text is not the model's")  # fmt: skip
+    p.add_argument("--bench-replay-recall", metavar="R", type=float, default=0.0,
+                   help="benchmarks only, with --bench-replay-routing: look ahead with an emulated predictor that "
+                        "names the trace's next experts at this rate (0 = read on demand only)")  # fmt: skip
     add_flags(p, (*SAMPLING, *ENGINE))
     add_config_flag(p)
 
@@ -93,9 +100,38 @@ def run(args: argparse.Namespace) -> int:
                   status)  # fmt: skip
     status.done()
     try:
+        if args.bench_replay_routing:
+            replay_routing(lm, args.bench_replay_routing, args.bench_replay_recall)
+        elif args.bench_replay_recall:
+            raise ValueError("--bench-replay-recall goes with --bench-replay-routing")
         return reply(args, settings, lm, lm.model, lambda: lm.cache.snapshot() if lm.cache is not None else None)
     finally:
         lm.close()
+
+
+def replay_routing(lm: LoadedModel, trace: str, recall: float = 0.0) -> None:
+    """The bench switch: the model's experts chosen by `trace` (engine.moe.replay), said on stderr."""
+    from moechat.engine.moe.replay import ReplayedRouting
+
+    if not lm.config.is_moe or not lm.model.host_experts.layers:
+        raise ValueError("--bench-replay-routing: the model has no experts to route")
+    model = lm.model
+    replay = ReplayedRouting(model.experts, trace, sorted(model.host_experts.layers), lm.config.n_expert, recall)
+    model.experts = replay
+    model.drop_plans()
+    ahead = f"; look-ahead by an emulated predictor of recall {recall:g}" if replay.prefetch_tokens else ""
+    print(f"moechat: routing replayed from {trace} ({len(replay.tokens)} tokens, {len(replay.trace_layers)} "
+          f"layers{ahead}): the text is not the model's", file=sys.stderr)  # fmt: skip
+
+
+def decode_reads(before: TierSnapshot, after: TierSnapshot, n_tokens: int) -> str:
+    """What the RAM tier read and waited for per decode token after the first (the first came with the prompt)."""
+    read = (after.bytes_read - before.bytes_read) / n_tokens
+    wait = (after.wait_s - before.wait_s) / n_tokens
+    return (
+        f"RAM tier in decode: {read / 2**20:.1f} MiB read per token ({after.reads - before.reads} experts on "
+        f"demand, {after.prefetched - before.prefetched} ahead), {1e3 * wait:.0f} ms per token waiting on the disk"
+    )
 
 
 def reply(args: argparse.Namespace, settings: Settings, lm: LoadedModel, model: Model,
@@ -115,10 +151,14 @@ def reply(args: argparse.Namespace, settings: Settings, lm: LoadedModel, model: 
     prompt = lm.chat_prompt(args.prompt) if chat else lm.tokenizer.encode(args.prompt)
     stop = threading.Event()
     out = sys.stdout
+    tier = lm.ram_tier
+    after_prompt = None  # the RAM tier's counters at the first token: what decode read is the rest
     try:
         for ev in generate(model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=settings.n_predict,
                            params=params, ignore_eos=args.ignore_eos, stop=stop):  # fmt: skip
             if isinstance(ev, TokenEvent):
+                if after_prompt is None and tier is not None:
+                    after_prompt = tier.snapshot()
                 out.write(ev.text)
                 out.flush()
             elif isinstance(ev, DoneEvent):
@@ -132,6 +172,12 @@ def reply(args: argparse.Namespace, settings: Settings, lm: LoadedModel, model: 
                 if snap is not None:
                     for line in summary_lines(snap):
                         print(line, file=sys.stderr)
+                if tier is not None:
+                    now = tier.snapshot()
+                    for line in now.lines():
+                        print(line, file=sys.stderr)
+                    if after_prompt is not None and ev.n_generated > 1:
+                        print(decode_reads(after_prompt, now, ev.n_generated - 1), file=sys.stderr)
     except BrokenPipeError:
         # The reader went away (`| head`): stop quietly, as other command-line tools do.
         sys.stdout = open(os.devnull, "w")  # noqa: SIM115

@@ -192,6 +192,21 @@ class Settings:
              "CPU device: give the device this much memory (MiB), as a GPU has, for --moe-cache-mib auto and the "
              "slots' room; 0 = off", metavar="N"),
     )  # fmt: skip
+    ram_cache_mib: float = _setting(
+        AUTO,
+        "engine",
+        Spec(cache_mib, _cache_size, ">= 0 or auto",
+             "experts kept in RAM (MiB) for a model whose experts do not fit; the rest are read from the file as "
+             "used; auto = what the memory available at load leaves after the rest of the model (all experts "
+             "when they fit); 0 = off (read through the file's map)", metavar="N|auto", words=mib_words),
+    )  # fmt: skip
+    emulate_host_mib: float = _setting(
+        0.0,
+        "engine",
+        Spec(float, _nonneg, ">= 0",
+             "size the RAM tier (--ram-cache-mib auto) as if the model had only this much memory (MiB), so a small "
+             "model uses it; 0 = off", metavar="N"),
+    )  # fmt: skip
     cpu_dequant_mib: float = _setting(
         0.0,
         "engine",
@@ -503,7 +518,8 @@ ENGINE_PARAMETERS = {
     "mib": "moe_cache_mib", "cpu_share": "moe_cache_cpu_share", "emulate_link_gbps": "emulate_link_gbps",
     "emulate_device_mib": "emulate_device_mib",
     "load_mode": "load_mode", "policy": "moe_cache_policy", "device": "device", "kernels": "cpu_kernels",
-    "dequant_mib": "cpu_dequant_mib", "threads": "threads",
+    "dequant_mib": "cpu_dequant_mib", "threads": "threads", "ram_cache_mib": "ram_cache_mib",
+    "emulate_host_mib": "emulate_host_mib",
 }  # fmt: skip
 
 

@@ -10,9 +10,10 @@ from pathlib import Path
 
 import torch
 
-from .cache import auto_size, share_auto
+from .cache import auto_size, ram_size, share_auto
 from .cache.expert_cache import ExpertCache
-from .cache.settings import CacheSettings
+from .cache.ram_tier import RamTier
+from .cache.settings import AUTO_MIB, CacheSettings
 from .cache.stats import summary_lines
 from .config import ModelConfig
 from .errors import ParameterError
@@ -45,12 +46,18 @@ class LoadedModel:
     fit: auto_size.Fit | None = None  # how auto sized the cache, when it did
     speeds: share_auto.Speeds | None = None  # what an auto CPU share came from, when it did
     own_layers: range | None = None  # a split model's stage: auto sizes its cache from its own layers' needs
+    ram_tier: RamTier | None = None  # the experts' RAM tier, where they do not all fit in RAM
+    ram_fit: ram_size.RamFit | None = None
 
     def close(self) -> None:
         if self.cache is not None:
             for line in summary_lines(self.cache.snapshot()):
                 logger.info("%s", line)
             self.cache.close()
+        if self.ram_tier is not None:
+            for line in self.ram_tier.snapshot().lines():
+                logger.info("%s", line)
+            self.ram_tier.close()
         self.gguf.close()
 
     def set_cache(self, settings: CacheSettings | None) -> ExpertCache | None:
@@ -62,7 +69,7 @@ class LoadedModel:
         if not self.config.is_moe or not self.model.host_experts.layers:  # (a stage without MoE layers)
             return None
         old, self.cache = self.cache, None
-        self.model.experts = self.model.host_experts
+        self.model.experts = self.ram_tier or self.model.host_experts
         if old is not None:
             old.close()
             del old
@@ -77,6 +84,9 @@ class LoadedModel:
             settings, self.speeds = share_auto.resolve(settings, self.model.host_experts, self.config.n_expert_used)
             if self.speeds is not None:
                 logger.info("%s", self.speeds.line())
+        if settings is not None and settings.mib > 0 and self.ram_tier is not None:
+            logger.warning("the device expert cache does not yet sit over the RAM tier: experts run from the RAM tier")
+            return None
         if settings is not None and settings.mib > 0:
             self.cache = ExpertCache(self.model.host_experts, self.config.n_expert_used, settings)
             self.model.experts = self.cache
@@ -205,16 +215,24 @@ def load_model(
     cpu_kernels: str = "fast",
     progress: Callable[[str], None] | None = None,
     own_layers: range | None = None,
+    ram_cache_mib: float = AUTO_MIB,
+    emulate_host_mib: float = 0.0,
 ) -> LoadedModel:
     """The model at `path`, checked and ready. `progress` hears what a first start does at length: each CPU
     kernel compiled for this machine (later starts load them from the disk cache and say nothing).
     `own_layers`: the layers this process runs (a split model's stage; from layer 0 it also runs the
-    embedding and head): only their pages are mapped ahead and only they are tried at load."""
+    embedding and head): only their pages are mapped ahead and only they are tried at load.
+    `ram_cache_mib`: the experts' RAM tier (cache.ram_size: auto, all experts when they fit; 0 off);
+    `emulate_host_mib`: the memory auto sizes from, in place of what the host has available."""
     if n_ctx < 16:
         raise ValueError(f"context size must be at least 16, got {n_ctx}")
     gguf, cfg = open_model(path)
     helper = None
+    tier: RamTier | None = None
     try:
+        fit = ram_size.plan(gguf, cfg, n_ctx, ram_cache_mib, emulate_host_mib, own_layers)
+        if fit.tier or fit.experts > fit.usable:
+            logger.info("%s", fit.line())
         on_cpu = (cache.device if cache is not None else "cpu") == "cpu"
         # A first start compiles the kernels on a second core too, from the far end of the forward.
         model_kind = compile_ahead.kind(gguf, cfg, cpu_kernels)
@@ -224,7 +242,11 @@ def load_model(
         # model is built and its kernels load, when they fit in memory: a larger file is read as used.
         from .cache.device_memory import device_free_bytes
 
-        if own_layers is not None:
+        if fit.tier:  # the experts are read into the tier, never through the map
+            experts = set(ram_size.expert_tensors(gguf))
+            own = gguf.layer_tensors(own_layers) if own_layers is not None else gguf.tensors
+            gguf.prefault([n for n in own if n not in experts])
+        elif own_layers is not None:
             gguf.prefault(gguf.layer_tensors(own_layers))
         elif gguf.size < device_free_bytes(torch.device("cpu")):
             gguf.prefault()
@@ -248,6 +270,9 @@ def load_model(
         load_weights(model, gguf)
         if not on_cpu:
             model.to_device(torch.device(device))
+        if fit.tier and model.host_experts.layers:
+            tier = RamTier(model.host_experts, gguf, cfg.n_expert_used, fit.tier / 2**20)
+            model.experts = tier
         apply_widths(model, cpu_kernels, cache)  # the widths it will run with: the kernels compiled next are those
         with compile_notes(progress) as compiled:  # one token through every layer: the kernels compile here
             check_fit(gguf, cfg, model, tok, own_layers)
@@ -260,10 +285,12 @@ def load_model(
         compile_ahead.stop(helper)
         compile_ahead.mark_compiled(model_kind, compiled.started)
         lm = LoadedModel(gguf, cfg, model, tok, template, n_ctx, None, cpu_dequant_mib, cpu_kernels,
-                         own_layers=own_layers)  # fmt: skip
+                         own_layers=own_layers, ram_tier=tier, ram_fit=fit)  # fmt: skip
         lm.set_cache(cache)  # the one place the executor is swapped for the cache
     except BaseException:
         compile_ahead.stop(helper)
+        if tier is not None:
+            tier.close()
         gguf.close()
         raise
     logger.info("loaded %s: %s, %d layers, context %d", gguf.path.name, cfg.arch, cfg.n_layers, n_ctx)

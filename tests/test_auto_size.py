@@ -130,6 +130,7 @@ def test_inspect_fit_prints_the_plan(model: Path) -> None:
     f = auto_size.fit(lm.gguf, lm.config, N_CTX, CacheSettings(mib=AUTO_MIB, emulate_device_mib=40))
     lm.close()
     assert f"expert cache (auto): {f.cache:,.1f} MiB" in out
+    assert "experts" in out and "all in RAM" in out  # the RAM tier's line: this model's experts fit
 
 
 torch.set_grad_enabled(False)

@@ -207,6 +207,26 @@ def test_metrics_parse_and_their_cache_counters_are_the_engines(server: Server) 
         assert samples[("moechat_cache_slots", str(g["index"]))] == g["n_slots"]
 
 
+def test_a_server_on_the_ram_tier_answers_the_same_and_counts_its_reads(model: Path) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    want, _ = _run_chat(model, "Tell me about rivers.", 8, "--moe-cache-mib", "0")
+    s = Server(model, "--ram-cache-mib", "1", "--moe-cache-mib", "0")
+    try:
+        r = httpx.post(s.url + "/v1/chat/completions", json={"messages": [{"role": "user", "content":
+                       "Tell me about rivers."}], "max_tokens": 8, "temperature": 0}, timeout=120)  # fmt: skip
+        assert r.status_code == 200 and r.json()["choices"][0]["message"]["content"] == want
+        text = httpx.get(s.url + "/metrics", timeout=30).text
+        ram = httpx.get(s.url + "/moechat/stats", timeout=30).json()["snapshot"]["ram"]
+    finally:
+        s.stop()
+    samples = {x.name: x.value for f in text_string_to_metric_families(text) for x in f.samples}
+    assert samples["moechat_ram_tier_reads_total"] == ram["reads"] > 0
+    assert samples["moechat_ram_tier_lookups_total"] == ram["lookups"] == ram["hits"] + ram["reads"]
+    assert samples["moechat_ram_tier_read_bytes_total"] == ram["bytes_read"] > 0
+    assert 0 < samples["moechat_ram_tier_slots"] == ram["n_slots"] < ram["n_expert_total"]
+
+
 @pytest.mark.slow
 def test_eight_streaming_clients_each_get_their_own_whole_text(server: Server) -> None:
     def ask(seed: int, stream: bool) -> dict[str, object]:

@@ -30,6 +30,7 @@ OTHER = {
     "device": "cpu", "moe_cache_mib": "3.5", "moe_cache_cpu_share": "0.25", "moe_cache_trace": "t.jsonl",
     "moe_cache_policy": "protect", "moe_cache_prefetch": "next-layer",
     "load_mode": "pinned", "emulate_link_gbps": "16", "emulate_device_mib": "512", "cpu_dequant_mib": "64",
+    "ram_cache_mib": "2048", "emulate_host_mib": "8192",
     "cpu_kernels": "exact", "threads": "1",
     "ctx_size": "512", "chat_template": "t.jinja", "n_predict": "7", "temp": "0.2", "top_k": "5", "top_p": "0.5",
     "min_p": "0.1", "repeat_penalty": "1.2", "seed": "11", "system": "Be brief.", "refresh_ms": "500",

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from moechat.engine.cache.policy import ClassLRU, CpuShare, bypasses, count_bypass, count_prefetch, split_budget
+from moechat.engine.cache.route_csv import is_route_csv, read_route_csv
 from moechat.engine.cache.settings import MAX_BATCH
 from moechat.engine.cache.stats import CountersSnapshot, LayerCounters
 from moechat.engine.cache.trace import read_trace
 from moechat.engine.cache.warm_start import hottest
-from moechat.tuner.route_csv import is_route_csv, read_route_csv
 
 WARMUP_TOKENS = 64
 
@@ -112,7 +112,7 @@ class Routing:
 
 
 def load_routing(path: str | Path) -> Routing:
-    """A trace of moechat's (`--moe-cache-trace`), or another engine's route_trace v1 CSV (tuner/route_csv)."""
+    """A trace of moechat's (`--moe-cache-trace`), or another engine's route_trace v1 CSV (engine/cache/route_csv)."""
     if is_route_csv(path):
         rt = read_route_csv(path)
         # Replayed as moechat's engine runs: its default batch above which a lookup goes around the cache.

@@ -89,6 +89,8 @@ class Dashboard(VerticalScroll):
               + (f"  |  warm start {snap.warm_uploads}" if snap.warm_uploads else "")
               + (f"  |  {snap.policy}" if snap.policy != "classlru" else "")
               + (f"  |  prefetch {t.prefetch_hits}/{t.prefetched}" if t.prefetched else ""), "")],
+            *([[(f"RAM {100 * r.hit_rate:.1f}%  |  read {r.bytes_read / 2**20:.0f} MiB  |  wait {r.wait_s:.1f} s", "")]]
+              if (r := snap.ram) is not None else []),
         ])  # fmt: skip
 
     def show_scope(self, since_change: bool) -> None:

@@ -10,7 +10,7 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 
 from moechat.app.serve.jobs import Jobs
-from moechat.engine.cache.stats import CountersSnapshot, StatsSnapshot
+from moechat.engine.cache.stats import CountersSnapshot, StatsSnapshot, TierSnapshot
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -44,6 +44,8 @@ class ServerCollector(Collector):
         snap = self.snapshot()
         if snap is None:
             return
+        if snap.ram is not None:
+            yield from ram_tier_metrics(snap.ram)
         families = {
             "hits": CounterMetricFamily("moechat_cache_hits", "expert lookups found in a slot", labels=["group"]),
             "misses": CounterMetricFamily("moechat_cache_misses", "expert lookups not in a slot", labels=["group"]),
@@ -67,6 +69,19 @@ class ServerCollector(Collector):
         yield slots
         yield GaugeMetricFamily("moechat_cache_tokens", "tokens through the MoE layers since the cache's start",
                                 value=snap.tokens)  # fmt: skip
+
+
+def ram_tier_metrics(r: TierSnapshot) -> Iterator[Metric]:
+    """The experts' RAM tier (a model whose experts do not fit in RAM): its lookups, reads and waits."""
+    yield GaugeMetricFamily("moechat_ram_tier_slots", "experts the RAM tier holds", value=r.n_slots)
+    yield CounterMetricFamily("moechat_ram_tier_lookups", "expert lookups in the RAM tier", value=r.lookups)
+    yield CounterMetricFamily("moechat_ram_tier_hits", "expert lookups found in RAM", value=r.hits)
+    yield CounterMetricFamily("moechat_ram_tier_reads", "experts read from the file on demand", value=r.reads)
+    yield CounterMetricFamily("moechat_ram_tier_read_ahead", "experts read ahead on a prediction", value=r.prefetched)
+    yield CounterMetricFamily("moechat_ram_tier_read_bytes", "bytes read from the model file", value=r.bytes_read)
+    yield CounterMetricFamily("moechat_ram_tier_wait_seconds", "seconds lookups waited for reads", value=r.wait_s)
+    yield GaugeMetricFamily("moechat_ram_tier_prediction_recall", "selected experts that were predicted",
+                            value=r.recall)  # fmt: skip
 
 
 def metrics_text(collector: ServerCollector) -> bytes:

@@ -103,6 +103,42 @@ class LayerSnapshot:
 
 
 @dataclass(frozen=True)
+class TierSnapshot:
+    """The tier as a whole, frozen: what `moechat run -v` logs and the tests read."""
+
+    n_slots: int
+    n_expert_total: int
+    slot_bytes: int
+    lookups: int
+    hits: int
+    reads: int  # experts read on demand (planned misses and scratch reads)
+    prefetched: int
+    prefetch_used: int
+    predicted: int
+    predicted_used: int
+    selected: int
+    bytes_read: int
+    wait_s: float
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def recall(self) -> float:
+        """Of the experts the layers selected after a prediction, the share that was predicted."""
+        return self.predicted_used / self.selected if self.selected else 0.0
+
+    def lines(self) -> list[str]:
+        return [
+            f"RAM tier: {self.n_slots} of {self.n_expert_total} experts in RAM ({self.slot_bytes / 2**20:.0f} MiB); "
+            f"{self.lookups} lookups, hit rate {100 * self.hit_rate:.1f}%, {self.reads} read on demand, "
+            f"{self.prefetched} read ahead ({self.prefetch_used} used), prediction recall {100 * self.recall:.1f}%, "
+            f"{self.bytes_read / 2**20:.0f} MiB read, {self.wait_s:.2f} s waiting on the disk"
+        ]
+
+
+@dataclass(frozen=True)
 class StatsSnapshot:
     time: float  # time.time() when taken
     tokens: int  # tokens through the MoE layers (per layer)
@@ -112,6 +148,7 @@ class StatsSnapshot:
     warm_uploads: int = 0  # experts put in slots from the saved counts before the first token (warm start)
     warm_bytes: int = 0
     policy: str = "classlru"  # what the slots admit (cache_policy.POLICIES)
+    ram: TierSnapshot | None = None  # the experts' RAM tier, where the model has one (cache.ram_tier)
 
     @property
     def total(self) -> CountersSnapshot:
@@ -129,7 +166,9 @@ def snapshot_from_dict(d: dict[str, Any]) -> StatsSnapshot:
                       la["occupancy"], tuple(la["cached"]), tuple(la["use_counts"]))
         for la in d["layers"]
     )  # fmt: skip
-    rest = {k: d[k] for k in ("warm_uploads", "warm_bytes", "policy") if k in d}
+    rest: dict[str, Any] = {k: d[k] for k in ("warm_uploads", "warm_bytes", "policy") if k in d}
+    if d.get("ram") is not None:
+        rest["ram"] = TierSnapshot(**d["ram"])
     return StatsSnapshot(d["time"], d["tokens"], groups, layers, d["cpu_share"], **rest)
 
 

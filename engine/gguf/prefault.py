@@ -39,7 +39,7 @@ def _madvise() -> ctypes._CFuncPtr | None:  # type: ignore[name-defined]
 
 
 def _address(m: mmap.mmap) -> int:
-    view = ctypes.c_char.from_buffer(m)  # a writable map (ACCESS_COPY); the export ends with `view`
+    view = ctypes.c_char.from_buffer(m)  # a writable (private) map; the export ends with `view`
     try:
         return ctypes.addressof(view)
     finally:

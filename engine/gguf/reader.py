@@ -16,6 +16,7 @@ import os
 import re
 import stat
 import struct
+import sys
 from collections.abc import Collection, Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +26,9 @@ import numpy as np
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, GGUFWriter
 
 from .prefault import Prefault
+
+# Linux's MAP_NORESERVE (mmap has the name from Python 3.13); 0 elsewhere, where it is not needed.
+MAP_NORESERVE = getattr(mmap, "MAP_NORESERVE", 0x4000 if sys.platform.startswith("linux") else 0)
 
 _BLOCK_NAME = re.compile(r"^blk\.(\d+)\.")
 
@@ -191,9 +195,11 @@ class _Shard:
             size = st.st_size
             if size < 24:
                 raise GGUFError(f"{path}: offset 0: not a GGUF file (only {size} bytes)")
-            # ACCESS_COPY gives a writable, copy-on-write view: torch can wrap it without
-            # warnings and we never write, so no page is ever copied.
-            self.map = mmap.mmap(fd, 0, access=mmap.ACCESS_COPY)
+            # A private writable map (copy-on-write): torch and the compiled kernels take its views as
+            # ordinary arrays, and we never write, so no page is ever copied. MAP_NORESERVE: the kernel
+            # reserves no memory for copies that never happen, so a file larger than RAM maps too
+            # (a plain private writable map of it is refused with ENOMEM under the default overcommit).
+            self.map = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE | MAP_NORESERVE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)
         self.metadata: dict[str, Any] = {}
@@ -384,6 +390,10 @@ class GGUFFile(Mapping[str, TensorInfo]):
         buf = self._shards[t.shard].map
         flat = np.frombuffer(buf, dtype=np.uint8, count=t.n_bytes, offset=t.offset)
         return flat.reshape(*t.shape[:-1], t.row_bytes)
+
+    def shard_path(self, shard: int) -> Path:
+        """The file that holds shard `shard` (TensorInfo.shard) of the model."""
+        return self._shards[shard].path
 
     def layer_tensors(self, layers: range) -> set[str]:
         """The names of the tensors of blocks `layers` (`blk.N.*`), and, where the range starts at layer 0,

@@ -108,3 +108,59 @@ class MoeTokenCall:
         ids, w, y = np.empty((1, self.k), np.int64), np.empty((1, self.k), np.float32), np.empty_like(x)
         self.kernel(x, *self.head, *self.tail, ids, w, y)
         return ids, w, y
+
+
+@functools.cache
+def _experts_kernel(tg: Q, tu: Q, td: Q, bits: int) -> Any:
+    cg, cu, cd = int(tg), int(tu), int(td)
+
+    @njit(parallel=True, fastmath=False)
+    def experts(h, ids, w, slots, todo, gate, up, down, bias_g, bias_u, bias_d, act_code, contrib):  # fmt: skip
+        # `moe` after its routing, on the rows j with todo[j], reading expert ids[0, j] at matrix slots[j]
+        k = ids.shape[1]
+        n_embd, n_ff = h.shape[1], gate.shape[1]
+        xq, dx, bs = quantize_rows(h, np.zeros(1, np.int64), bits)
+        g = np.zeros((k, n_ff), np.float32)  # [k, F]; rows not computed now stay 0 (each row its own scales)
+        tiles = (n_ff + ROWS - 1) // ROWS
+        for job in prange(k * tiles):
+            j, r0 = job // tiles, job % tiles * ROWS
+            if todo[j]:
+                e, s = ids[0, j], slots[j]
+                for r in range(r0, min(n_ff, r0 + ROWS)):
+                    gv = dot_row(cg, gate, s * gate.strides[0] + r * gate.strides[1], n_embd, xq, dx, bs, 0)
+                    uv = dot_row(cu, up, s * up.strides[0] + r * up.strides[1], n_embd, xq, dx, bs, 0)
+                    if bias_g.shape[0]:
+                        gv += bias_g[e, r]
+                        uv += bias_u[e, r]
+                    g[j, r] = act(act_code, gv, uv)
+        gq, gd, gs = quantize_rows(g, np.arange(k), bits)
+        tiles = (n_embd + ROWS - 1) // ROWS
+        for job in prange(k * tiles):
+            j, r0 = job // tiles, job % tiles * ROWS
+            if todo[j]:
+                e, s = ids[0, j], slots[j]
+                for r in range(r0, min(n_embd, r0 + ROWS)):
+                    v = dot_row(cd, down, s * down.strides[0] + r * down.strides[1], n_ff, gq, gd, gs, j)
+                    if bias_d.shape[0]:
+                        v += bias_d[e, r]
+                    contrib[j, r] = v * w[0, j]
+
+    return experts
+
+
+class TokenExperts:
+    """One token's routed experts of a layer from banks of slots, in parts: `MoeTokenCall`'s arithmetic after
+    its routing, value for value, so a layer computed in parts here equals it. Called on (h [1, E] float32
+    normed, ids int64 [1, k], weights float32 [1, k], each expert's slot int64 [k], which rows to compute
+    bool [k], contrib float32 [k, E]): fills the chosen rows of contrib with weight * expert(h); the rows
+    summed in ascending expert order (`cpu.sum_by_token`) are the layer's output."""
+
+    def __init__(self, types: tuple[Q, Q, Q], biases: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None],
+                 act_code: int, bits: int = 16) -> None:  # fmt: skip
+        self.kernel = _experts_kernel(*types, bits)
+        self.biases = tuple(_NO_BIAS if b is None else b for b in biases)
+        self.act_code = act_code
+
+    def __call__(self, h: np.ndarray, ids: np.ndarray, w: np.ndarray, slots: np.ndarray, todo: np.ndarray,
+                 mats: tuple[np.ndarray, np.ndarray, np.ndarray], contrib: np.ndarray) -> None:  # fmt: skip
+        self.kernel(h, ids, w, slots, todo, *mats, *self.biases, self.act_code, contrib)

@@ -50,6 +50,7 @@ class RouteTrace:
     banks: tuple[tuple[tuple[int, ...], int, int], ...]
     n_expert_used: int
     records: tuple[tuple[int, int, tuple[int, ...]], ...]
+    steps: tuple[tuple[int, int, int], ...] = ()  # each record's (turn, phase, step): the token it belongs to
 
 
 def read_route_csv(path: str | Path) -> RouteTrace:
@@ -86,11 +87,13 @@ def read_route_csv(path: str | Path) -> RouteTrace:
     if n_expert <= 0 or n_used <= 0 or n_used > n_expert:
         raise ValueError(f"{name}: the header's n_expert {n_expert} and n_expert_used {n_used} do not fit together")
     records: list[tuple[int, int, tuple[int, ...]]] = []
+    steps: list[tuple[int, int, int]] = []
     for key, ids, where in _lookups(lines, body, name, n_layer, n_expert, expert_bytes):
         if len(ids) != n_used:
             raise ValueError(f"{where}: layer {key[3]} at step {key[2]} selects {len(ids)} experts, "
                              f"not n_expert_used = {n_used}")  # fmt: skip
         records.append((key[3], n_used, ids))
+        steps.append(key[:3])
     if not records:
         raise ValueError(f"{name}: no rows of routing")
     used = sorted({layer for layer, _, _ in records})
@@ -100,7 +103,9 @@ def read_route_csv(path: str | Path) -> RouteTrace:
     banks: dict[int, list[int]] = {}
     for layer in used:
         banks.setdefault(expert_bytes[layer], []).append(layer)
-    return RouteTrace(tuple((tuple(layers), n_expert, size) for size, layers in banks.items()), n_used, tuple(records))
+    return RouteTrace(
+        tuple((tuple(layers), n_expert, size) for size, layers in banks.items()), n_used, tuple(records), tuple(steps)
+    )
 
 
 def _lookups(lines: list[str], body: int, name: str, n_layer: int, n_expert: int, expert_bytes: dict[int, int]
