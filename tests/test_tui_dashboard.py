@@ -250,3 +250,17 @@ async def test_the_dashboard_says_what_its_totals_cover(tmp_path: Path) -> None:
         app.apply_cache_settings(1.5, 0.9)  # as the wizard's Apply does
         await say(pilot, screen, "again")
         await until(pilot, lambda: str(title.content) == "expert cache (since the last change)")
+
+
+async def test_a_model_on_the_ram_tier_shows_its_reads_on_the_dashboard(tmp_path: Path) -> None:
+    engine = FakeEngine(WORDS, ram_tier=True, cache_note="auto: off (the CPU device holds every expert already)")
+    app = make_app(tmp_path, engine)
+    async with app.run_test(size=(140, 40)) as pilot:
+        screen = await ready(pilot)
+        await say(pilot, screen, "hi")
+        totals = screen.query_one("#totals", RowsView)
+        await until(pilot, lambda: any(line.startswith("RAM ") for line in totals.lines))
+        ram = engine.snapshot().ram
+        assert ram is not None
+        row = next(line for line in totals.lines if line.startswith("RAM "))
+        assert f"{100 * ram.hit_rate:.1f}%" in row and f"read {ram.bytes_read / 2**20:.0f} MiB" in row

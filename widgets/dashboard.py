@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from moechat.engine.cache.stats import Recent, StatsSnapshot
+from moechat.engine.cache.stats import Recent, StatsSnapshot, TierSnapshot
 from moechat.tuner.baselines import MinBound
 from moechat.widgets.expert_heatmap import ExpertHeatmap, axis, legend
 from moechat.widgets.layer_stats import LayerStats
@@ -14,6 +14,14 @@ from textual.widgets import Static
 
 # The totals' title says what they cover (the session's export always adds up every cache it ran).
 SCOPES = {False: "expert cache (this session)", True: "expert cache (since the last change)"}
+
+
+def ram_rows(r: TierSnapshot) -> list[str]:
+    """The RAM tier's lines: its hit rate, what it read and waited for, and its look-ahead."""
+    return [
+        f"RAM {100 * r.hit_rate:.1f}%  |  read {r.bytes_read / 2**20:.0f} MiB  |  wait {r.wait_s:.1f} s",
+        f"read ahead {r.prefetched} ({r.prefetch_used} used)  |  recall {100 * r.recall:.0f}%",
+    ]
 
 
 class Dashboard(VerticalScroll):
@@ -56,14 +64,16 @@ class Dashboard(VerticalScroll):
             self.query_one(ThroughputPlot).add(tokens, tps, redraw=full)
         self._totals = (tps, uploaded_per_token_mib, recent)
         self._show_totals()
-        if snap is not None:
+        if snap is not None and snap.groups:
             self._show_layers(snap, full)
 
     def _show_totals(self) -> None:
         snap, (tps, uploaded_per_token_mib, recent) = self._snap, self._totals
         totals = self.query_one("#totals", RowsView)
-        if snap is None:
+        if snap is None or (not snap.groups and snap.ram is not None):
             rows = [[(f"no expert cache  |  {tps:.1f} t/s", "")]]
+            if snap is not None and snap.ram is not None:  # the experts in a RAM tier, read from the file
+                rows += [[(line, "")] for line in ram_rows(snap.ram)]
             totals.set_rows(rows + ([[(self.off_note, "")]] if self.off_note else []))
             return
         t = snap.total
@@ -89,8 +99,7 @@ class Dashboard(VerticalScroll):
               + (f"  |  warm start {snap.warm_uploads}" if snap.warm_uploads else "")
               + (f"  |  {snap.policy}" if snap.policy != "classlru" else "")
               + (f"  |  prefetch {t.prefetch_hits}/{t.prefetched}" if t.prefetched else ""), "")],
-            *([[(f"RAM {100 * r.hit_rate:.1f}%  |  read {r.bytes_read / 2**20:.0f} MiB  |  wait {r.wait_s:.1f} s", "")]]
-              if (r := snap.ram) is not None else []),
+            *([[(line, "")] for line in ram_rows(snap.ram)] if snap.ram is not None else []),
         ])  # fmt: skip
 
     def show_scope(self, since_change: bool) -> None:

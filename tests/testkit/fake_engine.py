@@ -11,7 +11,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 from moechat.app.engine_api import Message, ModelInfo
-from moechat.engine.cache.stats import CountersSnapshot, GroupInfo, LayerSnapshot, StatsSnapshot
+from moechat.engine.cache.stats import CountersSnapshot, GroupInfo, LayerSnapshot, StatsSnapshot, TierSnapshot
 from moechat.engine.events import DoneEvent, Event, SamplingParams, TokenEvent
 from moechat.tuner.baselines import MinBound
 from moechat.tuner.events import (
@@ -36,7 +36,8 @@ N_LAYERS, N_EXPERT, K = 4, 8, 2
 class FakeEngine:
     def __init__(self, words: Sequence[str] = ("Hello", " there", ",", " friend", "."), *, delay: float = 0.0,
                  fail_after: int | None = None, sweep_delay: float = 0.0, n_ctx: int = 256,
-                 n_layers: int = N_LAYERS, n_expert: int = N_EXPERT, cache_note: str = "") -> None:  # fmt: skip
+                 n_layers: int = N_LAYERS, n_expert: int = N_EXPERT, cache_note: str = "",
+                 ram_tier: bool = False) -> None:  # fmt: skip
         self.words = list(words)
         self.n_layers, self.n_expert = n_layers, n_expert
         self.delay, self.fail_after, self.sweep_delay = delay, fail_after, sweep_delay
@@ -48,6 +49,7 @@ class FakeEngine:
                               n_ctx, "cpu", "test machine", "gguf", cache_note=cache_note)  # fmt: skip
         # "auto: off (...)": the engine runs without a cache (no snapshots), as auto leaves it on the CPU device.
         self.mib, self.share = (0.0 if cache_note.startswith("auto: off") else 1.0), 0.0
+        self.ram_tier = ram_tier  # the experts in a RAM tier and no device cache: snapshots carry the tier alone
         self.tokens = 0
         self.set_cache_calls: list[tuple[float, float]] = []
         self.replies = 0
@@ -93,6 +95,12 @@ class FakeEngine:
         yield DoneEvent(len(prompt), n, 0.01, time.perf_counter() - t0, reason)
 
     def snapshot(self) -> StatsSnapshot | None:
+        if self.ram_tier:
+            t = self.tokens
+            lookups = t * K * self.n_layers
+            ram = TierSnapshot(12, self.n_layers * self.n_expert, 12000, lookups, lookups - t, t, t, t // 2, t * K,
+                               t * K - t // 3, t * K, 1000 * 2 * t, 0.01 * t)  # fmt: skip
+            return StatsSnapshot(time.time(), t, (), (), 0.0, ram=ram)
         if not self.mib:
             return None
         t = self.tokens
