@@ -219,6 +219,9 @@ class RealEngine:
 def auto_words(lm: LoadedModel) -> str:
     """What --moe-cache-mib auto made of the cache, for the chat's info line and the dashboard ("": no auto)."""
     f = lm.fit
+    if lm.ram_tier is not None and lm.ram_fit is not None:  # the experts in a RAM tier: no device cache over it yet
+        r = lm.ram_fit
+        return f"off: the experts run from a RAM tier of {r.tier / 2**20:,.0f} MiB ({100 * r.fraction:.0f}% of them)"
     if f is None:
         return ""
     if f.cache <= 0:

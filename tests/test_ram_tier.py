@@ -155,19 +155,28 @@ def _truncated_model(tmp_path: Path) -> tuple[Path, int]:
 
 def test_a_short_read_names_the_file_tensor_and_expert_and_ends_the_reply(tmp_path: Path) -> None:
     path, cut = _truncated_model(tmp_path)
+    ref_lm = load_model(path, n_ctx=N_CTX, ram_cache_mib=0)
+    reference = _tokens(ref_lm, 48)
+    ref_lm.close()
     lm = load_model(path, n_ctx=N_CTX, ram_cache_mib=1.0)  # loaded whole, then the file is cut under it
     size = path.stat().st_size
+    whole = path.read_bytes()
     os.truncate(path, cut)
     try:
         with pytest.raises(RamTierError) as e:
             _tokens(lm, 48)
         msg = str(e.value)
         assert str(path) in msg and "ffn_down_exps" in msg and "expert" in msg and "\n" not in msg
-    finally:
         with open(path, "r+b") as f:
-            f.truncate(size)  # (the map's pages past the cut must exist again before it is closed)
+            f.truncate(size)  # (the map's pages past the cut must exist again before it is used or closed)
+            f.seek(cut)
+            f.write(whole[cut:])
+        # The slot a read failed into is not used as if it held the expert: the file whole again, the next
+        # reply is the model's.
+        assert _tokens(lm, 48) == reference
+    finally:
         lm.close()
-    assert path.stat().st_size == size
+    assert path.read_bytes() == whole
 
 
 @pytest.mark.parametrize("refuses", ["open", "read"])
@@ -205,3 +214,14 @@ def test_a_file_system_without_direct_reads_falls_back_and_says_so_once(
         lm.close()
     said = [r for r in caplog.records if "no direct reads" in r.getMessage()]
     assert len(said) == 1
+
+
+def test_the_apps_cache_note_says_the_experts_run_from_the_ram_tier(tmp_path: Path) -> None:
+    from moechat.app.real_engine import auto_words
+    from moechat.engine.cache.settings import AUTO_MIB, CacheSettings
+
+    path = tiny_moe(tmp_path / "m.gguf", n_expert=16)
+    lm = load_model(path, n_ctx=N_CTX, ram_cache_mib=1.0, cache=CacheSettings(mib=AUTO_MIB))
+    assert lm.cache is None and lm.ram_tier is not None
+    assert auto_words(lm) == f"off: the experts run from a RAM tier of 1 MiB ({100 * lm.ram_fit.fraction:.0f}% of them)"
+    lm.close()

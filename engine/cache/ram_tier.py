@@ -24,7 +24,6 @@ is still in flight.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
@@ -40,6 +39,7 @@ from ..kernels.moe_token import TokenExperts
 from ..moe.expert_tensors import LayerExperts
 from ..moe.host_experts import HostExperts, Triple, run_experts, sum_parts
 from ..moe.kernel_calls import TokenCall, bias_rows, host_arrays, layer_output, run_fused
+from .policy import ClassLRU
 from .slot_groups import SlotGroup, build_groups, span
 from .stats import Counters, CountersSnapshot, TierSnapshot
 
@@ -106,7 +106,6 @@ class RamTier:
         self._predicted: dict[int, np.ndarray] = {}  # layer -> experts its last prediction named
         self._scratch: tuple[np.ndarray, ...] = ()
         self._token_calls: dict[tuple[int, int], TokenExperts] = {}  # per (layer, bits), bound at first use
-        self._lock = threading.Lock()
         self.n_expert_total = sum(lx.gate.raw.shape[0] for lx in host.layers.values())
         self.n_slots = sum(g.policy.n_slots for g in self.groups if g.policy is not None)
         self.slot_bytes = sum(g.info.n_slots * g.info.expert_bytes for g in self.groups)
@@ -172,7 +171,7 @@ class RamTier:
             old = self._pending.pop(key, None)
             if old is not None:  # an earlier read into this slot (a prediction not used) must land first
                 t = time.perf_counter()
-                self._result(old, layer)
+                self._result(old)
                 self.counters[layer].wait_s += time.perf_counter() - t
             futures: list[Future[None]] = []
             for bank, (shard, base, n) in zip(banks, self._where[layer], strict=True):
@@ -187,16 +186,33 @@ class RamTier:
             if futures is not None:
                 if not t:
                     t = time.perf_counter()
-                self._result(futures, -1)
+                self._result(futures)
         if t:
             c.wait_s += time.perf_counter() - t
 
-    def _result(self, futures: list[Future[None]], layer: int) -> None:
+    def _result(self, futures: list[Future[None]]) -> None:
         try:
             for f in futures:
                 f.result()
         except ReadError as e:
+            self._forget_all()
             raise RamTierError(str(e)) from None
+
+    def _forget_all(self) -> None:
+        """After a failed read a slot may hold part of an expert while the policy says it holds it: every
+        slot is forgotten (each group's policy starts empty), so that no later reply computes with it."""
+        for futures in self._pending.values():
+            for f in futures:
+                f.cancel()
+        for futures in self._pending.values():
+            for f in futures:
+                if not f.cancelled():
+                    f.exception()  # (waits: no read may land in a slot after this)
+        self._pending.clear()
+        for g in self.groups:
+            if g.policy is not None:
+                old = g.policy
+                g.policy = ClassLRU(old.layers, old.n_expert, old.n_slots, old.admission)
 
     def _what(self, layer: int, e: int) -> str:
         return f"experts of layer {layer} (tensors {', '.join(self._names[layer])}), expert {e}"
@@ -235,7 +251,7 @@ class RamTier:
         if slots is not None:
             self._wait(group, [int(slots[e]) for e in resident], c)
         t = time.perf_counter()
-        self._result(futures, layer)
+        self._result(futures)
         c.wait_s += time.perf_counter() - t
         parts: list[Part] = [(scratch, at, missing)]
         if resident and slots is not None:

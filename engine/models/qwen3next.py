@@ -123,7 +123,7 @@ def delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.T
     """The gated delta rule token by token: q, k [T, H, Dk], v [T, H, Dv], decay, beta [T, H];
     `state` [H, Dk, Dv] is read and left holding the state after the last token. -> [T, H, Dv].
 
-    On the CPU in float32 one compiled call runs it (`cpu_blocks.delta_rule_rows`); the torch loop
+    On the CPU in float32 one compiled call runs it (`kernels.layer_halves.delta_rule_rows`); the torch loop
     below is the reference the tests hold it to, and the form every other device runs."""
     if state.device.type == "cpu" and state.dtype == torch.float32 and state.is_contiguous():
         qr, kr, vr, dr, br = (host_rows(x) for x in (q, k, v, decay, beta))
