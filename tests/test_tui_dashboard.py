@@ -260,7 +260,8 @@ async def test_a_model_on_the_ram_tier_shows_its_reads_on_the_dashboard(tmp_path
         await say(pilot, screen, "hi")
         totals = screen.query_one("#totals", RowsView)
         await until(pilot, lambda: any(line.startswith("RAM ") for line in totals.lines))
-        ram = engine.snapshot().ram
+        snap = engine.snapshot()
+        ram = snap.ram if snap is not None else None
         assert ram is not None
         row = next(line for line in totals.lines if line.startswith("RAM "))
         assert f"{100 * ram.hit_rate:.1f}%" in row and f"read {ram.bytes_read / 2**20:.0f} MiB" in row
