@@ -110,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def replay_routing(lm: LoadedModel, trace: str, recall: float = 0.0) -> None:
-    """The bench switch: the model's experts chosen by `trace` (engine.moe.replay), said on stderr."""
-    from moechat.engine.moe.replay import ReplayedRouting
+    """The bench switch: the model's experts chosen by `trace` (engine.cache.replay), said on stderr."""
+    from moechat.engine.cache.replay import ReplayedRouting
 
     if not lm.config.is_moe or not lm.model.host_experts.layers:
         raise ValueError("--bench-replay-routing: the model has no experts to route")

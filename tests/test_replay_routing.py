@@ -10,10 +10,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from moechat.engine.cache.replay import ReplayedRouting, trace_tokens
 from moechat.engine.events import GREEDY, TokenEvent
 from moechat.engine.generate import generate
 from moechat.engine.loader import load_model
-from moechat.engine.moe.replay import ReplayedRouting, trace_tokens
 from testkit.ggufgen import tiny_moe
 
 REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real-routing" / "gemma.route.csv"

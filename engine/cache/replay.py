@@ -28,10 +28,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..cache.route_csv import is_route_csv, read_route_csv
-from ..cache.trace import read_trace
-from .host_experts import ExpertExecutor
-from .kernel_calls import TokenCall
+from ..moe.host_experts import ExpertExecutor
+from ..moe.kernel_calls import TokenCall
+from .route_csv import is_route_csv, read_route_csv
+from .trace import read_trace
 
 Token = dict[int, tuple[int, ...]]  # trace layer -> the experts it chose for one token
 
