@@ -37,7 +37,7 @@ CUDA_RESERVE_MIB = 256.0
 PROMPT_ROWS = 512
 MIB = 2**20
 
-_EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
+EXPERT_TENSOR = re.compile(r"^blk\.(\d+)\.ffn_(gate|up|down|gate_up)_exps\.weight$")
 
 
 def expert_bytes(gguf: GGUFFile, n_layers: int | None = None,
@@ -48,7 +48,7 @@ def expert_bytes(gguf: GGUFFile, n_layers: int | None = None,
     total = 0
     per_layer: dict[int, int] = defaultdict(int)
     for t in gguf.tensors.values():
-        m = _EXPERT_TENSOR.match(t.name)
+        m = EXPERT_TENSOR.match(t.name)
         layer = int(m.group(1)) if m else -1
         if m and (n_layers is None or layer < n_layers) and (layers is None or layer in layers):
             total += t.n_bytes

@@ -11,7 +11,6 @@ allows). A model whose dense part and KV cache alone do not fit gets one line sa
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass
 
 import torch
@@ -20,17 +19,17 @@ from ..config import ModelConfig
 from ..errors import ParameterError
 from ..gguf.reader import GGUFFile, block_index
 from ..nn.layers import kv_cache_bytes, recurrent_state_bytes
+from .auto_size import EXPERT_TENSOR, expert_bytes
 from .device_memory import device_free_bytes
 from .settings import AUTO_MIB
 
 USABLE = 0.85  # of MemAvailable: the page cache the dense part's map needs, and other processes' growth
 RUNTIME = 1 << 30  # bytes the process needs besides the model: the interpreter, torch, the kernels, activations
-_EXPERTS = re.compile(r"^blk\.\d+\.ffn_(gate|up|down)_exps\.weight$")
 
 
 def expert_tensors(gguf: GGUFFile, layers: range | None = None) -> list[str]:
     """The names of the routed experts' stacked tensors (of `layers` only, where given)."""
-    return [n for n in gguf.tensors if _EXPERTS.match(n) and (layers is None or block_index(n) in layers)]
+    return [n for n in gguf.tensors if EXPERT_TENSOR.match(n) and (layers is None or block_index(n) in layers)]
 
 
 def size(n: int) -> str:
@@ -71,15 +70,12 @@ def plan(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, ram_cache_mib: float, emu
         raise ParameterError("ram_cache_mib", f"the RAM tier's size must be >= 0 MiB or auto, got {ram_cache_mib}")
     if emulate_host_mib < 0:
         raise ParameterError("emulate_host_mib", f"the emulated host memory must be >= 0 MiB, got {emulate_host_mib}")
-    names = set(expert_tensors(gguf, layers))
-    experts = sum(gguf.tensors[n].n_bytes for n in names)
+    # Every expert tensor of the file (of the stage), a trailing NextN block's too: they are not loaded, so
+    # this overstates what the experts need, on the safe side.
+    experts, per_expert = expert_bytes(gguf, layers=layers)
     own = gguf.tensors if layers is None else gguf.layer_tensors(layers)
-    dense = sum(gguf.tensors[n].n_bytes for n in own if n not in names)
-    per_layer: dict[int, int] = {}
-    for n in names:
-        b = block_index(n)
-        per_layer[b or 0] = per_layer.get(b or 0, 0) + gguf.tensors[n].n_bytes
-    scratch = max(per_layer.values(), default=0)
+    dense = sum(gguf.tensors[n].n_bytes for n in own) - experts
+    scratch = max(per_expert.values(), default=0) * cfg.n_expert  # one layer's experts
     kv = kv_cache_bytes(cfg, n_ctx) + recurrent_state_bytes(cfg)
     if emulate_host_mib > 0:
         usable, source = int(emulate_host_mib * 2**20), "--emulate-host-mib"
@@ -94,7 +90,7 @@ def plan(gguf: GGUFFile, cfg: ModelConfig, n_ctx: int, ram_cache_mib: float, emu
         return RamFit(usable, dense, kv, experts, scratch, 0, source)
     left = usable - dense - kv - scratch
     # The least a tier can work with: one token's experts in one layer.
-    least = cfg.n_expert_used * (scratch // max(cfg.n_expert, 1))
+    least = cfg.n_expert_used * max(per_expert.values(), default=0)
     if left < least:
         raise ParameterError(
             "ram_cache_mib",

@@ -46,11 +46,11 @@ from .stats import Counters, CountersSnapshot, TierSnapshot
 logger = logging.getLogger(__name__)
 
 KINDS = ("gate", "up", "down")
-PREFETCH_TOKENS = 8  # calls of up to this many tokens are predicted and read ahead (decode, not a prompt)
-# How many MoE layers ahead the experts are predicted. Two layers give a read more time to land, but on the
-# 39 GB bench file (2 cores) the second prediction's routing and its wrong guesses cost more than they hid:
-# decode 1.90 and 2.02 t/s one layer ahead, 1.90 and 1.77 two ahead, 1.77 three ahead (single runs).
-PREFETCH_DEPTH = 1
+# Calls of up to this many tokens are predicted and read ahead (decode, not a prompt), one MoE layer ahead
+# (`DecoderBase.prefetch_next`). Two or three layers ahead gave a read more time to land, but on the 39 GB
+# bench file (2 cores) the extra routing and the wrong guesses' reads cost more than they hid: decode 1.90
+# and 2.02 t/s one layer ahead, 1.90 and 1.77 two ahead, 1.77 three ahead (single runs).
+PREFETCH_TOKENS = 8
 
 
 # Part of a layer's experts for `RamTier._compute`: (gate, up, down banks; each expert's slot; its experts, None:
@@ -82,8 +82,6 @@ class RamTier:
     def __init__(self, host: HostExperts, gguf: GGUFFile, n_expert_used: int, mib: float,
                  direct: bool = True, prefetch: bool = True) -> None:  # fmt: skip
         self.host = host
-        self.n_expert_used = n_expert_used
-        self.mib = mib
         self.groups = build_groups(host, n_expert_used, mib, 0.0, torch.device("cpu"))
         self.group_of = {layer: g for g in self.groups for layer in g.info.layers}
         # Where each expert's three slices lie: per layer and kind, (shard, offset of expert 0, bytes per expert).
@@ -98,7 +96,6 @@ class RamTier:
         self.reader = DirectReader([gguf.shard_path(i) for i in range(max(t.shard for t in gguf.tensors.values()) + 1)],
                                    direct=direct)  # fmt: skip
         self.prefetch_tokens = PREFETCH_TOKENS if prefetch else 0
-        self.prefetch_depth = PREFETCH_DEPTH
         self.counters = {layer: TierCounters() for layer in host.layers}
         self.first_layer = min(host.layers)
         self.tokens = 0  # tokens through the MoE layers
@@ -167,16 +164,11 @@ class RamTier:
         """Start reading each (expert, slot) of `uploads` from the file into the group's banks."""
         banks = group.host_banks
         for e, s in uploads:
-            key = (group.info.index, s)
-            old = self._pending.pop(key, None)
-            if old is not None:  # an earlier read into this slot (a prediction not used) must land first
-                t = time.perf_counter()
-                self._result(old)
-                self.counters[layer].wait_s += time.perf_counter() - t
+            self._wait(group, (s,), self.counters[layer])  # an earlier read into the slot (an unused guess) lands first
             futures: list[Future[None]] = []
             for bank, (shard, base, n) in zip(banks, self._where[layer], strict=True):
                 futures += self.reader.submit(shard, base + e * n, bank[s], self._what(layer, e), ahead)
-            self._pending[key] = futures
+            self._pending[(group.info.index, s)] = futures
 
     def _wait(self, group: SlotGroup, slots: Sequence[int], c: TierCounters) -> None:
         """Wait for the reads still in flight into `slots` (a lookup's experts), timing the wait."""

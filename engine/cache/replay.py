@@ -80,12 +80,12 @@ class ReplayedRouting:
         self._rng = np.random.default_rng(0)
         self.tokens, self.trace_n_expert = trace_tokens(path)
         self.trace_layers = sorted({layer for tok in self.tokens for layer in tok})
-        self.layer_of = {m: self.trace_layers[i % len(self.trace_layers)] for i, m in enumerate(sorted(moe_layers))}
+        # Model layer -> the position of its trace layer in trace_layers.
+        self.at = {m: i % len(self.trace_layers) for i, m in enumerate(sorted(moe_layers))}
         self.n_expert = n_expert
         self.first_layer = min(moe_layers)
         # The router's predictions are not the trace's: look-ahead only with an emulated predictor.
         self.prefetch_tokens = getattr(inner, "prefetch_tokens", 0) if recall > 0 else 0
-        self.prefetch_depth = 1
         self.position = 0  # tokens seen
 
     def token_call(self, layer: int) -> TokenCall | None:
@@ -118,7 +118,7 @@ class ReplayedRouting:
 
     def _row(self, layer: int, t: int, k: int) -> list[int]:
         tok = self.tokens[t % len(self.tokens)]
-        at = self.trace_layers.index(self.layer_of[layer])
+        at = self.at[layer]
         row: list[int] = []
         for j in range(len(self.trace_layers)):  # this layer's choice, then the next layers' for the rest
             for e in tok.get(self.trace_layers[(at + j) % len(self.trace_layers)], ()):

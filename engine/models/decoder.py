@@ -187,17 +187,14 @@ class DecoderBase(nn.Module):
 
     def prefetch_next(self, i: int, x: torch.Tensor) -> None:
         """After block i: if the executor prefetches for this many tokens (not a prefill, which goes around a
-        device cache), predict the experts of the next `prefetch_depth` blocks' MoE layers (default 1) from x
-        (block i's output) with each one's FFN norm and router, and hand them to the executor, nearest first."""
-        experts: Any = self.experts
-        if x.shape[0] > getattr(experts, "prefetch_tokens", 0):
+        device cache), predict block i+1's experts from x (block i's output) with block i+1's FFN norm and
+        router, and hand them to the executor (the device cache, or the RAM tier)."""
+        if x.shape[0] > getattr(self.experts, "prefetch_tokens", 0) or i + 1 >= len(self.blocks):
             return
-        depth = getattr(experts, "prefetch_depth", 1)
-        for j in range(i + 1, min(i + depth, len(self.blocks) - 1) + 1):
-            nxt: Any = self.blocks[j]
-            if isinstance(nxt.ffn, MoeFFN):
-                ids, _ = nxt.ffn.select(rms_norm(x, nxt.ffn_norm, self.cfg.norm_eps))
-                experts.prefetch(j, ids)
+        nxt: Any = self.blocks[i + 1]
+        if isinstance(nxt.ffn, MoeFFN):
+            ids, _ = nxt.ffn.select(rms_norm(x, nxt.ffn_norm, self.cfg.norm_eps))
+            self.experts.prefetch(i + 1, ids)  # type: ignore[attr-defined]
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states [T, E] -> logits [T, V]."""
