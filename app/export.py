@@ -125,6 +125,8 @@ class SessionStats:
             layers.append({
                 "layer": layer, "group": ls.group if ls else -1, "lookups": t.lookups, "hits": t.hits,
                 "prefetched": t.prefetched, "prefetched_bytes": t.prefetched_bytes, "prefetch_hits": t.prefetch_hits,
+                "predicted": t.predicted, "predicted_used": t.predicted_used,
+                "recall": t.recall if t.predicted else None, "exposed": t.exposed,
                 "misses": t.misses, "cpu": t.cpu, "uploads": t.uploads, "uploaded_bytes": t.uploaded_bytes,
                 "bypassed": t.bypassed, "hit_rate": t.hit_rate, "occupancy": ls.occupancy if ls else 0,
                 "small": asdict(small), "large": asdict(large),
@@ -145,9 +147,11 @@ class SessionStats:
             },
             "groups": [asdict(g) for g in self.snapshot.groups] if self.snapshot else [],
             "policy": self.snapshot.policy if self.snapshot else "classlru",
-            # Next-layer prefetch: experts uploaded ahead on a prediction, and those the lookup then used.
+            # Look-ahead: experts predicted one layer ahead and those the lookup then selected (recall), experts
+            # uploaded ahead on a prediction and those used; exposed: misses neither cached nor fetched ahead.
             "prefetch": {
-                k: sum(layer[k] for layer in layers) for k in ("prefetched", "prefetched_bytes", "prefetch_hits")
+                k: sum(layer[k] for layer in layers)
+                for k in ("prefetched", "prefetched_bytes", "prefetch_hits", "predicted", "predicted_used", "exposed")
             },
             # The experts' RAM tier (a model whose experts do not fit in RAM): lookups, reads and waits, whole session.
             "ram_tier": asdict(self.snapshot.ram)
@@ -240,10 +244,15 @@ def _recent_line(d: dict[str, Any]) -> list[str]:
 
 def _prefetch_line(d: dict[str, Any]) -> list[str]:
     p = d.get("prefetch") or {}
-    if not p.get("prefetched"):
-        return []
-    return ["", f"Prefetch: {p['prefetched']} experts uploaded ahead ({p['prefetched_bytes'] / 2**20:.1f} MiB), "
-                f"{p['prefetch_hits']} of them used ({100 * p['prefetch_hits'] / p['prefetched']:.1f}%)."]  # fmt: skip
+    out = []
+    if p.get("predicted"):
+        out.append(f"Look-ahead: {p['predicted']} experts predicted one layer ahead, {p['predicted_used']} of them "
+                   f"selected (recall {100 * p['predicted_used'] / p['predicted']:.1f}%).")  # fmt: skip
+    if p.get("prefetched"):
+        out.append(f"Prefetch: {p['prefetched']} experts uploaded ahead ({p['prefetched_bytes'] / 2**20:.1f} MiB), "
+                   f"{p['prefetch_hits']} of them used ({100 * p['prefetch_hits'] / p['prefetched']:.1f}%); "
+                   f"{p.get('exposed', 0)} misses exposed (neither in a slot nor fetched ahead).")  # fmt: skip
+    return ["", *out] if out else []
 
 
 def _bound_line(d: dict[str, Any]) -> list[str]:

@@ -157,12 +157,13 @@ class Settings:
         ),
     )
     moe_cache_prefetch: str = _setting(
-        "off",
+        "auto",
         "engine",
         _one_of(
-            ("off", "next-layer"),
-            "next-layer: after each block, predict the next MoE layer's experts with its router and upload the "
-            "predicted misses while the device computes",
+            ("auto", "off", "next-layer"),
+            "next-layer: at each MoE layer, predict the next MoE layer's experts with its router and upload the "
+            "predicted misses (or read them from the disk, with a RAM tier) while this layer computes; auto: on "
+            "where a miss waits for a GPU's link, an emulated link or the disk",
         ),
     )
     load_mode: str = _setting(
@@ -556,7 +557,7 @@ def cache_settings(settings: Settings, warm_start: Path | None = None) -> CacheS
         trace=Path(settings.moe_cache_trace) if settings.moe_cache_trace
         else None, load_mode=settings.load_mode, warm_start=warm_start, policy=settings.moe_cache_policy,
         speeds_file=paths.app_paths().speeds,
-        prefetch=settings.moe_cache_prefetch == "next-layer",
+        prefetch=settings.moe_cache_prefetch,
     )  # fmt: skip
     cache.validate()
     return cache

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 import threading
@@ -15,6 +16,7 @@ from moechat.app.settings import ENGINE
 from moechat.tuner.events import SWEEP_MAX_CTX, SWEEP_TOKENS
 
 if TYPE_CHECKING:
+    from moechat.engine.cache.stats import CountersSnapshot
     from moechat.engine.loader import LoadedModel
     from moechat.tuner.events import NoiseCheck, SweepDone
     from moechat.tuner.simulator import Routing
@@ -196,11 +198,18 @@ def add_sim_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--reuse", action="store_true", help="also a reuse-distance histogram per layer")
     p.add_argument("--per-layer", action="store_true",
                    help="also each layer's hit rate beside MIN's on the same lookups, per size")  # fmt: skip
+    p.add_argument("--prefetch", nargs="+", choices=["off", "next-layer"], default=None,
+                   help="replay the engine's look-ahead: next-layer uploads each recorded prediction before its "
+                        "layer's lookup, as the engine does (default: both where the trace holds predictions, "
+                        "else off)")  # fmt: skip
     p.add_argument("--markdown", action="store_true", help="Markdown table")
+    p.add_argument("--json", action="store_true",
+                   help="a JSON object per line for each (policy, size, share, prefetch), not the table")  # fmt: skip
 
 
 def run_sim(args: argparse.Namespace) -> int:
     from moechat.engine.cache.policy import POLICIES as ENGINE_POLICIES
+    from moechat.engine.cache.stats import CountersSnapshot
     from moechat.tuner.baselines import BaselineResult, simulate_baseline
     from moechat.tuner.report import table
     from moechat.tuner.simulator import load_routing, replay
@@ -232,12 +241,17 @@ def run_sim(args: argparse.Namespace) -> int:
             raise ValueError(f"--holdout {args.holdout:g} leaves the first part ({split} tokens) no more than the "
                              f"warm-up ({args.warmup})")  # fmt: skip
     scored_from = split if split is not None else args.warmup
+    prefetches = args.prefetch or (["off", "next-layer"] if routing.predictions else ["off"])
+    if "next-layer" in prefetches and not routing.predictions:
+        raise ValueError(f"--prefetch next-layer: {args.trace[0]} holds no predictions (traces record them since "
+                         "moechat 0.9; record it again)")  # fmt: skip
     full = routing.full_mib()
     sizes = args.sizes or [round(f * full, 3) for f in (0.1, 0.2, 0.3, 0.5, 0.75, 1.0)]
     for s in sizes:
         if s <= 0:
             raise ValueError(f"--sizes: {s} MiB is not a cache size")
     rows = []
+    records: list[dict[str, object]] = []
     empty = [mib for mib in sizes if not any(routing.slots(mib))]
     for mib in sizes:
         slots = routing.slots(mib)
@@ -252,18 +266,45 @@ def run_sim(args: argparse.Namespace) -> int:
         for policy in args.policy:
             if policy in ENGINE_POLICIES:
                 for share in args.shares:
-                    t = replay(routing, mib, share, warmup=scored_from, policy=policy).total
-                    row = [f"{mib:g}", "/".join(map(str, slots)), policy, f"{share:g}", f"{100 * t.hit_rate:.1f}%",
-                           str(t.misses), ratio(t.misses, "min"), ratio(t.misses, "min-bypass"), ""]  # fmt: skip
-                    if split is not None:
-                        first = replay(routing, mib, share, warmup=args.warmup, until=split, policy=policy).total
-                        row.append(f"{100 * first.hit_rate:.1f}%")
-                    rows.append(row)
+                    for pf in prefetches:
+                        res = replay(routing, mib, share, warmup=scored_from, policy=policy, prefetch=pf)
+                        t = res.total
+                        if args.json:
+                            records.append(sim_record(policy, mib, share, pf, t, res.upload_bytes + res.prefetch_bytes,
+                                                      base["min"].misses))  # fmt: skip
+                            continue
+                        row = [
+                            f"{mib:g}",
+                            "/".join(map(str, slots)),
+                            policy,
+                            f"{share:g}",
+                            pf,
+                            f"{100 * t.hit_rate:.1f}%",
+                            str(t.missed),
+                            str(t.exposed),
+                            ratio(t.exposed, "min"),
+                            ratio(t.exposed, "min-bypass"),
+                            f"{100 * t.recall:.0f}%" if t.predicted else "-",
+                            "",
+                        ]
+                        if split is not None:
+                            first = replay(routing, mib, share, warmup=args.warmup, until=split, policy=policy,
+                                           prefetch=pf).total  # fmt: skip
+                            row.append(f"{100 * first.hit_rate:.1f}%")
+                        rows.append(row)
                 continue
             b = base.get(policy) or simulate_baseline(routing, slots, policy, scored_from)
-            rows.append([f"{mib:g}", "/".join(map(str, slots)), policy, "-", f"{100 * b.hit_rate:.1f}%", str(b.misses),
-                         ratio(b.misses, "min"), ratio(b.misses, "min-bypass"), str(b.compulsory)]
-                        + ([""] if split is not None else []))  # fmt: skip
+            if args.json:
+                t = CountersSnapshot(lookups=b.lookups, hits=b.hits, misses=b.misses)
+                records.append(sim_record(policy, mib, None, "off", t, None, base["min"].misses))
+                continue
+            rows.append([f"{mib:g}", "/".join(map(str, slots)), policy, "-", "off", f"{100 * b.hit_rate:.1f}%",
+                         str(b.misses), str(b.misses), ratio(b.misses, "min"), ratio(b.misses, "min-bypass"), "-",
+                         str(b.compulsory)] + ([""] if split is not None else []))  # fmt: skip
+    if args.json:
+        for r in records:
+            print(json.dumps(r))
+        return 0
     names = ", ".join(Path(t).name for t in args.trace)
     scored = f"held out: the last {n - split} scored" if split is not None else f"{n - args.warmup} scored"
     experts = (
@@ -275,7 +316,8 @@ def run_sim(args: argparse.Namespace) -> int:
     )
     print(f"{names}: {n} tokens, {sum(1 for r in routing.records if r[0] >= 0)} lookups, {experts}, "
           f"warm-up {args.warmup} tokens, {scored}")  # fmt: skip
-    header = ["cache MiB", "slots", "policy", "share", "hit rate", "misses", "vs MIN", "vs MIN-bypass", "compulsory"]
+    header = ["cache MiB", "slots", "policy", "share", "prefetch", "hit rate", "misses", "exposed",
+              "exposed vs MIN", "vs MIN-bypass", "recall", "compulsory"]  # fmt: skip
     if split is not None:
         header.append(f"first part ({args.warmup}..{split})")
     print(table(header, rows, markdown=args.markdown))
@@ -290,6 +332,28 @@ def run_sim(args: argparse.Namespace) -> int:
     if args.reuse:
         print(reuse_table(routing, markdown=args.markdown))
     return 0
+
+
+def sim_record(policy: str, mib: float, share: float | None, prefetch: str, t: CountersSnapshot,
+               moved: int | None, min_misses: int) -> dict[str, object]:  # fmt: skip
+    """One (policy, size, share, prefetch) of `moechat sim --json`: misses are lookups whose expert was not in a
+    slot before its layer's prefetch, exposed those a prefetch did not fetch either (what a token waits for);
+    uploaded_mib counts demand uploads and prefetches; min_misses is Belady MIN's on the same lookups and size."""
+    return {
+        "policy": policy,
+        "size_mib": round(mib, 3),
+        "share": share,
+        "prefetch": prefetch,
+        "lookups": t.lookups,
+        "hits": t.hits,
+        "misses": t.missed,
+        "exposed": t.exposed,
+        "prefetched": t.prefetched,
+        "prefetch_hits": t.prefetch_hits,
+        "recall": round(t.recall, 4) if t.predicted else None,
+        "uploaded_mib": None if moved is None else round(moved / 2**20, 3),
+        "min_misses": min_misses,
+    }
 
 
 def per_layer_table(routing: Routing, sizes: list[float], scored_from: int, args: argparse.Namespace,

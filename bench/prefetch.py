@@ -1,210 +1,157 @@
-"""Can the next layer's experts be predicted early enough to upload them while this layer computes?
+"""Look-ahead (`--moe-cache-prefetch`), measured against issue 72's goals, in one run.
 
-    python bench/prefetch.py [--demo smollm2] [--tokens 512] [--extra 0 1 2]
+    python bench/prefetch.py [--rounds 5] [--tokens 256] [--model PATH] [--skip-speed]
 
-Decodes held-out prompts with a built-in demo and its default cache. At every decode step, after
-block l, layer l+1's router is applied to block l's output (normalised with layer l+1's FFN
-norm): its top k (+ `extra`) experts are the prediction; the experts layer l+1 then selects are
-the truth. Per layer: recall (selected experts that were predicted) and precision. Then, with
-the cache's own misses (the recorded trace replayed through ClassLRU), what prefetching would
-move: misses predicted in time (their upload could start a layer early), wasted uploads
-(predicted, not selected, not cached), and the link time hidden behind one layer's compute at
-4 and 16 GB/s, with a layer's compute time taken from the measured decode speed.
+1. Replay: the demo records a trace (a long prompt, `--tokens` generated, greedy), which holds the
+   engine's predictions one layer ahead; `moechat sim` replays it with and without prefetch at 10%,
+   20% and 30% of the experts: exposed misses against Belady MIN's demand misses, and bytes uploaded
+   (demand and prefetch) against the same policy without prefetch.
+2. Speed: `moechat run` on the demo with the cache at 25% of its experts (`--moe-cache-mib 68`), with
+   an emulated 1 GB/s link and without one: the defaults (`--moe-cache-prefetch auto`) against
+   `--moe-cache-prefetch off`, in alternating rounds, medians.
+3. Recall per layer: of the experts predicted one layer ahead, the share the layer then selected, on
+   the demo's trace and (`--model`, e.g. the 12-layer Qwen3-shaped file) on another model's.
+4. Real routing (`../shared/data/real-routing/`, no predictions: demand only): ClassLRU's misses
+   against LRU's and MIN's at 10-30%.
+
+Prints the CPU, the load before and after, and a table per part.
 """
 
 from __future__ import annotations
 
 import argparse
-import dataclasses
+import json
 import os
+import re
+import statistics
+import subprocess
+import sys
 import tempfile
-import time
-from collections import defaultdict
 from pathlib import Path
+from typing import Any
 
-import torch
-from moechat.engine.cache.policy import ClassLRU, CpuShare, bypasses
-from moechat.engine.models.decoder import MoeFFN
-from moechat.engine.moe.routing import route
-from moechat.engine.nn.layers import rms_norm
+PROMPT = (
+    "You are reviewing a long technical report about harbour logistics. The report covers crane scheduling, "
+    "container stacking, tidal windows, customs inspection, truck arrival slots, rail connections, berth "
+    "allocation, pilotage, weather delays, labour shifts, safety audits and energy use. "
+) * 6 + "Summarise the report in detail, section by section, and then propose improvements for each section."
+REAL = Path(__file__).resolve().parents[2] / "shared" / "data" / "real-routing"
 
-PROMPTS = [
-    "Write a short letter to a neighbour about a lost umbrella.",
-    "What should I pack for three days of hiking in the mountains?",
-    "Explain how a bicycle gear works to a ten year old.",
-    "Tell me a story about a robot who learns to paint.",
-]
+
+def moechat(*args: str) -> str:
+    out = subprocess.run([sys.executable, "-m", "moechat", *args], capture_output=True, text=True, check=False)
+    if out.returncode:
+        raise SystemExit(f"moechat {' '.join(args[:2])} failed: {out.stderr.strip()[-400:]}")
+    return out.stdout + out.stderr
+
+
+def sim_json(trace: Path, sizes: list[float], *extra: str) -> list[dict[str, Any]]:
+    out = moechat("sim", str(trace), "--json", "--sizes", *map(str, sizes), *extra)
+    return [json.loads(line) for line in out.splitlines() if line.startswith("{")]
+
+
+def replay_table(trace: Path, full_mib: float) -> None:
+    sizes = [round(f * full_mib, 3) for f in (0.1, 0.2, 0.3)]
+    rows = sim_json(trace, sizes, "--policy", "classlru", "--prefetch", "off", "next-layer")
+    print("| cache | exposed off | exposed next-layer | MIN misses | exposed / MIN | uploaded MiB off | next-layer "
+          "| bytes vs off |")  # fmt: skip
+    print("|---|---|---|---|---|---|---|---|")
+    for i, mib in enumerate(sizes):
+        off, on = rows[2 * i], rows[2 * i + 1]
+        assert off["prefetch"] == "off" and on["prefetch"] == "next-layer"
+        print(
+            f"| {100 * (i + 1) * 0.1:.0f}% ({mib:g} MiB) | {off['exposed']} | {on['exposed']} | {on['min_misses']} | "
+            f"{on['exposed'] / max(1, on['min_misses']):.2f}x | {off['uploaded_mib']:.0f} | {on['uploaded_mib']:.0f} | "
+            f"{on['uploaded_mib'] / max(1e-9, off['uploaded_mib']) - 1:+.0%} |"
+        )
+
+
+def recall_table(trace: Path, name: str) -> None:
+    from moechat.tuner.simulator import load_routing, replay
+
+    routing = load_routing(trace)
+    res = replay(routing, routing.full_mib(), warmup=0, prefetch="off")
+    cells = [f"{100 * c.total.recall:.0f}%" for _, c in sorted(res.layers.items()) if c.total.predicted]
+    t = res.total
+    print(
+        f"{name}: recall {100 * t.recall:.1f}% over {t.predicted} predicted experts; per layer (from the second "
+        f"MoE layer): {' '.join(cells)}"
+    )
+
+
+def speed(rounds: int, tokens: int) -> None:
+    arms = [("1 GB/s", "defaults", ["--emulate-link-gbps", "1"]),
+            ("1 GB/s", "off", ["--emulate-link-gbps", "1", "--moe-cache-prefetch", "off"]),
+            ("none", "defaults", []), ("none", "off", ["--moe-cache-prefetch", "off"])]  # fmt: skip
+    tps: dict[tuple[str, str], list[float]] = {(a, b): [] for a, b, _ in arms}
+    for r in range(rounds):
+        for link, mode, extra in arms if r % 2 == 0 else arms[::-1]:
+            out = moechat("run", "-p", PROMPT, "-n", str(tokens), "--temp", "0", "--moe-cache-mib", "68", *extra)
+            m = re.search(r"generation: \d+ tokens, ([\d.]+) t/s", out)
+            if m is None:
+                raise SystemExit(f"no decode speed in: {out[-300:]}")
+            tps[(link, mode)].append(float(m.group(1)))
+    print(f"| link | defaults t/s | off t/s | ratio (medians of {rounds}) | runs defaults | runs off |")
+    print("|---|---|---|---|---|---|")
+    for link in ("1 GB/s", "none"):
+        a, b = tps[(link, "defaults")], tps[(link, "off")]
+        print(
+            f"| {link} | {statistics.median(a):.1f} | {statistics.median(b):.1f} | "
+            f"{statistics.median(a) / statistics.median(b):.2f}x | {' '.join(f'{x:.0f}' for x in a)} | "
+            f"{' '.join(f'{x:.0f}' for x in b)} |"
+        )
+
+
+def real_table() -> None:
+    from moechat.tuner.baselines import simulate_baseline
+    from moechat.tuner.simulator import load_routing, replay
+
+    for csv in sorted(REAL.glob("*.csv")):
+        routing = load_routing(csv)
+        warm = min(64, routing.n_tokens // 4)
+        print(f"\n{csv.name}: {routing.n_tokens} tokens, demand only (no predictions in it)")
+        print("| cache | ClassLRU misses | LRU | MIN | ClassLRU / LRU | ClassLRU / MIN |")
+        print("|---|---|---|---|---|---|")
+        for f in (0.1, 0.2, 0.3):
+            mib = f * routing.full_mib()
+            slots = routing.slots(mib)
+            ours = replay(routing, mib, warmup=warm).total.misses
+            lru = simulate_baseline(routing, slots, "lru", warm).misses
+            best = simulate_baseline(routing, slots, "min", warm).misses
+            print(f"| {100 * f:.0f}% | {ours} | {lru} | {best} | {ours / lru:.2f} | {ours / best:.2f} |")
 
 
 def main() -> None:
-    from moechat.app.paths import app_paths
-    from moechat.app.settings import DEMO_DEFAULTS
-    from moechat.demo.build import ensure_demo
-    from moechat.engine.cache.settings import CacheSettings
-    from moechat.engine.cache.trace import read_trace
-    from moechat.engine.events import SamplingParams, TokenEvent
-    from moechat.engine.generate import generate
-    from moechat.engine.loader import load_model
-
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--demo", default="smollm2")
-    ap.add_argument("--tokens", type=int, default=512, help="decode tokens in all")
-    ap.add_argument("--extra", type=int, nargs="+", default=[0, 1, 2], help="experts predicted beyond top-k")
-    ap.add_argument("--per-layer", action="store_true", help="also each layer's recall for top-k")
-    ap.add_argument("--speed", action="store_true",
-                    help="instead: decode t/s with and without --moe-cache-prefetch next-layer, emulated link at "
-                         "4 and 16 GB/s, alternating runs")  # fmt: skip
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--tokens", type=int, default=256)
+    ap.add_argument("--model", default=None, help="another model for the recall (e.g. the 12-layer Qwen3-shaped file)")
+    ap.add_argument("--skip-speed", action="store_true")
     args = ap.parse_args()
-    if args.speed:
-        speed(args.demo, args.tokens)
-        return
-    demo = DEMO_DEFAULTS[args.demo]
-    per = max(16, args.tokens // len(PROMPTS))
+    from moechat.engine.kernels.isa import describe
+
+    print(f"CPU: {describe()}; load {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n")
     with tempfile.TemporaryDirectory() as tmp:
-        trace = Path(tmp) / "run.trace"
-        settings = CacheSettings(mib=demo["moe_cache_mib"], cpu_share=demo["moe_cache_cpu_share"], trace=trace)
-        lm = load_model(ensure_demo(app_paths().cache, name=args.demo), n_ctx=per + 128, cache=settings)
-        cfg, model = lm.config, lm.model
-        blocks = list(model.blocks)
-        k, widest = cfg.n_expert_used, cfg.n_expert_used + max(args.extra)
-        step = {"decode": False, "token": -1}
-        predicted: dict[tuple[int, int], list[int]] = {}  # (decode step, layer) -> experts, best first
+        trace = Path(tmp) / "demo.trace"
+        moechat("run", "-p", PROMPT, "-n", str(args.tokens), "--temp", "0", "--moe-cache-mib", "68",
+                "--moe-cache-trace", str(trace))  # fmt: skip
+        from moechat.tuner.simulator import load_routing
 
-        def hook(i: int):  # after block i: predict block i+1's experts
-            nxt = blocks[i + 1].ffn if i + 1 < len(blocks) else None
-
-            def fn(module: torch.nn.Module, inputs: object, out: torch.Tensor) -> None:
-                if not step["decode"] or not isinstance(nxt, MoeFFN):
-                    return
-                h = rms_norm(out, blocks[i + 1].ffn_norm, cfg.norm_eps)
-                logits = torch.nn.functional.linear(h, nxt.router, nxt.router_bias)
-                wide = dataclasses.replace(cfg, n_expert_used=min(widest, cfg.n_expert))
-                ids, _ = route(logits, wide, nxt.choice_bias)
-                predicted[(step["token"], i + 1)] = ids[-1].tolist()
-
-            return fn
-
-        for i, b in enumerate(blocks):
-            b.register_forward_hook(hook(i))
-        params = SamplingParams(temperature=0.7, seed=1, repeat_penalty=demo.get("repeat_penalty", 1.0))
-        n_tok, t_dec = 0, 0.0
-        for prompt in PROMPTS:
-            step["decode"] = False
-            t0 = None
-            for ev in generate(model, lm.tokenizer, lm.chat_prompt(prompt), lm.new_cache(), max_tokens=per,
-                               params=params, ignore_eos=True):  # fmt: skip
-                if isinstance(ev, TokenEvent):
-                    if t0 is None:
-                        t0 = time.perf_counter()  # decode steps follow the first token
-                    else:
-                        n_tok += 1
-                    step["decode"] = True
-                    step["token"] += 1
-            t_dec += time.perf_counter() - (t0 or time.perf_counter())
-        lm.close()
-        tr = read_trace(trace)
-    g = tr.header["groups"][0]
-    moe_layers = sorted({layer for grp in tr.header["groups"] for layer in grp["layers"]})
-    layer_s = t_dec / max(n_tok, 1) / len(blocks)  # hooks included: a slight overestimate of compute
-    # The decode records in order: token t's records follow its first layer's.
-    decode = [r for r in tr if r.n_tokens == 1]
-    policy = ClassLRU(g["layers"], g["n_expert"], g["n_slots"])
-    share = CpuShare(tr.header["cpu_share"])
-    recall: dict[int, dict[int, list[float]]] = defaultdict(lambda: defaultdict(list))
-    moved = {e: {"miss": 0, "in_time": 0, "wasted": 0} for e in args.extra}
-    t = -1
-    for rec in tr:
-        if rec.layer == moe_layers[0] and rec.n_tokens == 1:
-            t += 1
-        if bypasses(rec.n_tokens, rec.n_used, g["n_expert"], g["n_slots"], tr.header["max_batch"]):
-            continue
-        plan = policy.plan(rec.layer, rec.ids, rec.n_tokens, share.active())
-        pred = predicted.get((t, rec.layer)) if rec.n_tokens == 1 else None
-        if pred is None:
-            continue
-        truth = set(rec.ids)
-        misses = {e for e, _ in plan.uploads} | set(plan.cpu)
-        for extra in args.extra:
-            p = set(pred[: k + extra])
-            recall[extra][rec.layer].append(len(p & truth) / len(truth))
-            moved[extra]["miss"] += len(misses)
-            moved[extra]["in_time"] += len(p & misses)
-            moved[extra]["wasted"] += len(p - truth - set(plan.hits))  # uploads nobody reads this step
-    print(
-        f"{args.demo} demo: {n_tok} decode tokens over {len(decode) // max(len(moe_layers), 1)} steps, "
-        f"{len(moe_layers)} MoE layers, top-{k} of {cfg.n_expert}; cache {g['n_slots']} slots, "
-        f"{len(blocks)} blocks, {layer_s * 1e3:.2f} ms a block; load {' '.join(f'{x:.2f}' for x in os.getloadavg())}"
-    )
-    print(
-        "\n| predicted | recall (mean) | worst layer | best layer | precision | misses predicted in time | "
-        "wasted uploads / step | link hidden at 4 GB/s | at 16 GB/s |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|")
-    steps = max(t + 1, 1)
-    for extra in args.extra:
-        per_layer = {layer: sum(v) / len(v) for layer, v in recall[extra].items() if v}
-        mean = sum(per_layer.values()) / max(len(per_layer), 1)
-        worst, best = min(per_layer.items(), key=lambda kv: kv[1]), max(per_layer.items(), key=lambda kv: kv[1])
-        m = moved[extra]
-        hidden = []
-        for gbps in (4, 16):
-            link = m["in_time"] * g["expert_bytes"] / (gbps * 1e9)  # seconds of uploads that could start early
-            total = m["miss"] * g["expert_bytes"] / (gbps * 1e9)
-            # Each step's early uploads overlap at most one block's compute.
-            per_step = min(link / steps / len(moe_layers), layer_s) * steps * len(moe_layers)
-            hidden.append(f"{100 * per_step / total:.0f}%" if total else "-")
-        print(
-            f"| top-{k}+{extra} | {100 * mean:.1f}% | layer {worst[0]} {100 * worst[1]:.0f}% | layer {best[0]} "
-            f"{100 * best[1]:.0f}% | {100 * mean * k / (k + extra):.1f}% | "
-            f"{100 * m['in_time'] / max(m['miss'], 1):.1f}% | {m['wasted'] / steps:.1f} | {hidden[0]} | {hidden[1]} |"
-        )
-    if args.per_layer:
-        per_layer_table(recall[args.extra[0]])
-
-
-def speed(name: str, tokens: int, repeats: int = 3) -> None:
-    from moechat.app.paths import app_paths
-    from moechat.app.settings import DEMO_DEFAULTS
-    from moechat.demo.build import ensure_demo
-    from moechat.engine.cache.settings import CacheSettings
-    from moechat.engine.events import GREEDY, DoneEvent
-    from moechat.engine.generate import generate
-    from moechat.engine.loader import load_model
-
-    demo = DEMO_DEFAULTS[name]
-    lm = load_model(ensure_demo(app_paths().cache, name=name), n_ctx=tokens + 128)
-    prompt = lm.chat_prompt(PROMPTS[0])
-    print(
-        f"{name} demo, cache {demo['moe_cache_mib']:g} MiB, share {demo['moe_cache_cpu_share']:g}, {tokens} tokens "
-        f"greedy, {repeats} alternating runs each; load {' '.join(f'{x:.2f}' for x in os.getloadavg())}\n"
-    )
-    print("| link | t/s without | t/s with prefetch | ratio | prefetched / used per token |")
-    print("|---|---|---|---|---|")
-    for gbps in (4.0, 16.0):
-        tps: dict[bool, list[float]] = {False: [], True: []}
-        used = (0, 0, 1)
-        for _ in range(repeats):
-            for on in (False, True):
-                lm.set_cache(CacheSettings(mib=demo["moe_cache_mib"], cpu_share=demo["moe_cache_cpu_share"],
-                                           emulate_link_gbps=gbps, prefetch=on))  # fmt: skip
-                for ev in generate(lm.model, lm.tokenizer, prompt, lm.new_cache(), max_tokens=tokens, params=GREEDY,
-                                   ignore_eos=True):  # fmt: skip
-                    if isinstance(ev, DoneEvent):
-                        tps[on].append(ev.gen_tps)
-                if on and lm.cache is not None:
-                    snap = lm.cache.snapshot()
-                    used = (snap.total.prefetched, snap.total.prefetch_hits, snap.tokens)
-        a, b = sorted(tps[False])[repeats // 2], sorted(tps[True])[repeats // 2]
-        print(
-            f"| {gbps:g} GB/s | {a:.1f} | {b:.1f} | {b / a:.2f} | {used[0] / used[2]:.1f} / {used[1] / used[2]:.1f} |"
-        )
-    lm.close()
-
-
-def per_layer_table(recall: dict[int, list[float]]) -> None:
-    print("\n| layer | " + " | ".join(str(layer) for layer in sorted(recall)) + " |")
-    print("|---|" + "---|" * len(recall))
-    print("| recall | " + " | ".join(f"{100 * sum(v) / len(v):.0f}%" for _, v in sorted(recall.items())) + " |")
+        print(f"1. Replay of the demo's trace ({load_routing(trace).n_tokens} tokens), ClassLRU, share 0")
+        replay_table(trace, load_routing(trace).full_mib())
+        print("\n3. Recall one layer ahead")
+        recall_table(trace, "demo")
+        if args.model:
+            other = Path(tmp) / "model.trace"
+            moechat("run", args.model, "-p", PROMPT, "-n", "64", "--temp", "0", "--moe-cache-mib", "1",
+                    "--moe-cache-trace", str(other))  # fmt: skip
+            recall_table(other, Path(args.model).name)
+    if not args.skip_speed:
+        print(f"\n2. Decode speed, demo, cache 68 MiB (25%), {args.tokens} tokens greedy")
+        speed(args.rounds, args.tokens)
+    print("\n4. Real routing")
+    real_table()
+    print(f"\nload after: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":

@@ -271,7 +271,8 @@ def load_model(
         if not on_cpu:
             model.to_device(torch.device(device))
         if fit.tier and model.host_experts.layers:
-            tier = RamTier(model.host_experts, gguf, cfg.n_expert_used, fit.tier / 2**20)
+            tier = RamTier(model.host_experts, gguf, cfg.n_expert_used, fit.tier / 2**20,
+                           prefetch=cache is None or cache.prefetch != "off")  # fmt: skip
             model.experts = tier
         apply_widths(model, cpu_kernels, cache)  # the widths it will run with: the kernels compiled next are those
         with compile_notes(progress) as compiled:  # one token through every layer: the kernels compile here

@@ -112,9 +112,8 @@ def test_dense_layers_run_their_compiled_ffn(dense_layers: int, tmp_path: Path) 
 
 def test_the_plan_follows_new_bits_and_the_expert_cache(tmp_path: Path) -> None:
     """The plan binds the activations' bits and the executor, and is made again when either changes: after
-    other bits the layers compute with them; behind an expert cache that prefetches, the MoE layers call
-    the cache (its own path), and go back to their calls without it; behind slots that are the host copy
-    they keep their calls and the cache is told each token's lookups."""
+    other bits the layers compute with them; behind slots that are the host copy they keep their calls and
+    the cache is told each token's lookups, with its look-ahead where the cache prefetches."""
     lm = load_model(tiny_moe(tmp_path / "q.gguf", expert_type=Q.Q4_K, dense_type=Q.Q8_0), n_ctx=64, cpu_kernels="int8")
     int8, _ = _steps(lm, True)
     lm.model.set_activation_bits(16, 16)
@@ -124,11 +123,16 @@ def test_the_plan_follows_new_bits_and_the_expert_cache(tmp_path: Path) -> None:
     _close(int16, ref16)
     lm.close()
     path = tiny_moe(tmp_path / "c.gguf", dense_type=Q.Q8_0)
-    cached = load_model(path, n_ctx=64, cache=CacheSettings(mib=0.5, cpu_share=0.5, prefetch=True))
-    assert {f for _, f in _kinds(cached)} == {"module"}
+    cached = load_model(path, n_ctx=64, cache=CacheSettings(mib=0.5, cpu_share=0.5, prefetch="next-layer"))
+    assert {f for _, f in _kinds(cached)} == {"compiled"}
     assert cached.model.decode_plan(cached.new_cache()).prefetch
+    assert cached.cache is not None
+    _steps(cached, True, 4)
+    t = cached.cache.snapshot().total
+    assert t.predicted > 0 and t.prefetched > 0  # the token calls told the cache their predictions
     cached.model.experts = cached.model.host_experts
     assert {f for _, f in _kinds(cached)} == {"compiled"}
+    assert not cached.model.decode_plan(cached.new_cache()).prefetch
     cached.close()
     in_place = load_model(path, n_ctx=64, cache=CacheSettings(mib=0.5, cpu_share=0.5))
     assert {f for _, f in _kinds(in_place)} == {"compiled"}

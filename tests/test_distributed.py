@@ -52,7 +52,12 @@ def test_a_split_model_writes_what_one_process_writes(tmp_path: Path, arch: str)
                 # The stages' traces joined are the one process's routing, lookup by lookup, and replay to
                 # the counters the stages' caches kept, each stage with its own budget.
                 joined, one = load_routing(split_trace), load_routing(one_trace)
-                assert joined.records == one.records and len(joined.records) > len(moe_layers)
+                # (Predictions too, but for a stage's first layer, which no stage predicts: the one before is
+                # in another process.)
+                lookups_only = [r for r in joined.records if r[0] >= 0]
+                assert lookups_only == [r for r in one.records if r[0] >= 0] and len(lookups_only) > len(moe_layers)
+                ahead = [r for r in joined.records if r[0] < 0]
+                assert ahead and set(ahead) < {r for r in one.records if r[0] < 0}
                 assert joined.stages is not None and len(joined.stages) == n_groups == len(joined.groups)
                 assert not list(tmp_path.glob("split.stage*.trace"))  # the stages' parts are gone
                 sim = replay(joined, cache.mib, cache.cpu_share, warmup=0)

@@ -70,7 +70,9 @@ def test_no_cache_policy_changes_the_greedy_tokens(arch: str, tmp_path: Path) ->
         assert (refused > 0) == (policy != "classlru"), (policy, refused)  # share 0: only the policy sends any
         lm.close()
     for share in (0.0, 0.5):  # next-layer prefetch: only where experts run changes, never what they compute
-        lm = load_model(path, n_ctx=128, cache=CacheSettings(mib=0.3 * total_mib, cpu_share=share, prefetch=True))
+        lm = load_model(
+            path, n_ctx=128, cache=CacheSettings(mib=0.3 * total_mib, cpu_share=share, prefetch="next-layer")
+        )
         assert lm.cache is not None
         assert _tokens(lm, prompt) == reference, ("prefetch", share)
         t = lm.cache.snapshot().total
@@ -128,6 +130,35 @@ def test_an_upload_ahead_runs_on_the_emulated_link_while_the_device_computes() -
     assert torch.equal(group.banks[0][0], lx.gate.raw[1])  # and the expert is in its slot
 
 
+def test_uploads_told_afterwards_cost_what_they_would_have_cost_at_once() -> None:
+    """A decode token's lookups and prefetches told at its end (`told`, `waited`), each with the time it was asked
+    for: the device's timeline is shifted by every wait before, and the sum is slept once, at `pay`. A prefetch
+    asked for a layer's time before its lookup hides that much of its link time; a demand miss hides none."""
+    from moechat.engine.cache.uploads import Uploader
+
+    clock = StepClock()
+    up = Uploader(torch.device("cpu"), emulate_link_gbps=1.0, clock=clock)
+    gb = 10**9  # one second on the link
+    # Layer a: a demand miss at t=0 (1 s). Layer b: its prediction made at t=0.2 (device time), its lookup at
+    # t=0.7 reads it. Layer c: a demand miss at t=0.9. All told at t=1.0, after the token computed.
+    clock.t = 1.0
+    up.told(gb, 0.0, ahead=False)  # the device waits until 1.0: every later time is 1 s later
+    up.told(gb, 0.2, ahead=True)  # asked at device time 1.2; the link is free at 1.0: done at 2.2
+    up.waited(0.7)  # the lookup at device time 1.7 waits for it: until 2.2 (the shift is now 1.5 s)
+    up.told(gb, 0.9, ahead=False)  # asked at 2.4, the link free: done at 3.4 (shift 2.5 s)
+    up.pay()
+    assert clock.slept == pytest.approx(2.5)
+    # The same without the prediction's head start (asked at its lookup): a second layer's full link time.
+    clock2 = StepClock()
+    up2 = Uploader(torch.device("cpu"), emulate_link_gbps=1.0, clock=clock2)
+    clock2.t = 1.0
+    up2.told(gb, 0.0, ahead=False)
+    up2.told(gb, 0.7, ahead=False)
+    up2.told(gb, 0.9, ahead=False)
+    up2.pay()
+    assert clock2.slept == pytest.approx(3.0) and clock2.slept - clock.slept == pytest.approx(0.5)
+
+
 @pytest.mark.parametrize("kernels", ["fast", "int16", "int8"])
 def test_cached_logits_are_bit_identical_on_the_cpu_device(kernels: str, tmp_path: Path) -> None:
     path = tiny_moe(tmp_path / "m.gguf")
@@ -179,7 +210,11 @@ def test_statistics_add_up_and_the_trace_replays_them(tmp_path: Path) -> None:
     policy = ClassLRU(g["layers"], g["n_expert"], g["n_slots"])
     share = CpuShare(tr.header["cpu_share"])
     got: dict[int, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    assert tr.header["predictions"] and not tr.header["prefetch"]
+    assert any(rec.layer < 0 for rec in tr)  # each layer's prediction one layer ahead, recorded though not fetched
     for rec in tr:
+        if rec.layer < 0:
+            continue
         if bypasses(rec.n_tokens, rec.n_used, g["n_expert"], g["n_slots"], tr.header["max_batch"]):
             got[rec.layer]["bypassed"] += len(set(rec.ids))
             continue

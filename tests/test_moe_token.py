@@ -85,14 +85,25 @@ def test_the_cache_on_token_calls_counts_what_its_general_path_counts(
     assert fast[3] == general[3] > 20
 
 
-def test_a_cache_that_reads_its_plan_first_takes_the_general_path(tmp_path: Path) -> None:
-    """A prefetch acts on the plan before the experts run: no token calls then."""
-    path = tiny_moe(tmp_path / "q.gguf")
-    lm = load_model(path, n_ctx=32, cache=CacheSettings(mib=2, prefetch=True))
-    ffn = next(b.ffn for b in lm.model.blocks if isinstance(b.ffn, MoeFFN))
-    assert lm.cache is not None and not lm.cache.per_token
-    assert moe_token_call(ffn, lm.model.experts) is None
-    lm.close()
+def test_a_prefetching_cache_keeps_its_token_calls_and_counts_what_its_general_path_counts(tmp_path: Path) -> None:
+    """Look-ahead with slots that are the host copy: the token calls stay, and the predictions they tell the cache
+    with their lookups (`TokenAhead`) land as the general path's `prefetch` calls land: the same tokens, the same
+    trace (each prediction before its layer's lookup) and the same counters, prefetches and recall included."""
+    from moechat.engine.cache.trace import read_trace
+
+    path = tiny_moe(tmp_path / "q.gguf", n_expert=16)
+    runs = {}
+    for per_token in (True, False):
+        trace = tmp_path / f"{per_token}.trace"
+        settings = CacheSettings(mib=1.6, prefetch="next-layer", trace=trace, cpu_share=0.5)
+        tokens, layers, _, count = _decode(path, settings, per_token)
+        records = [(r.layer, r.n_used, tuple(r.ids)) for r in read_trace(trace).records]
+        runs[per_token] = (tokens, [(la.layer, la.small, la.large) for la in layers], records, count)
+    assert runs[True] == runs[False]
+    records = runs[True][2]
+    assert any(layer < 0 for layer, _, _ in records)  # predictions were recorded, before their lookups
+    total = sum((small + large for _, small, large in runs[True][1]), start=type(runs[True][1][0][1])())
+    assert total.prefetched > 0 and 0 < total.predicted_used <= total.predicted
 
 
 def test_a_traced_cache_keeps_its_token_calls_and_writes_the_same_trace(tmp_path: Path) -> None:

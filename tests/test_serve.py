@@ -205,6 +205,9 @@ def test_metrics_parse_and_their_cache_counters_are_the_engines(server: Server) 
         assert samples[("moechat_cache_misses_total", str(g["index"]))] == misses
         assert samples[("moechat_cache_cpu_misses_total", str(g["index"]))] == cpu
         assert samples[("moechat_cache_slots", str(g["index"]))] == g["n_slots"]
+        for name in ("prefetch_hits", "prefetched", "predicted", "predicted_used"):  # look-ahead's counters
+            want = sum(la["small"][name] + la["large"][name] for la in layers)
+            assert samples[(f"moechat_cache_{name}_total", str(g["index"]))] == want, name
 
 
 def test_a_server_on_the_ram_tier_answers_the_same_and_counts_its_reads(model: Path) -> None:

@@ -201,6 +201,28 @@ def test_heat_rows_mark_exactly_the_cached_experts() -> None:
         assert len(plain(row)) == offset + len(ls.use_counts)
 
 
+def test_with_look_ahead_each_layer_shows_its_misses_the_exposed_ones_and_the_recall() -> None:
+    """Per layer: the misses before prefetch (exposed + hidden by a prefetch), the exposed ones and the prediction's
+    recall; without predictions the rows stay as they were. Every row fits the panel (43 columns)."""
+    from dataclasses import replace
+
+    from moechat.widgets.layer_stats import HEADER_AHEAD, layer_rows
+
+    snap = FakeEngine(["x"]).snapshot()
+    assert snap is not None
+    assert "rec" not in plain(layer_rows(snap)[0])  # no predictions: the plain rows
+    layers = tuple(replace(ls, small=replace(ls.small, predicted=10 + i, predicted_used=5 + i, prefetch_hits=i))
+                   for i, ls in enumerate(snap.layers))  # fmt: skip
+    rows = layer_rows(replace(snap, layers=layers))
+    assert plain(rows[0]) == HEADER_AHEAD
+    for row, ls in zip(rows[1:], layers, strict=True):
+        t = ls.total
+        cells = plain(row).split()
+        assert cells[0] == str(ls.layer) and len(plain(row)) <= 43
+        assert cells[-4:] == [str(t.misses + t.prefetch_hits), str(t.misses), f"{100 * t.recall:.0f}%",
+                              str(ls.occupancy)]  # fmt: skip
+
+
 def test_the_heat_maps_axis_numbers_the_experts_over_their_columns() -> None:
     snap = FakeEngine(["x"], n_expert=40).snapshot()
     assert snap is not None

@@ -157,7 +157,7 @@ def test_the_session_export_adds_up_every_cache_the_session_ran(tmp_path: Path) 
     session.add(first, 12, 10.0)
     session.cache_rebuilt()
     session.settings = {"moe_cache_mib": 1.0, "moe_cache_cpu_share": 0.0}
-    lm.set_cache(CacheSettings(mib=1.0, prefetch=True))
+    lm.set_cache(CacheSettings(mib=1.0, prefetch="next-layer"))
     second = reply()
     session.add(second, 24, 10.0)
     lm.close()
@@ -168,6 +168,11 @@ def test_the_session_export_adds_up_every_cache_the_session_ran(tmp_path: Path) 
     from moechat.app.export import to_markdown
 
     assert f"Prefetch: {p['prefetched']} experts uploaded ahead" in to_markdown(d)
+    # The recall: the first cache only predicted (no prefetch, no trace: nothing), the second predicted and fetched.
+    assert p["predicted"] == second.total.predicted > 0 and p["predicted_used"] == second.total.predicted_used
+    assert p["exposed"] == first.total.misses + second.total.misses
+    assert f"Look-ahead: {p['predicted']} experts predicted one layer ahead" in to_markdown(d)
+    assert [row["predicted"] for row in d["layers"]] == [b.total.predicted for b in second.layers]
     assert second.tokens < first.tokens + second.tokens == d["tokens"]
     for row, a, b in zip(d["layers"], first.layers, second.layers, strict=True):
         assert row["hits"] == a.total.hits + b.total.hits and row["lookups"] == a.total.lookups + b.total.lookups

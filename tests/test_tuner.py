@@ -34,7 +34,7 @@ PROMPT = "The ferry crossed the river twice a day, and the children on the bank 
 
 
 def _record(path: Path, trace: Path, mib: float, share: float, n_tokens: int = 40, warm: Path | None = None,
-            policy: str = "classlru", prefetch: bool = False) -> dict[int, tuple[object, object]]:  # fmt: skip
+            policy: str = "classlru", prefetch: str = "off") -> dict[int, tuple[object, object]]:  # fmt: skip
     settings = CacheSettings(mib=mib, cpu_share=share, trace=trace, warm_start=warm, policy=policy, prefetch=prefetch)
     lm = load_model(path, n_ctx=256, cache=settings)
     assert lm.cache is not None
@@ -106,7 +106,7 @@ def test_replay_reproduces_the_engine_counters_of_each_policy(tmp_path: Path, po
 @pytest.mark.parametrize("share", [0.0, 0.5])
 def test_replay_reproduces_the_engine_counters_with_prefetch(tmp_path: Path, share: float) -> None:
     path = tiny_moe(tmp_path / "m.gguf", n_layers=3, n_expert=16, n_expert_used=2)
-    engine = _record(path, tmp_path / "run.trace", 0.9, share, n_tokens=60, prefetch=True)
+    engine = _record(path, tmp_path / "run.trace", 0.9, share, n_tokens=60, prefetch="next-layer")
     routing = load_routing(tmp_path / "run.trace")
     assert any(layer < 0 for layer, _, _ in routing.records)  # the trace holds the predictions
     res = replay(routing, 0.9, share, warmup=0)
@@ -526,18 +526,19 @@ def test_sim_and_tune_commands(
     assert main(["sim", str(trace), "--sizes", "0.5", "1", "--shares", "0", "0.5", "--warmup", "8"]) == 0
     out = capsys.readouterr().out
     assert "classlru" in out and "min-bypass" in out and "vs MIN" in out
-    assert out.count("classlru") == 4
+    assert out.count("classlru") == 8  # each size and share with and without prefetch: the trace holds predictions
+    assert sum("classlru" in line and "next-layer" in line for line in out.splitlines()) == 4
     assert "exceed" not in out
     assert main(["sim", str(trace), "--sizes", "1", "1000", "--shares", "0", "--warmup", "8"]) == 0
     assert "note: 1000 MiB exceed the trace's" in capsys.readouterr().out  # not capped silently
     # The engine's policy variants replay as the engine runs them (their misses, row by row).
     assert main(["sim", str(trace), "--sizes", "0.5", "--shares", "0", "--warmup", "8", "--policy", "classlru",
-                 "protect", "second-use"]) == 0  # fmt: skip
+                 "protect", "second-use", "--prefetch", "off"]) == 0  # fmt: skip
     rows = {line.split()[2]: line.split() for line in capsys.readouterr().out.splitlines()
             if len(line.split()) > 5 and line.split()[0] == "0.5"}  # fmt: skip
     for policy in ("classlru", "protect", "second-use"):
         want = replay(load_routing(trace), 0.5, 0.0, warmup=8, policy=policy).total.misses
-        assert rows[policy][5] == str(want), policy
+        assert rows[policy][6] == str(want), policy
     # The default warm-up scales with the trace: a quarter of it at most, the rest is scored.
     assert main(["sim", str(trace), "--sizes", "1", "--shares", "0"]) == 0
     n = load_routing(trace).n_tokens
@@ -546,6 +547,23 @@ def test_sim_and_tune_commands(
     assert "leaves none of the trace's" in capsys.readouterr().err
     assert main(["sim", str(trace), "--shares", "1.5"]) == 2
     assert "outside [0, 1]" in capsys.readouterr().err
+    # --json: one object per (policy, size, share, prefetch), the replay's counters and MIN's demand misses.
+    # (At 1 MiB the groups' 5 slots leave room for a prediction beside the lookup it follows.)
+    assert main(["sim", str(trace), "--sizes", "1", "--shares", "0", "--warmup", "8", "--policy", "classlru",
+                 "min", "--json"]) == 0  # fmt: skip
+    objs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [(o["policy"], o["prefetch"]) for o in objs] == [("classlru", "off"), ("classlru", "next-layer"),
+                                                            ("min", "off")]  # fmt: skip
+    minimum = simulate_baseline(load_routing(trace), load_routing(trace).slots(1.0), "min", 8).misses
+    for o in objs[:2]:
+        res = replay(load_routing(trace), 1.0, 0.0, warmup=8, prefetch=o["prefetch"])
+        t = res.total
+        assert (o["lookups"], o["misses"], o["exposed"], o["min_misses"]) == (t.lookups, t.missed, t.exposed, minimum)
+        assert o["uploaded_mib"] == round((res.upload_bytes + res.prefetch_bytes) / 2**20, 3)
+        assert o["size_mib"] == 1.0 and o["share"] == 0.0
+    off, ahead = objs[0], objs[1]
+    assert off["exposed"] == off["misses"] and ahead["exposed"] < ahead["misses"]  # prefetch hid some misses
+    assert objs[2]["misses"] == minimum
     bad = tmp_path / "bad.trace"
     bad.write_bytes(trace.read_bytes()[:-3])
     assert main(["sim", str(bad)]) == 2
@@ -561,8 +579,8 @@ def test_sim_and_tune_commands(
     whole = replay(routing, 1.0, 0.0, warmup=8)
     assert held.tokens == n - split and held.tokens + first.tokens == whole.tokens
     assert held.total + first.total == whole.total  # two parts of one run
-    row = next(line for line in out.splitlines() if "classlru" in line).split()
-    assert row[4] == f"{100 * held.total.hit_rate:.1f}%" and row[-1] == f"{100 * first.total.hit_rate:.1f}%"
+    row = next(line for line in out.splitlines() if "classlru" in line and " off " in line).split()
+    assert row[5] == f"{100 * held.total.hit_rate:.1f}%" and row[-1] == f"{100 * first.total.hit_rate:.1f}%"
     assert f"held out: the last {n - split} scored" in out
     assert main(["sim", str(trace), "--holdout", "1.5"]) == 2
     assert "--holdout: 1.5 is not a fraction" in capsys.readouterr().err

@@ -12,7 +12,15 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from moechat.engine.cache.policy import ClassLRU, CpuShare, bypasses, count_bypass, count_prefetch, split_budget
+from moechat.engine.cache.policy import (
+    ClassLRU,
+    CpuShare,
+    bypasses,
+    count_bypass,
+    count_prediction,
+    count_prefetch,
+    split_budget,
+)
 from moechat.engine.cache.route_csv import is_route_csv, read_route_csv
 from moechat.engine.cache.settings import MAX_BATCH
 from moechat.engine.cache.stats import CountersSnapshot, LayerCounters
@@ -48,6 +56,12 @@ class Routing:
     # A split model's trace (engine/distributed): the groups each stage held. Each stage sized its
     # own slots from the whole budget, so a size here is each stage's. None: one process.
     stages: tuple[tuple[int, ...], ...] | None = None
+    recorded_prefetch: bool = False  # whether the engine uploaded its predictions (its records < 0) ahead
+
+    @property
+    def predictions(self) -> bool:
+        """Whether the trace holds the engine's predictions one layer ahead (records < 0): prefetch can replay."""
+        return any(r[0] < 0 for r in self.records)
 
     @property
     def first_layer(self) -> int:
@@ -108,7 +122,7 @@ class Routing:
             raise ValueError("traces of different models cannot be joined")
         return Routing(self.groups, self.n_expert_used, self.max_batch, self.records + other.records,
                        self.recorded_mib, self.recorded_share, self.warm, self.recorded_policy,
-                       self.stages)  # fmt: skip
+                       self.stages, self.recorded_prefetch)  # fmt: skip
 
 
 def load_routing(path: str | Path) -> Routing:
@@ -129,7 +143,7 @@ def load_routing(path: str | Path) -> Routing:
                           float(h.get("budget_mib", 0.0)), float(h.get("cpu_share", 0.0)),
                           {int(k): [float(c) for c in v] for k, v in warm.items()} if warm else None,
                           str(h.get("policy", "classlru")),
-                          held)  # fmt: skip
+                          held, bool(h.get("prefetch", False)))  # fmt: skip
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"{path}: trace header lacks or garbles {e}") from None
     if held is not None and sorted(i for st in held for i in st) != list(range(len(groups))):
@@ -157,6 +171,7 @@ class SimResult:
     n_slots: tuple[int, ...]  # per group
     tokens: int  # tokens counted (after the warm-up)
     layers: dict[int, LayerCounters]
+    prefetch: str = "off"  # "off" or "next-layer": whether the predictions were fetched ahead
     cpu_bytes: int = 0  # misses computed on the CPU
     upload_bytes: int = 0  # misses uploaded into slots
     bypass_bytes: int = 0  # experts of bypassing lookups (read from the host for that call only)
@@ -196,11 +211,20 @@ def replay(
     until: int | None = None,
     n_slots: Sequence[int] | None = None,
     policy: str | None = None,
+    prefetch: str | None = None,
 ) -> SimResult:
     """Counters of a cache of `mib` MiB (or explicit slots per group) with a CPU share, over the
     tokens after `warmup` and up to `until` (None: the end); the cache runs through all of them.
 
-    `policy`: what the slots admit (cache_policy.POLICIES); None: the one the trace was recorded with."""
+    `policy`: what the slots admit (cache_policy.POLICIES); None: the one the trace was recorded with.
+    `prefetch`: "next-layer" uploads each recorded prediction ahead of its layer's lookup, as the engine does
+    (its misses take slots, evicting, and count as prefetched), "off" does not; None: as recorded. Either
+    way a prediction's recall is counted at its layer's lookup."""
+    if prefetch not in (None, "off", "next-layer"):
+        raise ValueError(f"prefetch must be off or next-layer, got '{prefetch}'")
+    fetch = routing.recorded_prefetch if prefetch is None else prefetch == "next-layer"
+    if fetch and not routing.predictions:
+        raise ValueError("the trace holds no predictions to fetch ahead (recorded before moechat wrote them)")
     slots = list(n_slots) if n_slots is not None else routing.slots(mib)
     admission = policy or routing.recorded_policy
     policies: dict[int, tuple[Group, ClassLRU | None]] = {}
@@ -212,9 +236,12 @@ def replay(
             policies[layer] = (g, lru)
     cpu_share = CpuShare(share)
     active = cpu_share.active()
-    res = SimResult(mib, share, tuple(slots), 0, {layer: LayerCounters() for layer in policies})
+    res = SimResult(mib, share, tuple(slots), 0, {layer: LayerCounters() for layer in policies},
+                    "next-layer" if fetch else "off")  # fmt: skip
     max_batch, first = routing.max_batch, routing.first_layer
     seen = 0
+    predicted: dict[int, tuple[int, ...]] = {}  # layer -> its last prediction, until its lookup
+    last: tuple[int, tuple[int, ...]] | None = None  # the latest lookup (layer, ids)
     for record, n_used, ids in routing.records:
         n_tokens = len(ids) // n_used
         layer = record_layer(record)
@@ -226,13 +253,18 @@ def replay(
         g, lru = policies[layer]
         c = res.layers[layer].of(n_tokens)
         bypassed = lru is None or bypasses(n_tokens, n_used, g.n_expert, lru.n_slots, max_batch)
-        if record < 0:  # the engine uploaded its prediction of this layer's experts ahead
-            if lru is not None and not bypassed:
-                uploads = lru.prefetch(layer, ids)
+        if record < 0:  # the engine's prediction of this layer's experts, one layer ahead
+            predicted[layer] = ids
+            if fetch and lru is not None and not bypassed:
+                uploads = lru.prefetch(layer, ids, last)  # the engine spares the lookup just made
                 if count_now:
                     count_prefetch(c, len(uploads), g.expert_bytes)
                     res.prefetch_bytes += len(uploads) * g.expert_bytes
             continue
+        last = None if bypassed else (layer, ids)  # (a lookup around the cache reads no slot)
+        ahead = predicted.pop(layer, None)
+        if ahead is not None and count_now:
+            count_prediction(c, ahead, ids)
         if lru is None or bypassed:
             if count_now:
                 n = len(set(ids))

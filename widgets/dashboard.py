@@ -99,6 +99,8 @@ class Dashboard(VerticalScroll):
               + (f"  |  warm start {snap.warm_uploads}" if snap.warm_uploads else "")
               + (f"  |  {snap.policy}" if snap.policy != "classlru" else "")
               + (f"  |  prefetch {t.prefetch_hits}/{t.prefetched}" if t.prefetched else ""), "")],
+            *([[(f"look-ahead recall {100 * t.recall:.0f}%  |  exposed {t.exposed}/{t.missed}", "")]]
+              if t.predicted else []),
             *([[(line, "")] for line in ram_rows(snap.ram)] if snap.ram is not None else []),
         ])  # fmt: skip
 

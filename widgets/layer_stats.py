@@ -1,4 +1,5 @@
-"""Per-layer cache numbers as rows of bars: hit rate, misses computed on the CPU, slots held."""
+"""Per-layer cache numbers as rows of bars: hit rate, misses computed on the CPU (with look-ahead: misses, those
+exposed and the prediction's recall), slots held."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ from moechat.widgets.rows import Row, RowsView
 
 BAR = 12  # characters of the hit-rate bar
 HEADER = f"{'layer':>5} {'hit rate':<{BAR}} {'%':>4} {'cpu':>7} {'slots':>5}"
+BAR_AHEAD = 8  # with look-ahead: room for the misses, the exposed ones and the recall
+HEADER_AHEAD = f"{'layer':>5} {'hit rate':<{BAR_AHEAD}} {'%':>4} {'miss':>5} {'expos':>5} {'rec':>4} {'slots':>5}"
 
 
 def hit_bar(rate: float, width: int = BAR) -> Row:
@@ -28,11 +31,23 @@ def fold_layers(layers: Sequence[LayerSnapshot], fold: int) -> list[tuple[str, l
 
 
 def layer_rows(snap: StatsSnapshot, fold: int = 1) -> list[Row]:
-    """The header and one fixed-width line per layer (per run of `fold` layers, their sums)."""
-    rows: list[Row] = [[(HEADER, "bold")]]
+    """The header and one fixed-width line per layer (per run of `fold` layers, their sums). With look-ahead
+    (predictions counted): a shorter bar, the misses before prefetch, those exposed and the recall."""
+    ahead = any(ls.total.predicted for ls in snap.layers)
+    rows: list[Row] = [[(HEADER_AHEAD if ahead else HEADER, "bold")]]
     for label, run in fold_layers(snap.layers, fold):
         tot = sum((ls.total for ls in run), CountersSnapshot())
         slots = sum(ls.occupancy for ls in run)
+        if ahead:
+            recall = f"{100 * tot.recall:>3.0f}%" if tot.predicted else "   -"
+            rows.append(
+                [
+                    (f"{label:>5} ", ""),
+                    *hit_bar(tot.hit_rate, BAR_AHEAD),
+                    (f" {100 * tot.hit_rate:>4.0f} {tot.missed:>5} {tot.exposed:>5} {recall} {slots:>5}", ""),
+                ]
+            )
+            continue
         rows.append([(f"{label:>5} ", ""), *hit_bar(tot.hit_rate),
                      (f" {100 * tot.hit_rate:>4.0f} {tot.cpu:>7} {slots:>5}", "")])  # fmt: skip
     return rows

@@ -48,7 +48,27 @@ class ServerCollector(Collector):
             yield from ram_tier_metrics(snap.ram)
         families = {
             "hits": CounterMetricFamily("moechat_cache_hits", "expert lookups found in a slot", labels=["group"]),
-            "misses": CounterMetricFamily("moechat_cache_misses", "expert lookups not in a slot", labels=["group"]),
+            "misses": CounterMetricFamily(
+                "moechat_cache_misses",
+                "expert lookups not in a slot (exposed: neither cached nor fetched ahead)",
+                labels=["group"],
+            ),
+            "prefetch_hits": CounterMetricFamily(
+                "moechat_cache_prefetch_hits",
+                "expert lookups a prefetch put in their slot: misses the look-ahead hid",
+                labels=["group"],
+            ),
+            "prefetched": CounterMetricFamily(
+                "moechat_cache_prefetched", "experts uploaded ahead on a prediction", labels=["group"]
+            ),
+            "predicted": CounterMetricFamily(
+                "moechat_cache_predicted", "experts predicted one layer ahead", labels=["group"]
+            ),
+            "predicted_used": CounterMetricFamily(
+                "moechat_cache_predicted_used",
+                "predicted experts the layer then selected (recall: over predicted)",
+                labels=["group"],
+            ),
             "cpu": CounterMetricFamily("moechat_cache_cpu_misses", "misses computed on the CPU", labels=["group"]),
             "uploaded_bytes": CounterMetricFamily(
                 "moechat_cache_uploaded_bytes", "bytes uploaded into slots", labels=["group"]

@@ -34,12 +34,12 @@ from ..gguf.dequant import dequantize
 from ..kernels import device as device_kernels
 from ..kernels.jit import set_kernel_threads
 from ..moe.expert_tensors import LayerExperts
-from ..moe.host_experts import Contribution, HostExperts, run_experts, sum_parts
+from ..moe.host_experts import Contribution, HostExperts, TokenAhead, run_experts, sum_parts
 from ..moe.kernel_calls import TokenCall, host_arrays, layer_output, run_fused
 from . import warm_start
 from .device_memory import pinned
 from .lookup_log import RECORD, LookupLog
-from .policy import ClassLRU, CpuShare, bypasses, count_bypass, count_prefetch
+from .policy import ClassLRU, CpuShare, bypasses, count_bypass, count_prediction, count_prefetch
 from .rules import LOGGED
 from .settings import CacheSettings
 from .slot_groups import SlotGroup, build_groups
@@ -63,8 +63,11 @@ class ExpertCache:
         if settings.load_mode == "pinned" and self.device.type != "cuda":
             logger.info("the pinned load mode only matters with a CUDA device; experts stay memory-mapped")
         self.uploader = Uploader(self.device, settings.emulate_link_gbps)
-        # The decoder predicts each next MoE layer's experts for calls of up to this many tokens (0: never).
-        self.prefetch_tokens = settings.max_batch if settings.prefetch else 0
+        # The decoder predicts each next MoE layer's experts for calls of up to this many tokens (0: never):
+        # to fetch them ahead, or only to write them to the trace, which replays prefetch at any size.
+        self.prefetch_tokens = settings.max_batch if settings.fetch_ahead or settings.trace else 0
+        self._predicted: dict[int, np.ndarray] = {}  # layer -> its last prediction, until its lookup
+        self._ahead: tuple[int, torch.Tensor] | None = None  # (layer, ids) handed to `prefetch`, not yet taken
         self.n_expert_used = n_expert_used
         self.share = CpuShare(settings.cpu_share)
         # On the CPU device without an emulated link a slot is the host copy itself: an upload would copy
@@ -112,9 +115,10 @@ class ExpertCache:
         # Where the slots are the host copy, a decode token's layer computes exactly what the host copy's
         # one-call token kernel computes, whatever the plan: the decoder runs those calls (`token_call`)
         # and tells the cache the token's lookups afterwards, all layers at once (`account`), which also
-        # writes them to the trace. Not where something reads the plan before the compute: a prefetch, a
-        # group that a token's experts could outnumber.
-        self.per_token = self.in_place and not self.prefetch_tokens and all(
+        # writes them to the trace; a prefetch's predictions come with them (`TokenAhead`), and an emulated
+        # link's time is told in the order it ran. Not where a group's slots could be outnumbered by a token's
+        # experts.
+        self.per_token = self.in_place and all(
             g.policy is not None and not bypasses(1, n_expert_used, g.info.n_expert, g.policy.n_slots,
                                                   settings.max_batch) for g in self.groups)  # fmt: skip
         self.last_layer = max(host.layers)
@@ -184,7 +188,8 @@ class ExpertCache:
             "budget_mib": self.settings.mib,
             "cpu_share": self.settings.cpu_share,
             "policy": self.settings.policy,
-            "prefetch": self.settings.prefetch,
+            "prefetch": self.settings.fetch_ahead,
+            "predictions": True,  # every MoE layer's prediction one layer ahead, whether fetched or not
             "groups": [
                 {
                     "layers": list(g.info.layers),
@@ -216,12 +221,19 @@ class ExpertCache:
         if layer == self.first_layer:
             self.log.tick(n_tokens, self._slot_contents)
             self.tokens += n_tokens
+        if self._predicted:
+            predicted = self._predicted.pop(layer, None)
+            if predicted is not None:
+                with self._lock:
+                    count_prediction(self.stats[layer].of(n_tokens), predicted, flat_ids)
         group = self.group_of[layer]
         policy = group.policy
         if policy is None or (
             (n_tokens > self.settings.max_batch or n_tokens * n_used > policy.n_slots)
             and bypasses(n_tokens, n_used, group.info.n_expert, policy.n_slots, self.settings.max_batch)
         ):
+            if self._ahead is not None:
+                self._take_ahead()
             return self._around(layer, x, ids, weights, flat_ids, n_tokens, n_used, group.info.expert_bytes)
         with self._lock:
             r = policy.step(layer, flat_ids, n_tokens, self.log.buf)
@@ -231,6 +243,8 @@ class ExpertCache:
             self.log.add(layer, n_used, flat_ids, policy.last_plan().n_hits)
         if r & PREFETCHED_HITS:
             self.uploader.wait_ahead()  # experts a prefetch uploaded are read now: their copies must be in
+        if self._ahead is not None:  # the next layer's, uploaded while this one computes (its slots spared)
+            self._take_ahead((layer, flat_ids))
         return self._cached_path[layer](layer, group, policy, self.host.layers[layer], x, ids, weights)
 
     def token_call(self, layer: int) -> TokenCall | None:
@@ -238,11 +252,16 @@ class ExpertCache:
         whoever runs it owes the cache the token's lookups (`account`)."""
         return self.host.token_call(layer) if self.per_token else None
 
-    def account(self, layers: Sequence[int], ids: Sequence[np.ndarray]) -> None:
+    def account(self, layers: Sequence[int], ids: Sequence[np.ndarray], ahead: TokenAhead | None = None) -> None:
         """Lookups of a decode token whose MoE `layers` (in order) ran as token calls, each layer's ids
         [1, k]. They are kept until the token's last MoE layer is told (or anything else reads or steps
         the cache), then stepped through the policy as `__call__` steps them, counters and lookup log
-        included, in one compiled call a group (`_settle`)."""
+        included, in one compiled call a group (`_settle`). With the token's look-ahead (`ahead`), each
+        layer's prediction goes first, as `prefetch` and `__call__` would have run them (`_settle_ahead`)."""
+        if ahead is not None:
+            self._settled()
+            self._settle_ahead(layers, ids, ahead)
+            return
         self._owed_layers.extend(layers)
         self._owed_ids.extend(ids)
         if layers[-1] == self.last_layer:
@@ -276,6 +295,42 @@ class ExpertCache:
                 moved += n * expert_bytes
         if moved and self.uploader.link_gbps:
             self.uploader.carried(moved)
+
+    def _settle_ahead(self, layers: Sequence[int], rows: Sequence[np.ndarray], ahead: TokenAhead) -> None:
+        """A decode token's lookups and predictions, layer by layer in the order they ran: each lookup as
+        `__call__` steps it, then the next layer's prediction as `prefetch` takes it; on an emulated link each
+        upload at the time it was asked for (a prefetch's while the device went on, a demand miss's with the
+        device waiting), the device's wait paid once, at the end."""
+        if layers[0] == self.first_layer:
+            self.log.tick(1, self._slot_contents)
+            self.tokens += 1
+        link, trace = self.uploader, self._trace
+        for layer, ids, predicted, at in zip(layers, rows, ahead.predicted, ahead.at, strict=True):
+            group = self.group_of[layer]
+            policy = group.policy
+            assert policy is not None  # (per_token: every group has slots)
+            flat = ids.reshape(-1)
+            if trace is not None:
+                trace.write(layer, flat.size, flat)
+            seen = self._predicted.pop(layer, None)
+            with self._lock:
+                if seen is not None:
+                    count_prediction(self.stats[layer].small, seen, flat)
+                r = policy.step(layer, flat, 1, self.log.buf)
+            if r < 0:
+                raise policy.refused(layer, r)
+            n_hits, n_uploads = policy.last_counts()
+            if not r & LOGGED:
+                self.log.add(layer, flat.size, flat, n_hits)
+            if n_uploads:
+                link.told(n_uploads * group.info.expert_bytes, at, ahead=False)
+            elif r & PREFETCHED_HITS:
+                link.waited(at)
+            if predicted is not None:
+                self._ahead_now(layer + 1, predicted.reshape(-1), 1, predicted.shape[-1], at, (layer, flat))
+            elif self._ahead is not None:
+                self._take_ahead((layer, flat))
+        link.pay()
 
     def _unsettled(self, key: tuple[int, ...], rows: np.ndarray, lo: int, hi: int) -> int:
         """A run of `_settle` that did not end clean: a refused lookup raises; lookups the log had no room
@@ -347,24 +402,45 @@ class ExpertCache:
         return tuple(held)
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
-        """Upload `layer`'s predicted experts (ids [T, k]) ahead of its lookup, without waiting for them.
+        """`layer`'s predicted experts (ids [T, k]), from the FFN input of the block before it: uploaded ahead of
+        its lookup right after that block's lookup (its own experts chosen first), without waiting for them.
+        The lookup then waits only for the copies it reads (`Uploader.wait_ahead`)."""
+        self._settled()  # (the lookups before this prediction, first)
+        if self._ahead is not None:
+            self._take_ahead()
+        self._ahead = (layer, ids)
+        if layer - 1 not in self.group_of:
+            self._take_ahead()  # no lookup comes before it: now
 
-        The decoder calls this after the block before `layer`, with `layer`'s router applied to
-        that block's output; the lookup then waits only for the copies it reads (`Uploader.wait_ahead`).
-        """
+    def _take_ahead(self, spare: tuple[int, np.ndarray] | None = None) -> None:
+        layer, ids = self._ahead  # type: ignore[misc]  # (callers checked)
+        self._ahead = None
+        n_tokens, n_used = ids.shape
+        flat = ids.cpu().reshape(-1).numpy()
+        self._ahead_now(layer, flat, n_tokens, n_used, None, spare)
+
+    def _ahead_now(self, layer: int, flat: np.ndarray, n_tokens: int, n_used: int, at: float | None,
+                   spare: tuple[int, np.ndarray] | None = None) -> None:  # fmt: skip
+        """A prediction of `layer`'s experts taken: written to the trace, kept for the recall, and with prefetch on,
+        its misses uploaded (`at`: the clock's time it came, told afterwards; None: now), never into the slots of
+        `spare` (the lookup just made, which its layer still reads)."""
         group = self.group_of.get(layer)
         policy = group.policy if group is not None else None
-        n_tokens, n_used = ids.shape
         if group is None or policy is None or bypasses(n_tokens, n_used, group.info.n_expert, policy.n_slots,
                                                        self.settings.max_batch):  # fmt: skip
             return
-        ids = ids.cpu()
+        self._predicted[layer] = flat
         if self._trace is not None:
-            self._trace.write(-1 - layer, n_used, ids.reshape(-1).numpy())  # a prefetch record
+            self._trace.write(-1 - layer, n_used, flat)  # a prediction's record
+        if not self.settings.fetch_ahead:
+            return
         with self._lock:
-            uploads = policy.prefetch(layer, ids.reshape(-1).tolist())
+            uploads = policy.prefetch(layer, flat.tolist(), spare)
             count_prefetch(self.stats[layer].of(n_tokens), len(uploads), group.info.expert_bytes)
-        self.uploader.upload(group, self.host.layers[layer], uploads, ahead=True)
+        if at is None:
+            self.uploader.upload(group, self.host.layers[layer], uploads, ahead=True)
+        else:
+            self.uploader.told(len(uploads) * group.info.expert_bytes, at, ahead=True)
 
     def _run_uncached_on_device(
         self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor

@@ -502,19 +502,27 @@ def step_rows(st, fl, layers, ids, out, log, res):
 
 
 @njit(fastmath=False, cache=True)
-def prefetch(st, fl, layer, ids, out):
-    """Put the predicted experts `ids` of `layer` (at most the slot count of the distinct ones) in slots
-    ahead of their lookup, marked prefetched; no use is counted. Fills out's uploads; returns their count."""
+def prefetch(st, fl, layer, ids, spare, out):
+    """Put the predicted experts `ids` of `layer` in slots ahead of their lookup, marked prefetched; no use is
+    counted. The slots of the keys `spare` (the lookup just made, whose experts are still to be read) are no
+    one's victims; of the distinct predicted experts, as many as the other slots hold, best first. Fills out's
+    uploads; returns their count."""
     n_expert, n_slots = st[H_EXPERT], st[H_SLOTS]
     st[H_STAMP] += 1
     stamp = st[H_STAMP]
-    emark, slot_of = st[H_EMARK], st[H_SLOT]
+    emark, slot_of, smark = st[H_EMARK], st[H_SLOT], st[H_SMARK]
+    room = n_slots
+    for i in range(spare.size):
+        s = st[slot_of + spare[i]]
+        if s >= 0 and st[smark + s] != stamp:
+            st[smark + s] = stamp  # taken: `_victims` passes it over
+            room -= 1
     base = layer * n_expert
     work, victims = O_HEADER + O_SCRATCH * n_expert, O_HEADER + O_SCRATCH2 * n_expert
     up_e, up_s = O_HEADER + O_UP_E * n_expert, O_HEADER + O_UP_S * n_expert
     n_pred = n_want = 0
     for i in range(ids.size):
-        if n_pred == n_slots:
+        if n_pred == room:
             break
         e = ids[i]
         if st[emark + e] != stamp:

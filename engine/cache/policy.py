@@ -45,6 +45,8 @@ from .rules import (  # noqa: F401 (the policy's numbers, named here too)
 )
 from .stats import Counters, CountersSnapshot
 
+_NO_KEYS = np.zeros(0, np.int64)
+
 
 class CachePolicyError(RuntimeError):
     """A lookup the cache cannot serve (more distinct experts than slots)."""
@@ -137,6 +139,15 @@ def count_prefetch(c: Counters, n_uploads: int, expert_bytes: int) -> None:
     """Add a prefetch's uploads to `c` (the engine and its replay both count through this)."""
     c.prefetched += n_uploads
     c.prefetched_bytes += n_uploads * expert_bytes
+
+
+def count_prediction(c: Counters, predicted: Sequence[int] | np.ndarray, selected: Sequence[int] | np.ndarray) -> None:
+    """Add a lookup's prediction to `c`: its distinct experts, and how many of them the lookup selected (the
+    engine and its replay both count through this)."""
+    ahead = set(predicted.reshape(-1).tolist() if isinstance(predicted, np.ndarray) else predicted)
+    c.predicted += len(ahead)
+    c.predicted_used += len(ahead.intersection(selected.reshape(-1).tolist() if isinstance(selected, np.ndarray)
+                                               else selected))  # fmt: skip
 
 
 class MissSplit(Protocol):
@@ -283,6 +294,10 @@ class ClassLRU:
         """The CPU share `step` takes of a full group's misses."""
         self._st[self._core.H_SHARE] = share.q if share is not None else 0
 
+    def last_counts(self) -> tuple[int, int]:
+        """(hits, uploads) of the last lookup, without building its plan."""
+        return int(self._out[0]), int(self._out[4])
+
     def last_plan(self) -> Plan:
         """The plan of the last lookup."""
         out, res = self._out, self._result
@@ -317,14 +332,21 @@ class ClassLRU:
             out.append(CountersSnapshot(**c, uploaded_bytes=c["uploads"] * expert_bytes))
         return out[0], out[1]
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    def prefetch(self, layer: int, experts: Sequence[int], spare: tuple[int, Sequence[int] | np.ndarray] | None = None,
+                 ) -> tuple[tuple[int, int], ...]:  # fmt: skip
         """Put predicted experts of `layer` in slots ahead of its lookup: (expert, slot) to upload.
 
         No use is counted (CRF and clock stay): the lookup that follows counts the experts it
-        selects. Victims are chosen as for misses, sparing the predicted experts.
+        selects. Victims are chosen as for misses, sparing the predicted experts and `spare`'s
+        (layer, experts): the lookup just made, whose experts are still to be read from their slots.
+        Of the distinct predicted experts, as many as the other slots can hold, best first.
         """
         out, n_expert, at = self._out, self.n_expert, self._core.O_HEADER
-        n = self._core.prefetch(self._st, self._fl, layer, np.asarray(experts, np.int64), out)
+        if spare is None or spare[0] not in self.slot_map:  # (another group's lookup: other slots)
+            keys = _NO_KEYS
+        else:
+            keys = np.asarray(spare[1], np.int64).reshape(-1) + spare[0] * n_expert
+        n = self._core.prefetch(self._st, self._fl, layer, np.asarray(experts, np.int64), keys, out)
         if n < 0:
             raise CachePolicyError("no slot can be evicted")
         es = out[at + self._core.O_UP_E * n_expert : at + self._core.O_UP_E * n_expert + n].tolist()

@@ -37,7 +37,7 @@ from ..gguf.direct_read import DirectReader, ReadError
 from ..gguf.reader import GGUFFile
 from ..kernels.moe_token import TokenExperts
 from ..moe.expert_tensors import LayerExperts
-from ..moe.host_experts import HostExperts, Triple, run_experts, sum_parts
+from ..moe.host_experts import HostExperts, TokenAhead, Triple, run_experts, sum_parts
 from ..moe.kernel_calls import TokenCall, bias_rows, host_arrays, layer_output, run_fused
 from .policy import ClassLRU
 from .slot_groups import SlotGroup, build_groups, span
@@ -101,6 +101,7 @@ class RamTier:
         self.tokens = 0  # tokens through the MoE layers
         self._pending: dict[tuple[int, int], list[Future[None]]] = {}  # (group, slot) -> reads in flight
         self._predicted: dict[int, np.ndarray] = {}  # layer -> experts its last prediction named
+        self._ahead: tuple[int, torch.Tensor] | None = None  # (layer, ids) handed to `prefetch`, not yet taken
         self._scratch: tuple[np.ndarray, ...] = ()
         self._token_calls: dict[tuple[int, int], TokenExperts] = {}  # per (layer, bits), bound at first use
         self.n_expert_total = sum(lx.gate.raw.shape[0] for lx in host.layers.values())
@@ -117,7 +118,7 @@ class RamTier:
         """None: a token's experts must be in RAM before its layer computes, so each layer calls the tier."""
         return None
 
-    def account(self, layers: Sequence[int], ids: Sequence[np.ndarray]) -> None:
+    def account(self, layers: Sequence[int], ids: Sequence[np.ndarray], ahead: TokenAhead | None = None) -> None:
         """Nothing to account: every lookup came through `__call__`."""
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -138,14 +139,29 @@ class RamTier:
             plan = policy.plan(layer, ids_h.reshape(-1), n_tokens)
             c.prefetch_used += plan.prefetched_hits
             self._fill(group, layer, plan.uploads)
+            if self._ahead is not None:  # the next layer's, read while this one waits and computes
+                self._take_ahead((layer, distinct))
             if n_tokens == 1 and self.host.fused[layer]:
                 return self._token(group, layer, x, ids_h, weights, policy.slot_array(layer), c)
             self._wait(group, policy.slot_array(layer)[distinct].tolist(), c)
             return self._compute(layer, x, ids, weights, [(group.host_banks, policy.slot_array(layer), None)])
+        if self._ahead is not None:
+            self._take_ahead()
         return self._around(group, layer, x, ids, weights, distinct, n_tokens, c)
 
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
-        """Read `layer`'s predicted experts (ids [T, k]) into slots ahead of its lookup, without waiting."""
+        """Read `layer`'s predicted experts (ids [T, k]) into slots ahead of its lookup, without waiting: right
+        after the lookup of the layer before it (its own reads first), or now where that layer has no experts."""
+        if self._ahead is not None:
+            self._take_ahead()
+        self._ahead = (layer, ids)
+        if layer - 1 not in self.group_of:
+            self._take_ahead()
+
+    def _take_ahead(self, spare: tuple[int, np.ndarray] | None = None) -> None:
+        """The prediction `prefetch` kept, read now; never into the slots of `spare` (the lookup just made)."""
+        layer, ids = self._ahead  # type: ignore[misc]  # (callers checked)
+        self._ahead = None
         group = self.group_of.get(layer)
         if group is None or ids.shape[0] > self.prefetch_tokens:
             return
@@ -154,7 +170,7 @@ class RamTier:
         policy = group.policy
         if policy is None or predicted.size > policy.n_slots:
             return
-        uploads = policy.prefetch(layer, predicted.tolist())
+        uploads = policy.prefetch(layer, predicted.tolist(), spare)
         self.counters[layer].prefetched += len(uploads)
         self._fill(group, layer, uploads, ahead=True)
 

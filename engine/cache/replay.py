@@ -28,7 +28,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from ..moe.host_experts import ExpertExecutor
+from ..moe.host_experts import ExpertExecutor, TokenAhead
 from ..moe.kernel_calls import TokenCall
 from .route_csv import is_route_csv, read_route_csv
 from .trace import read_trace
@@ -85,13 +85,13 @@ class ReplayedRouting:
         self.n_expert = n_expert
         self.first_layer = min(moe_layers)
         # The router's predictions are not the trace's: look-ahead only with an emulated predictor.
-        self.prefetch_tokens = getattr(inner, "prefetch_tokens", 0) if recall > 0 else 0
+        self.prefetch_tokens = inner.prefetch_tokens if recall > 0 else 0
         self.position = 0  # tokens seen
 
     def token_call(self, layer: int) -> TokenCall | None:
         return None  # every layer calls through here
 
-    def account(self, layers: Sequence[int], ids: Sequence[np.ndarray]) -> None:
+    def account(self, layers: Sequence[int], ids: Sequence[np.ndarray], ahead: TokenAhead | None = None) -> None:
         """Nothing owed: no token call was given out."""
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -105,7 +105,9 @@ class ReplayedRouting:
     def prefetch(self, layer: int, ids: torch.Tensor) -> None:
         """The emulated prediction of `layer`'s experts for the tokens of this step (ids: the router's, unused)."""
         n_tokens, k = ids.shape
-        start = self.position - n_tokens  # (the step's first MoE layer counted its tokens already)
+        # The prediction comes before the lookup of the layer before it: the step's tokens are counted already
+        # unless that layer is the step's first.
+        start = self.position if layer - 1 == self.first_layer else self.position - n_tokens
         rows = []
         for t in range(n_tokens):
             row = self._row(layer, start + t, k)
@@ -114,7 +116,7 @@ class ReplayedRouting:
                     others = [e for e in range(self.n_expert) if e not in row]
                     row[j] = others[int(self._rng.integers(len(others)))]
             rows.append(row)
-        self.inner.prefetch(layer, torch.tensor(rows, dtype=ids.dtype))  # type: ignore[attr-defined]
+        self.inner.prefetch(layer, torch.tensor(rows, dtype=ids.dtype))
 
     def _row(self, layer: int, t: int, k: int) -> list[int]:
         tok = self.tokens[t % len(self.tokens)]

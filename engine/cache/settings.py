@@ -9,6 +9,7 @@ from ..errors import ParameterError
 from .policy import POLICIES
 
 MAX_BATCH = 32
+PREFETCH = ("auto", "off", "next-layer")
 AUTO_MIB = -1.0  # `mib` for auto: sized at load from the device's memory (auto_size), never seen by the cache
 AUTO_SHARE = -1.0  # `cpu_share` for auto: the closed form over measured speeds at load (share_auto)
 
@@ -38,9 +39,11 @@ class CacheSettings:
     speeds_file: Path | None = None
     # Which misses the slots admit once full (cache_policy.POLICIES): the rest run on the CPU.
     policy: str = "classlru"
-    # Next-layer prefetch: after each block the next MoE layer's router, applied to the block's
-    # output, predicts its experts, and the predicted misses are uploaded while the device computes.
-    prefetch: bool = False
+    # Look-ahead (PREFETCH): the next MoE layer's router, applied to this layer's FFN input, predicts its
+    # experts, and the predicted misses are uploaded while this layer computes. auto: on where a miss
+    # waits for a link (a GPU, an emulated link), off on the CPU device without one, where an upload
+    # costs nothing and a prediction could only cost time.
+    prefetch: str = "auto"
 
     def validate(self) -> None:
         if not (self.mib >= 0 or self.mib == AUTO_MIB):
@@ -61,7 +64,16 @@ class CacheSettings:
             raise CacheError("load_mode", f"the load mode must be mmap or pinned, got '{self.load_mode}'")
         if self.policy not in POLICIES:
             raise CacheError("policy", f"the cache policy must be one of {', '.join(POLICIES)}, got '{self.policy}'")
+        if self.prefetch not in PREFETCH:
+            raise CacheError("prefetch", f"prefetch must be one of {', '.join(PREFETCH)}, got '{self.prefetch}'")
         if self.device_kernels not in ("auto", "triton", "torch"):
             raise CacheError(
                 "device_kernels", f"the device kernels must be auto, triton or torch, got '{self.device_kernels}'"
             )
+
+    @property
+    def fetch_ahead(self) -> bool:
+        """Whether predicted misses are uploaded ahead (prefetch resolved)."""
+        if self.prefetch == "auto":
+            return self.device != "cpu" or self.emulate_link_gbps > 0
+        return self.prefetch == "next-layer"

@@ -24,6 +24,8 @@ class Counters:
     prefetched: int = 0  # experts uploaded ahead of their lookup, on a prediction
     prefetched_bytes: int = 0
     prefetch_hits: int = 0  # hits on a prefetched expert (the prediction was right)
+    predicted: int = 0  # distinct experts predicted one layer ahead of the lookup (prefetch or trace on)
+    predicted_used: int = 0  # of them, those the lookup selected
 
     def frozen(self) -> CountersSnapshot:
         return CountersSnapshot(**{k: getattr(self, k) for k in self.__dataclass_fields__})
@@ -48,10 +50,29 @@ class CountersSnapshot:
     prefetched: int = 0
     prefetched_bytes: int = 0
     prefetch_hits: int = 0
+    predicted: int = 0
+    predicted_used: int = 0
 
     @property
     def hit_rate(self) -> float:
         return self.hits / self.lookups if self.lookups else 0.0
+
+    @property
+    def exposed(self) -> int:
+        """Lookups whose expert was neither in a slot nor fetched ahead: the misses a token waits for
+        (uploads) or computes from the host copy (the CPU share)."""
+        return self.misses
+
+    @property
+    def missed(self) -> int:
+        """Lookups whose expert was not in a slot before its layer's prefetch: the exposed misses and
+        those a prefetch fetched in time."""
+        return self.misses + self.prefetch_hits
+
+    @property
+    def recall(self) -> float:
+        """Of the experts predicted one layer ahead, the share the lookup then selected."""
+        return self.predicted_used / self.predicted if self.predicted else 0.0
 
     def __add__(self, other: CountersSnapshot) -> CountersSnapshot:
         return CountersSnapshot(**{k: getattr(self, k) + getattr(other, k) for k in self.__dataclass_fields__})
@@ -236,6 +257,13 @@ def summary_lines(snap: StatsSnapshot) -> list[str]:
             f"uploaded = {tot.uploaded_bytes / 2**20:.1f} MiB, "
             f"bypassed = {tot.bypassed}"
         )
+    t = snap.total
+    if t.predicted:
+        ahead = ", none uploaded ahead"
+        if t.prefetched:
+            ahead = (f", {t.prefetched} uploaded ahead ({t.prefetched_bytes / 2**20:.1f} MiB, {t.prefetch_hits} "
+                     f"used), exposed misses = {t.exposed} of {t.missed}")  # fmt: skip
+        lines.append(f"MoE cache: look-ahead: recall = {100 * t.recall:.1f}% of {t.predicted} predicted" + ahead)
     return lines
 
 

@@ -102,6 +102,27 @@ class Uploader:
             self._debt = self._link_free - now  # the device waits for its experts
             self._pay()
 
+    def told(self, n_bytes: int, began: float, ahead: bool) -> None:
+        """`_on_link` for uploads told after the device computed (a decode token's lookups and prefetches,
+        accounted at once, in order): `began` is the clock's time when the device asked for them. What the
+        device then owes it pays at `pay`, at the token's end: its time from `began` on is later by it."""
+        if not self.link_gbps or not n_bytes:
+            return
+        start = max(began + self._debt, self._link_free)
+        self._link_free = start + n_bytes / (self.link_gbps * 1e9)
+        if not ahead:
+            self._debt = max(self._debt, self._link_free - began)
+
+    def waited(self, at: float) -> None:
+        """As `wait_ahead`, told afterwards: a lookup at the clock's time `at` read experts uploaded ahead."""
+        if self.link_gbps:
+            self._debt = max(self._debt, self._link_free - at)
+
+    def pay(self) -> None:
+        """The device waits now for what `told` and `waited` found it owes."""
+        if self.link_gbps:
+            self._pay()
+
     def wait_ahead(self) -> None:
         """The device waits for the uploads made ahead (and, on the emulated link, all queued before)."""
         if self._ahead is not None:

@@ -87,13 +87,18 @@ def stop(helper: subprocess.Popen[bytes] | None) -> None:
 class _NoExperts:
     """Experts that add nothing: the pass that compiles the attention's kernels alone."""
 
+    prefetch_tokens = 0
+
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         return torch.zeros_like(x)
 
     def token_call(self, layer: int) -> None:
         return None
 
-    def account(self, layers: Any, ids: Any) -> None:
+    def account(self, layers: Any, ids: Any, ahead: Any = None) -> None:
+        return None
+
+    def prefetch(self, layer: int, ids: torch.Tensor) -> None:
         return None
 
 
@@ -184,7 +189,7 @@ def warm_policy() -> None:
     policy = ClassLRU([0, 1], 4, 2)
     policy.plan(0, [0, 1], 1)
     policy.plan(1, [2, 3], 1)
-    policy.prefetch(0, [2])
+    policy.prefetch(0, [2], (1, [3]))
     policy.step_token(np.array([0, 1], np.int64), np.array([[0, 1], [2, 3]], np.int64), np.zeros(1, np.int32),
                       np.zeros((2, 3), np.int64))  # fmt: skip
 

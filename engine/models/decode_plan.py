@@ -18,23 +18,28 @@ Where every layer of the range has both halves as compiled calls on host rows, t
 them back to back over float32 arrays (each call streams megabytes of weights, so the Python
 between two of them runs on cold caches) and hands the executor the token's routing once, after
 its last layer: the expert cache steps its policy for every layer in one compiled call a group.
-An expert cache that reads its plan before computing (a prefetch, a trace, a device's slots)
-offers no token call: its layers run the module's FFN half, which calls the cache per layer.
+An expert cache whose slots are the host copy asks for look-ahead there too: before each MoE layer's call
+the next MoE layer's routing (its norm and router, compiled) predicts its experts from this layer's FFN
+input, and the token's predictions and the times its lookups came go to the executor with its routing
+(`TokenAhead`). An expert cache that reads its plan before computing (a device's slots) offers no token
+call: its layers run the module's FFN half, which calls the cache per layer, and the decoder hands it
+each prediction before the FFN half (`prefetch`).
 """
 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from ..kernels.layer_halves import AttentionBlockCall, FfnBlockCall
+from ..kernels.layer_halves import AttentionBlockCall, FfnBlockCall, rms_rows, route_rows
 from ..kernels.moe_token import MoeTokenCall
-from ..moe.host_experts import ExpertExecutor
+from ..moe.host_experts import ExpertExecutor, TokenAhead
 from ..nn.layers import KVCache, LayerCache, Rope, host_heads, host_rows, rms_norm
 from ..nn.qlinear import QLinear, ffn_call
 from .decoder import Attention, Block, DenseFFN, MoeFFN
@@ -47,6 +52,7 @@ logger = logging.getLogger(__name__)
 AttentionHalf = Callable[[torch.Tensor, int, LayerCache], torch.Tensor]  # (x [1, E], pos0, layer's cache) -> x'
 FfnHalf = Callable[[torch.Tensor], torch.Tensor]  # x [1, E] -> x'
 Kind = tuple[str, torch.dtype]  # the KV cache's device type and dtype
+Predict = Callable[[np.ndarray], np.ndarray]  # block i's FFN input h [1, E] -> block i+1's predicted experts [1, k]
 
 
 @dataclass(frozen=True)
@@ -60,15 +66,33 @@ class LayerPlan:
     # returns (ids, weights, x'), a dense one x'.
     calls: tuple[AttentionBlockCall, MoeTokenCall | FfnBlockCall] | None = None
     moe: MoeFFN | None = None
+    predict: Predict | None = None  # the next layer's experts from this layer's FFN input (look-ahead)
+
+
+class AheadCell:
+    """The look-ahead made at the layer a token is at, which its token-call FFN half tells the executor with its
+    ids: the next MoE layer's experts predicted from this layer's FFN input (None: none), and when."""
+
+    __slots__ = ("active", "at", "predicted")
+
+    def __init__(self) -> None:
+        self.active = False
+        self.predicted: np.ndarray | None = None
+        self.at = 0.0
+
+    def told(self) -> TokenAhead | None:
+        return TokenAhead((self.predicted,), (self.at,)) if self.active else None
 
 
 class DecodePlan:
     """Per layer, the calls one token runs (`LayerPlan`); `run` is a decode step's blocks."""
 
-    def __init__(self, model: DecoderBase, layers: list[LayerPlan]) -> None:
+    def __init__(self, model: DecoderBase, layers: list[LayerPlan], cell: AheadCell | None = None) -> None:
         self.model = model
         self.layers = layers
-        self.prefetch = getattr(model.experts, "prefetch_tokens", 0) >= 1
+        self.prefetch = model.experts.prefetch_tokens >= 1
+        self.cell = cell or AheadCell()
+        self.cell.active = self.prefetch
         # Layers before i without both compiled calls: a range [a, b) runs the tight loop when none is.
         self._loose = np.concatenate([[0], np.cumsum([p.calls is None for p in layers])]).tolist()
 
@@ -80,6 +104,7 @@ class DecodePlan:
         on_cpu = model.device.type == "cpu" and compiled
         cpu_f32 = kind == ("cpu", torch.float32) and compiled
         layers = []
+        cell = AheadCell()
         for i, block in enumerate(model.blocks):
             if not isinstance(block, Block):
                 raise TypeError(f"layer {i}: a decode plan runs decoder.Block layers, not {type(block).__name__}")
@@ -91,12 +116,19 @@ class DecodePlan:
                 attn = _compiled_attention(attn_call)
             else:
                 attn = _module_attention(block, rope)
-            ffn, ffn_kind, ffn_call = _ffn_half(model, block) if on_cpu else (_module_ffn(model, block), "module", None)
+            ffn, ffn_kind, ffn_call = _ffn_half(model, block, cell) if on_cpu else (_module_ffn(model, block), "module",
+                                                                                      None)  # fmt: skip
             calls = (attn_call, ffn_call) if attn_call is not None and ffn_call is not None else None
             kinds = ("skipped" if not attention else "compiled" if attn_call else "module", ffn_kind)
             moe = block.ffn if isinstance(block.ffn, MoeFFN) else None
             layers.append(LayerPlan(attn, ffn, kinds, calls, moe))
-        plan = cls(model, layers)
+        for i, p in enumerate(layers[:-1]):
+            # A token-call half tells its executor the prediction for the next layer with its ids (AheadCell);
+            # elsewhere the decoder hands its own to the executor before the FFN half (`prefetch_next`).
+            if p.moe is not None and p.kinds[1] in ("compiled", "routed call"):
+                nxt = model.blocks[i + 1]
+                layers[i] = replace(p, predict=_predictor(nxt) if isinstance(nxt, Block) else None)
+        plan = cls(model, layers, cell)
         logger.debug("decode plan: %s", plan.describe())
         return plan
 
@@ -110,13 +142,24 @@ class DecodePlan:
     def run(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
         """One token x [1, E] at position pos0 through layers first..end-1 -> [1, E]; appends to `cache`."""
         if self._loose[end] == self._loose[first]:
+            if self.prefetch:
+                return self._run_calls_ahead(x, pos0, cache, first, end)
             return self._run_calls(x, pos0, cache, first, end)
         model, layers = self.model, self.layers
+        if not self.prefetch:
+            for i in range(first, end):
+                p = layers[i]
+                x = p.ffn(p.attention(x, pos0, cache.layers[i]))
+            return x
+        cell, now = self.cell, time.perf_counter
         for i in range(first, end):
             p = layers[i]
-            x = p.ffn(p.attention(x, pos0, cache.layers[i]))
-            if self.prefetch:
-                model.prefetch_next(i, x)
+            x = p.attention(x, pos0, cache.layers[i])
+            cell.at = now()
+            cell.predicted = p.predict(host_rows(x)) if p.predict is not None and i + 1 < end else None
+            if p.predict is None and i + 1 < end:
+                model.prefetch_next(i, x)  # (a module's FFN half after it, or none: the decoder's own)
+            x = p.ffn(x)
         return x
 
     def _run_calls(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
@@ -138,6 +181,52 @@ class DecodePlan:
             for moe, ids in zip(moes, chosen, strict=True):
                 moe.remember(torch.from_numpy(ids))
         return torch.from_numpy(h)
+
+    def _run_calls_ahead(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
+        """`_run_calls` with look-ahead: before each MoE layer's call, the next MoE layer's experts predicted."""
+        h, chosen, moes = host_rows(x), [], []
+        predicted: list[np.ndarray | None] = []
+        at: list[float] = []
+        kv, now = cache.layers, time.perf_counter
+        for i in range(first, end):
+            p = self.layers[i]
+            attend, ffn = p.calls  # type: ignore[misc]  # (run checked: every layer has them)
+            h = attend(h, *host_heads(kv[i]), pos0)
+            if p.moe is None:
+                h = ffn(h)  # type: ignore[assignment]
+                continue
+            at.append(now())
+            predicted.append(p.predict(h) if p.predict is not None and i + 1 < end else None)
+            ids, _, h = ffn(h)
+            chosen.append(ids)
+            moes.append(p.moe)
+        if moes:
+            self.model.experts.account([m.i for m in moes], chosen, TokenAhead(predicted, at))
+            for moe, ids in zip(moes, chosen, strict=True):
+                moe.remember(torch.from_numpy(ids))
+        return torch.from_numpy(h)
+
+
+def _predictor(nxt: Block) -> Predict | None:
+    """Block `nxt`'s experts predicted from the FFN input of the block before it: its FFN norm and routing,
+    compiled (`moe_token.MoeTokenCall`'s own); None where its FFN is not a MoE layer with such a routing."""
+    ffn = nxt.ffn
+    if type(ffn) is not MoeFFN or ffn.choice_bias is not None or ffn.cfg.expert_groups != 1:
+        return None
+    norm, eps, router = nxt.ffn_norm.numpy(), nxt.eps, ffn.router.numpy()
+    bias = None if ffn.router_bias is None else ffn.router_bias.numpy()
+    cfg = ffn.cfg
+    gating, k, weights_norm, scale = (
+        cfg.expert_gating,
+        cfg.n_expert_used,
+        cfg.expert_weights_norm,
+        cfg.expert_weights_scale,
+    )
+
+    def predict(h: np.ndarray) -> np.ndarray:
+        return route_rows(rms_rows(h, norm, eps), router, bias, gating, k, weights_norm, scale)[0]
+
+    return predict
 
 
 def _span(layers: list[int]) -> str:
@@ -197,7 +286,8 @@ def _skipped(x: torch.Tensor, pos0: int, layer: LayerCache) -> torch.Tensor:
 # -- FFN halves --------------------------------------------------------------------------------------
 
 
-def _ffn_half(model: DecoderBase, block: Block) -> tuple[FfnHalf, str, MoeTokenCall | FfnBlockCall | None]:
+def _ffn_half(model: DecoderBase, block: Block,
+              cell: AheadCell) -> tuple[FfnHalf, str, MoeTokenCall | FfnBlockCall | None]:  # fmt: skip
     """The layer's FFN half on the CPU, what it is, and the whole half as one call on host rows where it is one."""
     ffn, eps = block.ffn, block.eps
     dense = ffn_call(ffn.gate, ffn.up, ffn.down, ffn.act, norm=block.ffn_norm, eps=eps, post_norm=block.post_ffn_norm,
@@ -208,9 +298,9 @@ def _ffn_half(model: DecoderBase, block: Block) -> tuple[FfnHalf, str, MoeTokenC
         whole = ffn.sh_gate is None and block.post_ffn_norm is None  # norm and residual inside the call
         call = moe_token_call(ffn, model.experts, block.ffn_norm if whole else None, eps)
         if call is not None and whole:
-            return _compiled_moe(model, ffn, call), "compiled", call
+            return _compiled_moe(model, ffn, call, cell), "compiled", call
         if call is not None:
-            return _routed_call(model, block, ffn, call), "routed call", None
+            return _routed_call(model, block, ffn, call, cell), "routed call", None
     return _module_ffn(model, block), "module", None
 
 
@@ -238,27 +328,27 @@ def _compiled_dense(call: FfnBlockCall) -> FfnHalf:
     return half
 
 
-def _compiled_moe(model: DecoderBase, ffn: MoeFFN, call: MoeTokenCall) -> FfnHalf:
-    """x + the routed experts of norm(x), in one call; the executor is told the token's ids."""
+def _compiled_moe(model: DecoderBase, ffn: MoeFFN, call: MoeTokenCall, cell: AheadCell) -> FfnHalf:
+    """x + the routed experts of norm(x), in one call; the executor is told the token's ids (and look-ahead)."""
     layer, experts = (ffn.i,), model.experts
 
     def half(x: torch.Tensor) -> torch.Tensor:
         ids, _, y = call(host_rows(x))
-        experts.account(layer, (ids,))
+        experts.account(layer, (ids,), cell.told())
         ffn.remember(torch.from_numpy(ids))
         return torch.from_numpy(y)
 
     return half
 
 
-def _routed_call(model: DecoderBase, block: Block, ffn: MoeFFN, call: MoeTokenCall) -> FfnHalf:
+def _routed_call(model: DecoderBase, block: Block, ffn: MoeFFN, call: MoeTokenCall, cell: AheadCell) -> FfnHalf:
     """The routing and routed experts of norm(x) in one call; the shared expert and post norm as the module has them."""
     layer, experts = (ffn.i,), model.experts
 
     def half(x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, block.ffn_norm, block.eps)
         ids, _, routed = call(host_rows(h))
-        experts.account(layer, (ids,))
+        experts.account(layer, (ids,), cell.told())
         ffn.remember(torch.from_numpy(ids))
         return block.ffn_out(x, ffn.with_shared(h, torch.from_numpy(routed)))
 

@@ -186,15 +186,17 @@ class DecoderBase(nn.Module):
         self.experts = self.host_experts if layers else NoExperts()
 
     def prefetch_next(self, i: int, x: torch.Tensor) -> None:
-        """After block i: if the executor prefetches for this many tokens (not a prefill, which goes around a
-        device cache), predict block i+1's experts from x (block i's output) with block i+1's FFN norm and
-        router, and hand them to the executor (the device cache, or the RAM tier)."""
-        if x.shape[0] > getattr(self.experts, "prefetch_tokens", 0) or i + 1 >= len(self.blocks):
+        """Before block i's FFN: if the executor looks ahead for this many tokens (not a prefill, which goes around
+        a device cache) and blocks i and i+1 are MoE layers, predict block i+1's experts from x (block i's FFN
+        input) with block i+1's FFN norm and router, and hand them to the executor (the device cache, or the RAM
+        tier), which fetches them while block i computes."""
+        if x.shape[0] > self.experts.prefetch_tokens or i + 1 >= len(self.blocks):
             return
+        here: Any = self.blocks[i]
         nxt: Any = self.blocks[i + 1]
-        if isinstance(nxt.ffn, MoeFFN):
+        if isinstance(nxt.ffn, MoeFFN) and isinstance(here.ffn, MoeFFN):  # one MoE layer ahead of another
             ids, _ = nxt.ffn.select(rms_norm(x, nxt.ffn_norm, self.cfg.norm_eps))
-            self.experts.prefetch(i + 1, ids)  # type: ignore[attr-defined]
+            self.experts.prefetch(i + 1, ids)
 
     def head(self, x: torch.Tensor) -> torch.Tensor:
         """Final hidden states [T, E] -> logits [T, V]."""
@@ -209,10 +211,17 @@ class DecoderBase(nn.Module):
         A pipeline's stage runs its own range (engine.distributed). One token runs the decode plan."""
         if x.shape[0] == 1:
             return self.decode_plan(cache).run(x, pos0, cache, first, end)
+        ahead = x.shape[0] <= self.experts.prefetch_tokens
         for i in range(first, end):
             threads.pace()  # a long prompt's layers follow other processes' load as it changes
-            x = self.blocks[i](x, pos0, cache.layers[i], self.layer_rope(i), self.experts)
-            self.prefetch_next(i, x)
+            block = self.blocks[i]
+            if ahead and isinstance(block, Block):
+                x = block.attention_half(x, pos0, cache.layers[i], self.layer_rope(i))
+                if i + 1 < end:
+                    self.prefetch_next(i, x)
+                x = block.ffn_half(x, self.experts)
+            else:
+                x = block(x, pos0, cache.layers[i], self.layer_rope(i), self.experts)
         return x
 
     def decode_plan(self, cache: KVCache) -> Plan:
@@ -307,13 +316,18 @@ def ffn_for(layout: Layout, cfg: ModelConfig, i: int, act: Activation, quantized
 class NoExperts:
     """The executor of a model without MoE layers: nothing calls it."""
 
+    prefetch_tokens = 0
+
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         raise RuntimeError("a dense model has no experts")
 
     def token_call(self, layer: int) -> None:
         return None
 
-    def account(self, layers: Sequence[int], ids: Sequence[Any]) -> None:
+    def account(self, layers: Sequence[int], ids: Sequence[Any], ahead: Any = None) -> None:
+        raise RuntimeError("a dense model has no experts")
+
+    def prefetch(self, layer: int, ids: torch.Tensor) -> None:
         raise RuntimeError("a dense model has no experts")
 
 

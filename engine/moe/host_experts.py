@@ -13,6 +13,7 @@ from __future__ import annotations
 import threading
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
@@ -41,10 +42,27 @@ def expert_ffn(x: torch.Tensor, gate: torch.Tensor, up: torch.Tensor, down: torc
     return F.linear(act(g, u), down, biases[2])
 
 
+@dataclass(frozen=True)
+class TokenAhead:
+    """A decode token's look-ahead, told with its lookups (`ExpertExecutor.account`): per MoE layer of the token,
+    in order, the experts predicted for the block after it ([1, k]; None: none), made from this layer's FFN input
+    as its lookup came, and the clock's time then (time.perf_counter)."""
+
+    predicted: Sequence[np.ndarray | None]
+    at: Sequence[float]
+
+
 class ExpertExecutor(Protocol):
     """How a model's routed experts run: a call per MoE layer, and for a decode token, where the executor
     offers it, one compiled call per layer that routes and runs the experts (`token_call`), after which
-    the token's ids are handed back (`account`) for what the executor keeps (the cache's lookups)."""
+    the token's ids are handed back (`account`) for what the executor keeps (the cache's lookups).
+
+    Look-ahead: for steps of at most `prefetch_tokens` tokens (0: never) the model predicts each MoE layer's
+    experts from the FFN input of the block before it (the layer's own norm and router on that hidden state)
+    and hands them to `prefetch` before that block's lookup, or, for token calls, to `account` with the
+    lookups: fetched while the block before computes."""
+
+    prefetch_tokens: int
 
     def __call__(self, layer: int, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, E], ids/weights [T, k] -> sum over k of weight * expert(x) [T, E]."""
@@ -54,8 +72,13 @@ class ExpertExecutor(Protocol):
         """What `kernels.moe_token` binds of the layer's experts for one token; None: the layer has none."""
         ...
 
-    def account(self, layers: Sequence[int], ids: Sequence[np.ndarray]) -> None:
+    def account(self, layers: Sequence[int], ids: Sequence[np.ndarray], ahead: TokenAhead | None = None) -> None:
         """After one token ran through `layers`' token calls (in order): each layer's ids [1, k]."""
+        ...
+
+    def prefetch(self, layer: int, ids: torch.Tensor) -> None:
+        """`layer`'s experts predicted (ids [T, k]) from the block before it, before that block's lookup: the
+        executor takes them after that lookup (or at `layer`'s, where the block before has no experts)."""
         ...
 
 
@@ -126,6 +149,7 @@ class HostExperts:
         code = activation_code(act)
         self.act_code = -1 if code is None else code
         self.fused = {i: kernels != "exact" and fusable(lx, act) for i, lx in layers.items()}
+        self.prefetch_tokens = 0  # nothing to fetch: every expert is here
         # The fused kernels' activations: `bits` for a few tokens (decode); for a prompt, `prompt_bits`
         # where the integer tiles read a matrix, else `prompt_rows_bits` (kernels.isa.Widths).
         self.bits, self.prompt_bits, self.prompt_rows_bits = activation_bits(kernels)
@@ -163,8 +187,11 @@ class HostExperts:
             call = self._token_calls[layer] = (self.mats(layer), types, biases, self.act_code, self.bits)
         return call
 
-    def account(self, layers: Sequence[int], ids: Sequence[np.ndarray]) -> None:
+    def account(self, layers: Sequence[int], ids: Sequence[np.ndarray], ahead: TokenAhead | None = None) -> None:
         """The host copy keeps nothing of a token's routing."""
+
+    def prefetch(self, layer: int, ids: torch.Tensor) -> None:
+        """Never called: the host copy asks for no predictions (`prefetch_tokens` 0)."""
 
     def with_layers(self, layers: dict[int, LayerExperts]) -> HostExperts:
         """The same execution options over other copies of the experts (pinned memory)."""

@@ -305,20 +305,25 @@ class ClassLRU:
         self.clock[layer] = now + n_tokens
         return Plan.of(hits, uploads, cpu, evicted, n_prefetched)
 
-    def prefetch(self, layer: int, experts: Sequence[int]) -> tuple[tuple[int, int], ...]:
+    def prefetch(self, layer: int, experts: Sequence[int], spare: tuple[int, Sequence[int]] | None = None,
+                 ) -> tuple[tuple[int, int], ...]:  # fmt: skip
         """Put predicted experts of `layer` in slots ahead of its lookup: (expert, slot) to upload.
 
         No use is counted (CRF and clock stay): the lookup that follows counts the experts it
-        selects. Victims are chosen as for misses, sparing the predicted experts.
+        selects. Victims are chosen as for misses, sparing the predicted experts and those of
+        `spare` (layer, experts) that are in a slot; as many predicted as the other slots hold.
         """
+        spared = set() if spare is None or spare[0] not in self.slot_map else {
+            spare[0] * self.n_expert + e for e in spare[1]}  # fmt: skip
+        spared = {k for k in spared if self.slot_map[k // self.n_expert][k % self.n_expert] >= 0}
         slots = self.slot_map[layer]
-        predicted = list(dict.fromkeys(experts))[: self.n_slots]
+        predicted = list(dict.fromkeys(experts))[: self.n_slots - len(spared)]
         want = sorted(e for e in predicted if slots[e] < 0)
         if not want:
             return ()
         base = layer * self.n_expert
         uploads = []
-        for e, s in zip(want, self._victims(len(want), {base + e for e in predicted}), strict=True):
+        for e, s in zip(want, self._victims(len(want), {base + e for e in predicted} | spared), strict=True):
             self._place(layer, e, s)
             self.prefetched.add(s)
             uploads.append((e, s))
