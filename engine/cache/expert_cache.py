@@ -124,6 +124,9 @@ class ExpertCache:
         self.last_layer = max(host.layers)
         self._owed_layers: list[int] = []
         self._owed_ids: list[np.ndarray] = []
+        self._owed_ahead: list[np.ndarray | None] = []  # with look-ahead: each owed row's prediction, and when
+        self._owed_at: list[float] = []
+        self._ahead_res = np.zeros((len(host.layers), 4), np.int64)
         self._token_runs: dict[tuple[int, ...], list[tuple[tuple[Any, ...], np.ndarray, int, int, int]]] = {}
         self._token_res = np.zeros((len(host.layers), 3), np.int64)  # each row's result, hits, uploads
 
@@ -259,9 +262,8 @@ class ExpertCache:
         included, in one compiled call a group (`_settle`). With the token's look-ahead (`ahead`), each
         layer's prediction goes first, as `prefetch` and `__call__` would have run them (`_settle_ahead`)."""
         if ahead is not None:
-            self._settled()
-            self._settle_ahead(layers, ids, ahead)
-            return
+            self._owed_ahead.extend(ahead.predicted)
+            self._owed_at.extend(ahead.at)
         self._owed_layers.extend(layers)
         self._owed_ids.extend(ids)
         if layers[-1] == self.last_layer:
@@ -269,6 +271,9 @@ class ExpertCache:
 
     def _settle(self) -> None:
         """Step the lookups `account` holds; on an emulated link the device then waits for the uploads' time."""
+        if self._owed_at:
+            self._settle_ahead_owed()
+            return
         key = tuple(self._owed_layers)
         rows = np.concatenate(self._owed_ids)  # [n, k]
         self._owed_layers.clear()
@@ -295,6 +300,60 @@ class ExpertCache:
                 moved += n * expert_bytes
         if moved and self.uploader.link_gbps:
             self.uploader.carried(moved)
+
+    def _settle_ahead_owed(self) -> None:
+        """The lookups and predictions `account` holds, stepped: in one compiled call where one group holds every
+        layer (`ClassLRU.step_token_ahead`), else layer by layer (`_settle_ahead`)."""
+        layers, ids = list(self._owed_layers), list(self._owed_ids)
+        ahead = TokenAhead(list(self._owed_ahead), list(self._owed_at))
+        for owed in (self._owed_layers, self._owed_ids, self._owed_ahead, self._owed_at):
+            owed.clear()
+        if len(self.groups) != 1 or len(layers) != len(ahead.at):
+            self._settle_ahead(layers, ids, ahead)
+            return
+        group = self.groups[0]
+        policy = group.policy
+        assert policy is not None  # (per_token: every group has slots)
+        if layers[0] == self.first_layer:
+            self.log.tick(1, self._slot_contents)
+            self.tokens += 1
+        rows = np.concatenate(ids)  # [n, k]
+        n, k = rows.shape
+        preds = np.full((n, k), -1, np.int64)
+        for i, p in enumerate(ahead.predicted):
+            if p is not None and layers[i] + 1 in self.group_of:
+                preds[i, : p.size] = p.reshape(-1)
+        res = self._ahead_res if self._ahead_res.shape[0] >= n else np.zeros((n, 4), np.int64)
+        fetch = self.settings.fetch_ahead
+        with self._lock:
+            r = policy.step_token_ahead(np.asarray(layers, np.int64), rows, preds, fetch, self.log.buf, res)
+        eb, link, trace, stats = group.info.expert_bytes, self.uploader, self._trace, self.stats
+        for i, layer in enumerate(layers):
+            result, n_hits = int(res[i, 0]), int(res[i, 1])
+            if result < 0:
+                raise policy.refused(layer, result)
+            row = rows[i]
+            if r < 0 and not result & LOGGED:
+                self.log.add(layer, k, row, n_hits)
+            if trace is not None:
+                trace.write(layer, k, row)
+            seen = self._predicted.pop(layer, None)
+            if seen is not None:
+                count_prediction(stats[layer].small, seen, row)
+            if link.link_gbps:
+                if res[i, 2]:
+                    link.told(int(res[i, 2]) * eb, ahead.at[i], ahead=False)
+                elif result & PREFETCHED_HITS:
+                    link.waited(ahead.at[i])
+            if preds[i, 0] >= 0:
+                nxt = layer + 1
+                self._predicted[nxt] = preds[i]
+                if trace is not None:
+                    trace.write(-1 - nxt, k, preds[i])
+                if fetch:
+                    count_prefetch(stats[nxt].small, int(res[i, 3]), eb)
+                    link.told(int(res[i, 3]) * eb, ahead.at[i], ahead=True)
+        link.pay()
 
     def _settle_ahead(self, layers: Sequence[int], rows: Sequence[np.ndarray], ahead: TokenAhead) -> None:
         """A decode token's lookups and predictions, layer by layer in the order they ran: each lookup as

@@ -502,6 +502,39 @@ def step_rows(st, fl, layers, ids, out, log, res):
 
 
 @njit(fastmath=False, cache=True)
+def step_ahead_rows(st, fl, layers, ids, ahead, fetch, out, log, res):
+    """`step_rows` with look-ahead, for a token whose lookups and predictions come together: row i's lookup
+    as `step`, then, where ahead[i, 0] >= 0 and `fetch`, its prediction ahead[i] (-1 past its end) for layer
+    layers[i] + 1 as `prefetch`, sparing row i's experts. res[i]: the step's result, hits, uploads and the
+    prefetch's uploads. Returns the uploads of all rows where every step was planned and logged; else -1
+    (see res), having stopped at a refused lookup or prefetch."""
+    n_expert = st[H_EXPERT]
+    uploads = 0
+    clean = True
+    for i in range(layers.size):
+        r = step(st, fl, layers[i], ids[i], 1, out, log)
+        res[i, 0] = r
+        res[i, 1] = out[0]
+        res[i, 2] = out[4]
+        res[i, 3] = 0
+        uploads += out[4]
+        if r < 0:
+            return -1
+        if r & LOGGED == 0:
+            clean = False
+        if fetch and ahead[i, 0] >= 0:
+            n = 0
+            while n < ahead.shape[1] and ahead[i, n] >= 0:
+                n += 1
+            n_up = prefetch(st, fl, layers[i] + 1, ahead[i, :n], ids[i] + layers[i] * n_expert, out)
+            if n_up < 0:
+                res[i, 0] = -1
+                return -1
+            res[i, 3] = n_up
+    return uploads if clean else -1
+
+
+@njit(fastmath=False, cache=True)
 def prefetch(st, fl, layer, ids, spare, out):
     """Put the predicted experts `ids` of `layer` in slots ahead of their lookup, marked prefetched; no use is
     counted. The slots of the keys `spare` (the lookup just made, whose experts are still to be read) are no

@@ -285,6 +285,13 @@ class ClassLRU:
         where every lookup was planned and logged, else -1 (res says which was refused or not logged)."""
         return int(self._core.step_rows(self._st, self._fl, layers, ids, self._out, log, res))
 
+    def step_token_ahead(self, layers: np.ndarray, ids: np.ndarray, ahead: np.ndarray, fetch: bool, log: np.ndarray,
+                         res: np.ndarray) -> int:  # fmt: skip
+        """`step_token` with each row's prediction for the next layer (ahead [n, k], -1 where none) taken after
+        its lookup, as `prefetch` takes it (sparing the row's experts) where `fetch`; res [n, 4] adds each
+        prefetch's uploads. The next layers are the group's own."""
+        return int(self._core.step_ahead_rows(self._st, self._fl, layers, ids, ahead, fetch, self._out, log, res))
+
     def token_stepper(self) -> tuple[Callable[..., int], np.ndarray, np.ndarray, np.ndarray]:
         """`step_token`'s compiled function and the arrays it takes first: (f, st, fl, out), called as
         f(st, fl, layers, ids, out, log, res) by a caller that counts microseconds per token."""

@@ -208,20 +208,31 @@ class DecodePlan:
 
 
 def _predictor(nxt: Block) -> Predict | None:
-    """Block `nxt`'s experts predicted from the FFN input of the block before it: its FFN norm and routing,
-    compiled (`moe_token.MoeTokenCall`'s own); None where its FFN is not a MoE layer with such a routing."""
+    """Block `nxt`'s experts predicted from the FFN input of the block before it: its FFN norm and routing; None
+    where its FFN is not a MoE layer with a plain top-k routing.
+
+    Without a router bias the norm's division by the row's RMS scales every logit by one positive factor, which
+    no gating's order of experts sees: the prediction is the top k of the router times the norm's weights
+    (folded once) on the raw row, one product. With a bias, the compiled routing `MoeTokenCall` runs."""
     ffn = nxt.ffn
     if type(ffn) is not MoeFFN or ffn.choice_bias is not None or ffn.cfg.expert_groups != 1:
         return None
     norm, eps, router = nxt.ffn_norm.numpy(), nxt.eps, ffn.router.numpy()
-    bias = None if ffn.router_bias is None else ffn.router_bias.numpy()
     cfg = ffn.cfg
-    gating, k, weights_norm, scale = (
-        cfg.expert_gating,
-        cfg.n_expert_used,
-        cfg.expert_weights_norm,
-        cfg.expert_weights_scale,
-    )
+    k = cfg.n_expert_used
+    if ffn.router_bias is None:
+        folded = np.ascontiguousarray(router * norm[None, :], dtype=np.float32)  # [n_expert, E]
+
+        def top_k(h: np.ndarray) -> np.ndarray:
+            z = folded @ h[0]
+            if k == 1:
+                return np.array([[int(z.argmax())]], np.int64)
+            top = np.argpartition(z, -k)[-k:]
+            return top[np.argsort(-z[top], kind="stable")].astype(np.int64).reshape(1, k)
+
+        return top_k
+    bias = ffn.router_bias.numpy()
+    gating, weights_norm, scale = cfg.expert_gating, cfg.expert_weights_norm, cfg.expert_weights_scale
 
     def predict(h: np.ndarray) -> np.ndarray:
         return route_rows(rms_rows(h, norm, eps), router, bias, gating, k, weights_norm, scale)[0]
