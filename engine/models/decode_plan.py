@@ -142,8 +142,6 @@ class DecodePlan:
     def run(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
         """One token x [1, E] at position pos0 through layers first..end-1 -> [1, E]; appends to `cache`."""
         if self._loose[end] == self._loose[first]:
-            if self.prefetch:
-                return self._run_calls_ahead(x, pos0, cache, first, end)
             return self._run_calls(x, pos0, cache, first, end)
         model, layers = self.model, self.layers
         if not self.prefetch:
@@ -163,30 +161,10 @@ class DecodePlan:
         return x
 
     def _run_calls(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
-        """Every layer's two compiled calls back to back on host rows; then the routing, told once."""
+        """Every layer's two compiled calls back to back on host rows; then the routing, told once. With
+        look-ahead, before each MoE layer's call the next MoE layer's experts are predicted, and told with it."""
         h, chosen, moes = host_rows(x), [], []
-        kv = cache.layers
-        for i in range(first, end):
-            p = self.layers[i]
-            attend, ffn = p.calls  # type: ignore[misc]  # (run checked: every layer has them)
-            h = attend(h, *host_heads(kv[i]), pos0)
-            if p.moe is None:
-                h = ffn(h)  # type: ignore[assignment]
-            else:
-                ids, _, h = ffn(h)
-                chosen.append(ids)
-                moes.append(p.moe)
-        if moes:
-            self.model.experts.account([m.i for m in moes], chosen)
-            for moe, ids in zip(moes, chosen, strict=True):
-                moe.remember(torch.from_numpy(ids))
-        return torch.from_numpy(h)
-
-    def _run_calls_ahead(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
-        """`_run_calls` with look-ahead: before each MoE layer's call, the next MoE layer's experts predicted."""
-        h, chosen, moes = host_rows(x), [], []
-        predicted: list[np.ndarray | None] = []
-        at: list[float] = []
+        ahead, predicted, at = self.prefetch, [], []
         kv, now = cache.layers, time.perf_counter
         for i in range(first, end):
             p = self.layers[i]
@@ -195,13 +173,14 @@ class DecodePlan:
             if p.moe is None:
                 h = ffn(h)  # type: ignore[assignment]
                 continue
-            at.append(now())
-            predicted.append(p.predict(h) if p.predict is not None and i + 1 < end else None)
+            if ahead:
+                at.append(now())
+                predicted.append(p.predict(h) if p.predict is not None and i + 1 < end else None)
             ids, _, h = ffn(h)
             chosen.append(ids)
             moes.append(p.moe)
         if moes:
-            self.model.experts.account([m.i for m in moes], chosen, TokenAhead(predicted, at))
+            self.model.experts.account([m.i for m in moes], chosen, TokenAhead(predicted, at) if ahead else None)
             for moe, ids in zip(moes, chosen, strict=True):
                 moe.remember(torch.from_numpy(ids))
         return torch.from_numpy(h)
