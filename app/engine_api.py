@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Protocol, runtime_checkable
 
 from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import Event, SamplingParams
@@ -26,6 +26,43 @@ Message = dict[str, str]  # {"role": ..., "content": ...}
 
 # A base model continuing the plain format writes the user's next line itself: stop there.
 PLAIN_STOPS = ("\nUser:", "\nuser:")
+
+
+# The engine's errors by kind: what crosses the engine process's pipe (the kind and one line), and the HTTP
+# status a server answers each with. An exception crosses as the nearest class in its ancestry named here;
+# a test holds every exception class of the engine, the tuner and the engine process's modules to a row.
+ENGINE_ERRORS: dict[str, int] = {
+    # The request or the settings: 400.
+    "ValueError": 400,
+    "ParameterError": 400,
+    "CacheError": 400,
+    "SettingError": 400,
+    "ChatTemplateError": 400,  # the model's template fails on these messages
+    "ContextFull": 400,
+    "ContextTooLarge": 400,
+    "TokenizerError": 400,
+    "TraceError": 400,
+    "FitError": 400,  # the tuner's time model cannot be fitted to the runs
+    # The model or the machine: 500.
+    "GGUFError": 500,
+    "DemoError": 500,
+    "DemoSourceMissing": 500,
+    "ReadError": 500,
+    "RamTierError": 500,
+    "CachePolicyError": 500,
+    "Stopped": 500,  # generation's own signal, never out of it
+    "EngineProcessError": 500,
+    "internal": 500,  # any other exception
+    # A split model's rank went away: the server cannot answer until it is restarted.
+    "RankLost": 503,
+    # The caller stopped a tuning run.
+    "Cancelled": 499,
+}
+
+
+def error_kind(e: BaseException) -> str:
+    """The row of ENGINE_ERRORS an exception crosses the pipe as."""
+    return next((c.__name__ for c in type(e).__mro__ if c.__name__ in ENGINE_ERRORS), "internal")
 
 
 @dataclass(frozen=True)
@@ -46,6 +83,9 @@ class ModelInfo:
 
 
 class ChatEngine(Protocol):
+    """What every engine serves: a chat and its numbers (the app's chat and dashboard, also attached to a
+    server's engine by `moechat attach`)."""
+
     info: ModelInfo
 
     def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
@@ -56,6 +96,33 @@ class ChatEngine(Protocol):
         """
         ...
 
+    def reply(
+        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event,
+        stops: Sequence[str] = (),
+    ) -> Iterator[Event]:  # fmt: skip
+        """The reply's events. `stops`: strings the reply ends at, cut from its text once, here (with the plain
+        format's own): the DoneEvent then says "eos"."""
+        ...
+
+    def snapshot(self) -> StatsSnapshot | None: ...
+
+    def cache(self) -> tuple[float, float]:
+        """(MiB, CPU share) of the expert cache now."""
+        ...
+
+    def min_bound(self) -> MinBound | None:
+        """MIN's hit rate (with bypass) at the current cache's size and the cache's own, on its recent lookups
+        (a bounded window; the whole session while it is shorter); None: no cache or no lookup yet."""
+        ...
+
+    def close(self) -> None: ...
+
+
+@runtime_checkable
+class LocalEngine(ChatEngine, Protocol):
+    """An engine whose model runs on this machine (in-process or in the engine process): tokens in, the
+    cache's settings and the tuning wizard's runs (`moechat run`, the chat app, the server's jobs)."""
+
     def chat_tokens(self, messages: Sequence[Message]) -> list[int]:
         """The conversation through the chat template as it is (`moechat run --chat`'s tokens for one
         message), nothing dropped; ValueError where the template fails on it."""
@@ -65,22 +132,7 @@ class ChatEngine(Protocol):
         """A raw prompt's tokens (`moechat run --raw`'s)."""
         ...
 
-    def reply(
-        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
-    ) -> Iterator[Event]: ...
-
-    def snapshot(self) -> StatsSnapshot | None: ...
-
-    def cache(self) -> tuple[float, float]:
-        """(MiB, CPU share) of the expert cache now."""
-        ...
-
     def set_cache(self, mib: float, share: float) -> None: ...
-
-    def min_bound(self) -> MinBound | None:
-        """MIN's hit rate (with bypass) at the current cache's size and the cache's own, on its recent lookups
-        (a bounded window; the whole session while it is shorter); None: no cache or no lookup yet."""
-        ...
 
     def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
               check: bool = False) -> Iterator[SweepEvent]:  # fmt: skip
@@ -95,4 +147,12 @@ class ChatEngine(Protocol):
         """The recommended (MiB, share) against the current one, measured alternately (tuner.confirm)."""
         ...
 
-    def close(self) -> None: ...
+
+NOT_LOCAL = "runs on the server's machine: start `moechat tune` there (an attached app only watches and chats)"
+
+
+def local(engine: ChatEngine, what: str) -> LocalEngine:
+    """The engine as one whose model runs here, or ValueError saying where `what` (tuning, ...) runs."""
+    if not isinstance(engine, LocalEngine):
+        raise ValueError(f"{what} {NOT_LOCAL}")
+    return engine

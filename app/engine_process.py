@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from moechat.app.cadence import Cadence
-from moechat.app.engine_api import Message, ModelInfo
+from moechat.app.engine_api import ENGINE_ERRORS, Message, ModelInfo, error_kind
 from moechat.app.settings import Settings, cache_settings, error_line
 from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import DoneEvent, Event, SamplingParams
@@ -80,7 +80,12 @@ class EngineSpec:
 
 
 class EngineProcessError(RuntimeError):
-    """The engine process failed or went away."""
+    """The engine process failed or went away, or an engine call failed other than on its input: `status`
+    is the HTTP status a server answers it with (engine_api.ENGINE_ERRORS)."""
+
+    def __init__(self, message: str, status: int = 500) -> None:
+        super().__init__(message)
+        self.status = status
 
 
 def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
@@ -113,11 +118,11 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
             run_split_rank(path, spec.settings, base, lambda pm, lm: _answer(conn, RealEngine(lm, kept, identity, pm),
                                                                               spec, stop), progress)  # fmt: skip
             return
-        lm = load_for(path, spec.settings, base, progress)
+        lm = load_for(path, spec.settings, base, progress, first_start=True)
         engine = RealEngine(lm, kept, identity)
     except Exception as e:
         with contextlib.suppress(OSError):  # (a split's end after the app closed its side)
-            conn.send(("error", type(e).__name__, error_line(e)))
+            conn.send(("error", error_kind(e), error_line(e)))
         return
     try:
         _answer(conn, engine, spec, stop)
@@ -142,15 +147,15 @@ def _answer(conn: Connection, engine: RealEngine, spec: EngineSpec, stop: Any) -
             break
         try:
             if name == "reply":
-                prompt, params, max_tokens = args
+                prompt, params, max_tokens, stops = args
                 # Snapshots ride along with the tokens (the parent cannot ask mid-stream) at the
                 # screen's cadence, and the last one comes before the end of the reply.
                 cadence = Cadence(spec.settings.refresh_ms / 1000)
-                for ev in engine.reply(prompt, params, max_tokens, stop):
+                for ev in engine.reply(prompt, params, max_tokens, stop, stops):
                     if cadence.due(last=isinstance(ev, DoneEvent))[0]:
                         conn.send(("snap", engine.snapshot()))
                     conn.send(("event", ev))
-                conn.send(("end", None))
+                conn.send(("end", engine.info))  # a first start's fast model may have taken over: what it is now
             elif name in ("sweep", "confirm"):
                 for sev in (engine.sweep if name == "sweep" else engine.confirm)(stop, *args):
                     conn.send(("event", sev))
@@ -159,7 +164,7 @@ def _answer(conn: Connection, engine: RealEngine, spec: EngineSpec, stop: Any) -
                 conn.send(("result", calls[name](*args)))
         except Exception as e:
             logger.debug("engine call %s failed:\n%s", name, traceback.format_exc())
-            conn.send(("error", type(e).__name__, error_line(e)))
+            conn.send(("error", error_kind(e), error_line(e)))
 
 
 class ProcessEngine:
@@ -200,11 +205,13 @@ class ProcessEngine:
 
     @staticmethod
     def _raise(kind: str, message: str) -> None:
+        """The child's error as this side raises it: its kind's row of ENGINE_ERRORS says how."""
+        status = ENGINE_ERRORS.get(kind, 500)
         if kind == "Cancelled":
             raise Cancelled(message)
-        if kind in ("ValueError", "ContextFull", "CacheError", "SettingError", "GGUFError", "FitError"):
+        if status == 400:  # the caller's input: ValueError, as the engine in-process raises it
             raise ValueError(message)
-        raise EngineProcessError(f"{kind}: {message}")
+        raise EngineProcessError(f"{kind}: {message}", status)
 
     def _call(self, name: str, *args: Any) -> Any:
         with self._lock:
@@ -235,6 +242,8 @@ class ProcessEngine:
                 elif msg[0] == "snap":
                     self._snap = msg[1]
                 elif msg[0] == "end":
+                    if isinstance(msg[1], ModelInfo):
+                        self.info = msg[1]
                     return
                 else:
                     self._raise(msg[1], msg[2])
@@ -249,9 +258,10 @@ class ProcessEngine:
         return self._call("encode", text)
 
     def reply(
-        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
-    ) -> Iterator[Event]:
-        return self._stream("reply", (prompt, params, max_tokens), stop)
+        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event,
+        stops: Sequence[str] = (),
+    ) -> Iterator[Event]:  # fmt: skip
+        return self._stream("reply", (prompt, params, max_tokens, tuple(stops)), stop)
 
     def snapshot(self) -> StatsSnapshot | None:
         """The engine's latest; while a stream or another call holds the pipe, the latest a stream carried

@@ -25,6 +25,7 @@ from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import Event, SamplingParams, TokenEvent
 from moechat.engine.generate import Model, generate
 from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
+from moechat.engine.models.first_start import EagerModel
 from moechat.engine.prompt_cache import PromptCache
 from moechat.engine.text.chat_template import ChatTemplateError, plain_template
 from moechat.tuner.baselines import MinBound, cache_bound
@@ -40,10 +41,12 @@ logger = logging.getLogger(__name__)
 
 
 def load_for(
-    path: Path, settings: Settings, cache: CacheSettings, progress: Callable[[str], None] | None = None
-) -> LoadedModel:
+    path: Path, settings: Settings, cache: CacheSettings, progress: Callable[[str], None] | None = None,
+    first_start: bool = False,
+) -> LoadedModel:  # fmt: skip
     """The model as `settings` say (threads, context, template, CPU kernels), with `cache`; `progress`
-    hears each kernel a first start compiles.
+    hears each kernel a first start compiles. `first_start`: a first start answers from the exact path
+    while the kernels compile (engine.models.first_start).
 
     A context that cannot fit names where its size was set."""
     set_threads(settings.threads)
@@ -51,7 +54,7 @@ def load_for(
         return load_model(path, n_ctx=settings.ctx_size, chat_template=settings.chat_template or None, cache=cache,
                           cpu_dequant_mib=settings.cpu_dequant_mib, cpu_kernels=settings.cpu_kernels,
                           progress=progress, ram_cache_mib=float(settings.ram_cache_mib),
-                          emulate_host_mib=settings.emulate_host_mib)  # fmt: skip
+                          emulate_host_mib=settings.emulate_host_mib, first_start=first_start)  # fmt: skip
     except ContextTooLarge as e:
         raise ValueError(f"ctx_size from {settings.source('ctx_size')}: {e}") from None
 
@@ -64,7 +67,7 @@ class RealEngine:
         rank 0's own stage; replies, the cache's counters and its settings then reach every stage."""
         self.lm = lm
         self.split = split
-        self.model: Model = split if split is not None else lm.model
+        self.model: Model = split if split is not None else EagerModel(lm.model) if lm.first_start else lm.model
         self.base = base  # device, link, load mode: what a cache change keeps
         cfg = lm.config
         dev = base.device
@@ -78,8 +81,25 @@ class RealEngine:
         )  # fmt: skip
         self.plain = lm.template.origin == "plain fallback"
         # The conversation's KV cache, kept from one reply to the next.
-        recurrent = any(lm.config.is_recurrent(i) for i in range(lm.config.n_layers))
-        self.prompts = PromptCache(lm.new_cache, can_roll_back=not recurrent)
+        self.recurrent = any(lm.config.is_recurrent(i) for i in range(lm.config.n_layers))
+        self.prompts = PromptCache(lm.new_cache, can_roll_back=not self.recurrent)
+        self.asked: CacheSettings | None = None  # a cache set during a first start's exact path, for the fast model
+        if lm.first_start is not None:
+            lm.first_start.begin_upgrade()
+
+    def _upgrade(self, wait: bool = False) -> None:
+        """A first start's fast model in place of the exact path, once its kernels are loaded (`wait`: until
+        then), between replies: the conversation's prefix is read again by the fast model."""
+        fs = self.lm.first_start
+        fast = fs.take(wait) if fs is not None else None
+        if fast is None:
+            return
+        old, self.lm, self.model = self.lm, fast, fast.model
+        self.prompts = PromptCache(fast.new_cache, can_roll_back=not self.recurrent)
+        if self.asked is not None:
+            fast.set_cache(self.asked)
+        self.info = replace(self.info, cache_note=auto_words(fast))
+        old.close()
 
     def fit_messages(self, messages: Sequence[Message]) -> tuple[list[int], int, str]:
         msgs = list(messages)
@@ -115,11 +135,14 @@ class RealEngine:
         return self.lm.tokenizer.encode(text)
 
     def reply(
-        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
-    ) -> Iterator[Event]:
+        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event,
+        stops: Sequence[str] = (),
+    ) -> Iterator[Event]:  # fmt: skip
         """The reply to `prompt`, read after the part of it the conversation's cache already holds: the
-        DoneEvent's `n_prompt` counts the tokens read now."""
-        cutter = StopStrings(PLAIN_STOPS if self.plain else ())
+        DoneEvent's `n_prompt` counts the tokens read now. The text ends at the first of `stops` (and of the
+        plain format's own), cut here and nowhere else; a reply that met one ends as "eos"."""
+        self._upgrade()
+        cutter = StopStrings((*PLAIN_STOPS, *stops) if self.plain else tuple(stops))
         max_tokens = max(1, min(max_tokens, self.lm.n_ctx - len(prompt)))
         kv, held, kept = self.prompts.resume(prompt)
         replied: list[int] = []
@@ -139,7 +162,7 @@ class RealEngine:
                     tail = cutter.flush()
                     if tail:
                         yield TokenEvent(-1, tail, ev.n_generated)
-                    if cutter.hit and ev.stop_reason == "stopped":
+                    if cutter.hit:  # (a stop string in the last token allowed ends it too)
                         ev = replace(ev, stop_reason="eos")
                     yield ev
         finally:
@@ -157,6 +180,8 @@ class RealEngine:
         return replace(snap, ram=tier.snapshot())
 
     def cache(self) -> tuple[float, float]:
+        if self.asked is not None and self.lm.first_start is not None:
+            return self.asked.mib, self.asked.cpu_share
         c = self.lm.cache
         return (c.settings.mib, c.settings.cpu_share) if c is not None else (0.0, 0.0)
 
@@ -171,6 +196,8 @@ class RealEngine:
         settings.validate()
         if self.split is not None:
             self.split.set_cache(settings)  # every stage: the size is each host's
+        elif self.lm.first_start is not None:  # the exact path has no cache: the fast model takes this one
+            self.asked = settings
         else:
             self.lm.set_cache(settings)
 
@@ -178,6 +205,7 @@ class RealEngine:
         if self.split is not None:
             raise ValueError("the tuning wizard measures a model in one process, not one split over hosts: "
                              "record the routing (--moe-cache-trace) and replay it with `moechat sim`")  # fmt: skip
+        self._upgrade(wait=True)  # the wizard measures the fast kernels, once a first start has them
 
     def _sweep_settings(self, max_mib: float | None = None, tokens: int = SWEEP_TOKENS) -> SweepSettings:
         return SweepSettings(
@@ -219,6 +247,8 @@ class RealEngine:
 def auto_words(lm: LoadedModel) -> str:
     """What --moe-cache-mib auto made of the cache, for the chat's info line and the dashboard ("": no auto)."""
     f = lm.fit
+    if lm.first_start is not None:
+        return "off for now: this first start answers from the exact path while the kernels compile (a minute or two)"
     if lm.ram_tier is not None and lm.ram_fit is not None:  # the experts in a RAM tier: no device cache over it yet
         r = lm.ram_fit
         return f"off: the experts run from a RAM tier of {r.tier / 2**20:,.0f} MiB ({100 * r.fraction:.0f}% of them)"

@@ -96,7 +96,7 @@ def _line_chat(args: argparse.Namespace, settings: Settings) -> int:
     identity = identity_of(path)
     cache = cache_settings(settings, warm_dir / f"{identity}.json" if identity else None)
     status = StatusLine()
-    lm = load_for(path, settings, cache, status)
+    lm = load_for(path, settings, cache, status, first_start=True)
     status.done()
     return _chat_lines(args, settings, RealEngine(lm, replace(cache, mib=0.0, cpu_share=0.0, trace=None), identity))
 

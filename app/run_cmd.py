@@ -97,14 +97,22 @@ def run(args: argparse.Namespace) -> int:
     warm = app_paths().data / "warm" / f"{identity}.json" if identity else None
     status = StatusLine()
     lm = load_for(path, settings, cache_settings(settings, warm if warm is not None and warm.is_file() else None),
-                  status)  # fmt: skip
+                  status, first_start=not args.bench_replay_routing)  # fmt: skip
     status.done()
     try:
         if args.bench_replay_routing:
             replay_routing(lm, args.bench_replay_routing, args.bench_replay_recall)
         elif args.bench_replay_recall:
             raise ValueError("--bench-replay-recall goes with --bench-replay-routing")
-        return reply(args, settings, lm, lm.model, lambda: lm.cache.snapshot() if lm.cache is not None else None)
+        if lm.first_start is None:
+            return reply(args, settings, lm, lm.model, lambda: lm.cache.snapshot() if lm.cache is not None else None)
+        from moechat.engine.models.first_start import EagerModel
+
+        code = reply(args, settings, lm, EagerModel(lm.model), lambda: None)
+        if lm.first_start.compiling():
+            print("first start: the kernels keep compiling in the background for the next start (a minute or two)",
+                  file=sys.stderr)  # fmt: skip
+        return code
     finally:
         lm.close()
 

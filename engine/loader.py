@@ -22,8 +22,10 @@ from .kernels.isa import activation_bits
 from .kernels.jit import compile_notes
 from .models import build_model, compile_ahead
 from .models.decoder import MoeDecoder
+from .models.first_start import FirstStart, dequant_budget_mib
 from .models.gemma3 import Gemma3
 from .models.opening import open_model
+from .nn.eager import eager_only
 from .nn.layers import KVCache, kv_cache_bytes, recurrent_state_bytes
 from .nn.weights import load_weights
 from .text.chat_template import ChatTemplate, load_chat_template
@@ -48,8 +50,11 @@ class LoadedModel:
     own_layers: range | None = None  # a split model's stage: auto sizes its cache from its own layers' needs
     ram_tier: RamTier | None = None  # the experts' RAM tier, where they do not all fit in RAM
     ram_fit: ram_size.RamFit | None = None
+    first_start: FirstStart[LoadedModel] | None = None  # the exact path serving a first start while the kernels compile
 
     def close(self) -> None:
+        if self.first_start is not None:
+            self.first_start.close()
         if self.cache is not None:
             for line in summary_lines(self.cache.snapshot()):
                 logger.info("%s", line)
@@ -217,13 +222,18 @@ def load_model(
     own_layers: range | None = None,
     ram_cache_mib: float = AUTO_MIB,
     emulate_host_mib: float = 0.0,
+    first_start: bool = False,
 ) -> LoadedModel:
     """The model at `path`, checked and ready. `progress` hears what a first start does at length: each CPU
     kernel compiled for this machine (later starts load them from the disk cache and say nothing).
     `own_layers`: the layers this process runs (a split model's stage; from layer 0 it also runs the
     embedding and head): only their pages are mapped ahead and only they are tried at load.
     `ram_cache_mib`: the experts' RAM tier (cache.ram_size: auto, all experts when they fit; 0 off);
-    `emulate_host_mib`: the memory auto sizes from, in place of what the host has available."""
+    `emulate_host_mib`: the memory auto sizes from, in place of what the host has available.
+    `first_start`: where this model's kernels were never compiled here, answer at once from the exact path
+    while a helper compiles them (engine.models.first_start); the caller takes the fast model from
+    `lm.first_start` when it is ready. Only on the CPU, for one process's whole model, without a RAM tier
+    or a trace, where the float32 copies fit."""
     if n_ctx < 16:
         raise ValueError(f"context size must be at least 16, got {n_ctx}")
     gguf, cfg = open_model(path)
@@ -236,6 +246,31 @@ def load_model(
         on_cpu = (cache.device if cache is not None else "cpu") == "cpu"
         # A first start compiles the kernels on a second core too, from the far end of the forward.
         model_kind = compile_ahead.kind(gguf, cfg, cpu_kernels)
+        if (first_start and on_cpu and cpu_kernels != "exact" and own_layers is None and not fit.tier
+                and (cache is None or cache.trace is None) and not compile_ahead.compiled(model_kind)):  # fmt: skip
+            budget = dequant_budget_mib(gguf)
+            busy = budget is not None and compile_ahead.compiling_elsewhere(model_kind)  # another start's helper
+            if budget is not None and not busy:
+                helper = compile_ahead.start(gguf.path, n_ctx, cpu_kernels, model_kind, alone=True)
+            if budget is not None and (helper is not None or busy):
+                gguf.close()
+
+                def load_fast() -> LoadedModel:
+                    return load_model(path, n_ctx=n_ctx, chat_template=chat_template, cache=cache,
+                                      cpu_dequant_mib=cpu_dequant_mib, cpu_kernels=cpu_kernels,
+                                      ram_cache_mib=ram_cache_mib, emulate_host_mib=emulate_host_mib)  # fmt: skip
+
+                if progress is not None:
+                    progress("first start: answering from the exact path while the kernels compile in the background")
+                # The helper keeps a core busy: torch's pool on all of them would take turns with it (kernels.threads)
+                threads = torch.get_num_threads()
+                torch.set_num_threads(max(1, threads - 1))
+                with eager_only():
+                    lm = load_model(path, n_ctx=n_ctx, chat_template=chat_template, cpu_dequant_mib=budget,
+                                    cpu_kernels="exact", ram_cache_mib=ram_cache_mib,
+                                    emulate_host_mib=emulate_host_mib)  # fmt: skip
+                lm.first_start = FirstStart(helper, model_kind, load_fast, threads)
+                return lm
         if on_cpu and cpu_kernels != "exact":
             helper = compile_ahead.start(gguf.path, n_ctx, cpu_kernels, model_kind)
         # The file's pages mapped ahead of decode (a first touch in decode is a page fault), while the

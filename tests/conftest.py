@@ -39,9 +39,29 @@ if int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")) >= (os.cpu_count() or 1
     set_kernel_threads(1)
 
 
+# `-m smoke`: about a minute on two cores once the kernels are compiled (the README names it): each area's
+# quick file (the layering, the engine's protocols and errors, files, tokens and templates, settings,
+# sampling, the decode plan against the module path, the chat app on its fake engine, the first start),
+# and one test each from the longer files of the server, the reference logits and the cache policy.
+SMOKE_FILES = {
+    "test_architecture.py", "test_engine_api.py", "test_config.py", "test_settings.py", "test_gguf_file.py",
+    "test_chat_template.py", "test_tokenizer.py", "test_sampling.py", "test_quant_registry.py",
+    "test_route_csv.py", "test_first_start.py", "test_prompt_cache.py", "test_decode_plan.py", "test_tui_chat.py",
+}  # fmt: skip
+SMOKE_TESTS = {
+    "test_serve.py::test_the_openai_client_gets_what_run_writes_streamed_or_not",
+    "test_models.py::test_greedy_continuation_matches_transformers[qwen3moe-F32]",
+    "test_cache_policy.py::test_the_compiled_policy_plans_exactly_as_the_python_one[classlru]",
+}
+
+
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
     items.sort(key=lambda item: rank.get(item.path.name, len(rank)))  # stable: a file's tests keep their order
+    for item in items:
+        named = f"{item.path.name}::{item.name}" in SMOKE_TESTS
+        if named or (item.path.name in SMOKE_FILES and item.get_closest_marker("slow") is None):
+            item.add_marker(pytest.mark.smoke)
 
 
 @pytest.fixture(scope="session")

@@ -73,6 +73,7 @@ class ChatScreen(Screen[None]):
         self.first_shown = 0  # index in conv.messages of the oldest turn in the log
         self._composed = False  # on_mount has run: the load's news can reach the widgets
         self._load_text = "loading the model..."  # the load's latest news, shown once composed
+        self._cache_note = ""  # the engine's words on its cache as shown (a first start's change on takeover)
 
     @property
     def moechat(self) -> ScreenHost:
@@ -147,6 +148,7 @@ class ChatScreen(Screen[None]):
             return  # on_mount calls it
         info = self.moechat.engine.info
         self.conv.model = info.name
+        self._cache_note = info.cache_note
         self.query_one(Dashboard).off_note = info.cache_note if info.cache_note.startswith("auto: off") else ""
         self.query_one(Dashboard).copied = "uploaded" if info.device != "cpu" else "copied"
         self.refresh_info()
@@ -263,6 +265,12 @@ class ChatScreen(Screen[None]):
     async def on_reply_done(self, msg: ReplyDone) -> None:
         d = msg.done
         await self._finish("stopped" if d.stop_reason == "stopped" else "")
+        engine, note = self.moechat.engine, self.moechat.engine.info.cache_note
+        if note != self._cache_note:  # a first start's fast kernels took over: their cache is in effect now
+            self._cache_note = note
+            self.moechat.cache_in_effect = engine.cache()
+            self.query_one(Dashboard).off_note = note if note.startswith("auto: off") else ""
+            self.refresh_info()
         stats = reply_stats(d) | {"ttft": msg.ttft}
         self.conv.messages[-1]["stats"] = stats
         self.moechat.session.replies.append(reply_record(stats, d.stop_reason, self._reply_settings))

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 from typing import ClassVar
 
+from moechat.app.engine_api import local
 from moechat.app.messages import CacheApplied, ConfirmUpdate, SweepFailed, SweepUpdate, TuneReady
 from moechat.app.screens.host import ScreenHost, host_of
 from moechat.app.tuned import save_tuned
@@ -130,7 +131,7 @@ class TuneWizard(Screen[bool]):
             self.post_message(SweepFailed(f"{type(e).__name__}: {e}", cancelled=False))
 
     def _sweep(self) -> None:
-        engine = self.moechat.engine
+        engine = local(self.moechat.engine, "tuning")
         done = None
         for ev in engine.sweep(self.stop, None, self.tokens, self.fresh, self.check):
             self.post_message(SweepUpdate(ev))
@@ -236,7 +237,7 @@ class TuneWizard(Screen[bool]):
     def confirm_run(self, current: tuple[float, float], target: tuple[float, float]) -> None:
         try:
             with self.moechat.engine_lock:
-                for ev in self.moechat.engine.confirm(self.stop, current, target):
+                for ev in local(self.moechat.engine, "tuning").confirm(self.stop, current, target):
                     self.post_message(ConfirmUpdate(ev))
         except Cancelled as e:
             self.post_message(SweepFailed(str(e), cancelled=True))
@@ -326,7 +327,7 @@ class TuneWizard(Screen[bool]):
     def apply_cache(self, mib: float, share: float) -> None:
         try:
             with self.moechat.engine_lock:
-                self.moechat.engine.set_cache(mib, share)
+                local(self.moechat.engine, "changing the cache").set_cache(mib, share)
             self.post_message(CacheApplied(mib, share, None))
         except Exception as e:
             self.post_message(CacheApplied(mib, share, str(e)))

@@ -16,9 +16,9 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
 
-from moechat.app.engine_api import ChatEngine
+from moechat.app.engine_api import LocalEngine
+from moechat.app.engine_process import EngineProcessError
 from moechat.app.serve.wire import ApiError, Request
-from moechat.app.stop_strings import StopStrings
 from moechat.engine.events import DoneEvent, TokenEvent, tokens_per_second
 
 logger = logging.getLogger(__name__)
@@ -38,7 +38,7 @@ class Finished:
 
 
 class Jobs:
-    def __init__(self, engine: ChatEngine, n_ctx: int, max_waiting: int) -> None:
+    def __init__(self, engine: LocalEngine, n_ctx: int, max_waiting: int) -> None:
         self.engine = engine
         self.n_ctx = n_ctx
         self.max_waiting = max_waiting
@@ -84,6 +84,9 @@ class Jobs:
                 put(e)
             except ValueError as e:  # the engine's word on a bad input (a template that fails on it, ...)
                 put(ApiError(400, str(e)))
+            except EngineProcessError as e:  # its kind's status (engine_api.ENGINE_ERRORS)
+                logger.error("a request failed on the engine: %s", e)
+                put(ApiError(e.status, f"the engine failed: {e}", kind="server_error"))
             except Exception as e:
                 logger.exception("a request failed on the engine")
                 put(ApiError(500, f"the engine failed: {type(e).__name__}: {e}", kind="server_error"))
@@ -103,34 +106,24 @@ class Jobs:
                            code="context_length_exceeded")  # fmt: skip
         room = self.n_ctx - len(tokens)
         max_tokens = min(req.max_tokens or room, room)
-        cutter = StopStrings(req.stops)
         first = 0.0
-        finish, n_generated, n_kept = "length", 0, 0  # n_kept: tokens up to the one a stop string ended in
-        cached = 0
-        for ev in engine.reply(tokens, req.params, max_tokens, stop):
+        finish, n_generated, cached = "length", 0, 0
+        # The engine cuts the stop strings (and ends the reply at one: "eos").
+        for ev in engine.reply(tokens, req.params, max_tokens, stop, req.stops):
             if isinstance(ev, TokenEvent):
                 if ev.token >= 0 and not first:
                     first = time.perf_counter() - t0
                 if ev.token >= 0:
                     self.live_tokens = ev.index + 1
                     self.live_tps = tokens_per_second(ev.index + 1, time.perf_counter() - t0 - first)
-                if ev.token >= 0 and not cutter.hit:
-                    n_kept += 1
-                text = cutter.push(ev.text)
-                if cutter.hit:
-                    stop.set()  # the engine ends before its next token
-                if text:
-                    put(Piece(text))
+                if ev.text:
+                    put(Piece(ev.text))
             elif isinstance(ev, DoneEvent):
-                tail = cutter.flush()
-                if tail:
-                    put(Piece(tail))
-                n_generated = n_kept if cutter.hit else ev.n_generated
-                cached = ev.n_kept
-                if ev.stop_reason == "stopped" and not cutter.hit:
+                n_generated, cached = ev.n_generated, ev.n_kept
+                if ev.stop_reason == "stopped":
                     with self._lock:
                         self.cancelled += 1
-                finish = "stop" if cutter.hit or ev.stop_reason in ("eos", "stopped") else "length"
+                finish = "stop" if ev.stop_reason in ("eos", "stopped") else "length"
         with self._lock:
             self.prompt_tokens += len(tokens)
             self.completion_tokens += n_generated

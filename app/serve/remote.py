@@ -19,10 +19,6 @@ from moechat.app.engine_api import Message, ModelInfo
 from moechat.engine.cache.stats import StatsSnapshot, snapshot_from_dict
 from moechat.engine.events import DoneEvent, Event, SamplingParams, TokenEvent
 from moechat.tuner.baselines import MinBound
-from moechat.tuner.events import ConfirmEvent, SweepDone, SweepEvent
-from moechat.tuner.recommend import TuneReport
-
-NOT_HERE = "runs on the server's machine: start `moechat tune` there (an attached app only watches and chats)"
 
 
 class RemoteEngine:
@@ -51,18 +47,12 @@ class RemoteEngine:
         self._messages = list(messages)
         return [], 0, ""
 
-    def chat_tokens(self, messages: Sequence[Message]) -> list[int]:
-        raise ValueError("an attached app sends messages, not tokens")
-
-    def encode(self, text: str) -> list[int]:
-        raise ValueError("an attached app sends messages, not tokens")
-
-    def reply(self, prompt: list[int], params: SamplingParams, max_tokens: int,
-              stop: threading.Event) -> Iterator[Event]:  # fmt: skip
+    def reply(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event,
+              stops: Sequence[str] = ()) -> Iterator[Event]:  # fmt: skip
         body = {"messages": self._messages, "max_tokens": min(max_tokens, self.info.n_ctx),  # the server clamps
                 "temperature": params.temperature,
                 "top_p": params.top_p, "seed": params.seed, "stream": True,
-                "stream_options": {"include_usage": True}}  # fmt: skip
+                "stream_options": {"include_usage": True}, **({"stop": list(stops)} if stops else {})}  # fmt: skip
         t0 = time.perf_counter()
         last = first = 0.0
         n, finish, usage = 0, "length", {"prompt_tokens": 0, "completion_tokens": 0}
@@ -101,22 +91,8 @@ class RemoteEngine:
     def cache(self) -> tuple[float, float]:
         return self._cache
 
-    def set_cache(self, mib: float, share: float) -> None:
-        raise ValueError(f"changing the cache {NOT_HERE}")
-
     def min_bound(self) -> MinBound | None:
         return None
-
-    def sweep(self, stop: threading.Event, max_mib: float | None, tokens: int, fresh: bool = False,
-              check: bool = False) -> Iterator[SweepEvent]:  # fmt: skip
-        raise ValueError(f"tuning {NOT_HERE}")
-
-    def recommend(self, done: SweepDone) -> TuneReport:
-        raise ValueError(f"tuning {NOT_HERE}")
-
-    def confirm(self, stop: threading.Event, current: tuple[float, float],
-                recommended: tuple[float, float]) -> Iterator[ConfirmEvent]:  # fmt: skip
-        raise ValueError(f"tuning {NOT_HERE}")
 
     def close(self) -> None:
         self._client.close()

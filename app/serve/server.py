@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
-from moechat.app.engine_api import ChatEngine
+from moechat.app.engine_api import LocalEngine
 from moechat.app.serve import wire
 from moechat.app.serve.jobs import Finished, Jobs, Piece
 from moechat.app.serve.metrics import ServerCollector, metrics_text
@@ -38,7 +38,7 @@ MAX_WAITING = 8  # requests queued behind the running one before a new one is re
 RETRY_AFTER_S = 2
 
 
-def build_app(engine: ChatEngine, defaults: SamplingParams, api_key: str | None = None,
+def build_app(engine: LocalEngine, defaults: SamplingParams, api_key: str | None = None,
               max_waiting: int = MAX_WAITING) -> Starlette:  # fmt: skip
     n_ctx = engine.info.n_ctx
     model_id = engine.info.name

@@ -14,17 +14,24 @@ MOECHAT_COMPILE_AHEAD=0 (the test suite's many small models would each start one
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
 import re
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
+
+try:
+    import fcntl
+except ImportError:  # not POSIX: no lock, at worst two helpers compile the same kernels
+    fcntl = None  # type: ignore[assignment]
 
 from ..config import ModelConfig
 from ..gguf.reader import GGUFFile
@@ -45,6 +52,38 @@ def _stamp(model_kind: str) -> Path | None:
     return Path(cache) / "models" / model_kind if cache else None
 
 
+def _lock(model_kind: str) -> Path | None:
+    stamp = _stamp(model_kind)
+    return stamp.with_name(f"{model_kind}.compiling") if stamp is not None else None
+
+
+@contextlib.contextmanager
+def compiling_lock(model_kind: str, wait: bool) -> Iterator[bool]:
+    """The lock a helper compiling alone holds while it runs (so that a second start beside it starts no
+    second helper): yields whether it was taken; `wait`: until it is free."""
+    path = _lock(model_kind)
+    if path is None or fcntl is None:
+        yield True
+        return
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as f:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX if wait else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            fcntl.flock(f, fcntl.LOCK_UN)
+
+
+def compiling_elsewhere(model_kind: str) -> bool:
+    """Whether a helper compiles this model kind alone now (another start's)."""
+    with compiling_lock(model_kind, wait=False) as free:
+        return not free
+
+
 def compiled(model_kind: str) -> bool:
     """Whether a model of this kind has had its kernels compiled into this kernel cache."""
     stamp = _stamp(model_kind)
@@ -63,15 +102,18 @@ def mark_compiled(model_kind: str, n_compiled: int) -> None:
             logger.debug("cannot write %s: %s", stamp, e)
 
 
-def start(path: Path, n_ctx: int, cpu_kernels: str, model_kind: str) -> subprocess.Popen[bytes] | None:
-    """The helper process for a model whose kernels were never compiled here, on a machine with a second core."""
+def start(path: Path, n_ctx: int, cpu_kernels: str, model_kind: str,
+          alone: bool = False) -> subprocess.Popen[bytes] | None:  # fmt: skip
+    """The helper process for a model whose kernels were never compiled here, on a machine with a second core.
+    `alone`: nothing compiles beside it (a first start answering from the exact path, engine.models.first_start):
+    it runs every pass to the end, stamps the model kind compiled, and outlives its parent."""
     if os.environ.get("MOECHAT_COMPILE_AHEAD", "1") == "0" or compiled(model_kind) or (os.cpu_count() or 1) < 2:
         return None
-    cmd = [sys.executable, "-m", __name__, str(path), str(n_ctx), cpu_kernels]
+    cmd = [sys.executable, "-m", __name__, str(path), str(n_ctx), cpu_kernels, *((model_kind,) if alone else ())]
     env = {**os.environ, "NUMBA_NUM_THREADS": "1", "OMP_NUM_THREADS": "1"}
     try:
         return subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.DEVNULL)  # fmt: skip
+                                stderr=subprocess.DEVNULL, start_new_session=alone)  # fmt: skip
     except OSError as e:
         logger.debug("no helper to compile ahead: %s", e)
         return None
@@ -195,7 +237,16 @@ def warm_policy() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        compile_passes(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
-    except Exception:  # the helper only saves time: the loading process compiles whatever is missing
-        sys.exit(1)
+    from ..kernels.jit import compile_notes
+
+    alone = sys.argv[4] if len(sys.argv) > 4 else None
+    with contextlib.ExitStack() as held:
+        if alone is not None and not held.enter_context(compiling_lock(alone, wait=False)):
+            sys.exit(0)  # another start's helper compiles this kind already
+        try:
+            with compile_notes(None) as counted:
+                compile_passes(Path(sys.argv[1]), int(sys.argv[2]), sys.argv[3])
+        except Exception:  # the helper only saves time: the loading process compiles whatever is missing
+            sys.exit(1)
+        if alone is not None:  # every pass is through: a start of this kind no longer needs a helper
+            mark_compiled(alone, counted.started)

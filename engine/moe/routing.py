@@ -8,6 +8,7 @@ import torch.nn.functional as F
 from ..config import ModelConfig
 from ..kernels.codes import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX_SELECTED
 from ..kernels.layer_halves import FEW_ROWS, route_rows
+from ..nn.eager import compiled_ok
 from ..nn.layers import host_rows
 
 
@@ -19,7 +20,7 @@ def select(
     logits, then `route`. A few float32 rows on the CPU take one compiled call for both (`route_rows`, the
     same rule; it takes no choice bias or expert groups)."""
     if (choice_bias is None and cfg.expert_groups == 1 and h.shape[0] <= FEW_ROWS and h.device.type == "cpu"
-            and h.dtype == torch.float32):  # fmt: skip
+            and h.dtype == torch.float32 and compiled_ok()):  # fmt: skip
         bias = None if router_bias is None else router_bias.numpy()
         i, w = route_rows(host_rows(h), router.numpy(), bias, cfg.expert_gating, cfg.n_expert_used,
                           cfg.expert_weights_norm, cfg.expert_weights_scale)  # fmt: skip

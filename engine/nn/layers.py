@@ -16,6 +16,7 @@ from ..gguf.quant_types import CPU, supports
 from ..gguf.reader import GGUFError
 from ..kernels.cpu import dequantize_rows
 from ..kernels.layer_halves import FEW_ROWS, decode_attention, rms_rows
+from .eager import compiled_ok
 
 if TYPE_CHECKING:
     from ..gguf.sources import Source
@@ -77,7 +78,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor | None, eps: float) -> torch.
     # At decode a model calls this a hundred times per token: a few rows on the CPU take one
     # compiled call (about 10 us here, torch's fused op 15 to 50), the rest one torch op.
     if (weight is not None and x.dim() == 2 and x.shape[0] <= FEW_ROWS and x.device.type == "cpu"
-            and x.dtype == torch.float32 and weight.dtype == torch.float32):  # fmt: skip
+            and x.dtype == torch.float32 and weight.dtype == torch.float32 and compiled_ok()):  # fmt: skip
         return torch.from_numpy(rms_rows(host_rows(x), weight.numpy(), eps))
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
@@ -327,7 +328,7 @@ def rope_attention(
     One token on the CPU in float32 (no soft cap) takes one compiled call for all of it
     (`layer_halves.decode_attention`): at decode the eager ops cost more than their work."""
     t = q.shape[0]
-    if t == 1 and not softcap and layer.k.device.type == "cpu" and layer.k.dtype == torch.float32:
+    if t == 1 and not softcap and layer.k.device.type == "cpu" and layer.k.dtype == torch.float32 and compiled_ok():
         sink = None if sinks is None else sinks.numpy()
         a = decode_attention(host_rows(q[0]), host_rows(k[0]), host_rows(v[0]), rope.parts(), rope.neox,
                              *host_heads(layer), pos0, window, scale, sink)  # fmt: skip

@@ -72,8 +72,9 @@ class FakeEngine:
         return list(range(len(text.split())))
 
     def reply(
-        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event
-    ) -> Iterator[Event]:
+        self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event,
+        stops: Sequence[str] = (),
+    ) -> Iterator[Event]:  # fmt: skip
         self.replies += 1
         self.params.append(params)
         t0 = time.perf_counter()
