@@ -307,8 +307,8 @@ def moe_token_call(ffn: MoeFFN, experts: ExpertExecutor, norm: torch.Tensor | No
     cfg = ffn.cfg
     router_bias = None if ffn.router_bias is None else ffn.router_bias.numpy()
     return MoeTokenCall(ffn.router.numpy(), router_bias, cfg.expert_gating, cfg.n_expert_used,
-                        cfg.expert_weights_norm, cfg.expert_weights_scale, *bound,
-                        norm=None if norm is None else norm.numpy(), eps=eps)  # fmt: skip
+                        cfg.expert_weights_norm, cfg.expert_weights_scale, bound.mats, bound.types, bound.biases,
+                        bound.act_code, bound.bits, norm=None if norm is None else norm.numpy(), eps=eps)  # fmt: skip
 
 
 def _compiled_dense(call: FfnBlockCall) -> FfnHalf:

@@ -184,7 +184,7 @@ class HostExperts:
             lx = self.layers[layer]
             types = (lx.gate.qtype, lx.up.qtype, lx.down.qtype)
             biases = (bias_rows(lx.gate.bias), bias_rows(lx.up.bias), bias_rows(lx.down.bias))
-            call = self._token_calls[layer] = (self.mats(layer), types, biases, self.act_code, self.bits)
+            call = self._token_calls[layer] = TokenCall(self.mats(layer), types, biases, self.act_code, self.bits)
         return call
 
     def account(self, layers: Sequence[int], ids: Sequence[np.ndarray], ahead: TokenAhead | None = None) -> None:

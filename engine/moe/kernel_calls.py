@@ -14,6 +14,7 @@ activation or quant types have no kernel runs on the exact path (moe.run_experts
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import NamedTuple
 
 import numpy as np
 import torch
@@ -34,9 +35,14 @@ def bias_rows(t: torch.Tensor | None) -> np.ndarray | None:
     return None if t is None else t.float().contiguous().numpy()
 
 
-# A layer's experts for `kernels.moe_token`: (gate, up, down) stacked, their types, biases, activation code, bits.
-TokenCall = tuple[tuple[np.ndarray, np.ndarray, np.ndarray], tuple[Q, Q, Q],
-                  tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None], int, int]  # fmt: skip
+class TokenCall(NamedTuple):
+    """A layer's experts as `kernels.moe_token.MoeTokenCall` binds them (bound once per layer)."""
+
+    mats: tuple[np.ndarray, np.ndarray, np.ndarray]  # gate, up, down: [n_expert, rows, row bytes] each
+    types: tuple[Q, Q, Q]
+    biases: tuple[np.ndarray | None, np.ndarray | None, np.ndarray | None]  # [n_expert, rows] each, or None
+    act_code: int  # nn.activations' code of the gated activation
+    bits: int  # the token's activations' width in the kernels (16 or 8)
 
 
 def run_fused(
