@@ -25,7 +25,6 @@ from moechat.engine.cache.stats import StatsSnapshot
 from moechat.engine.events import Event, SamplingParams, TokenEvent
 from moechat.engine.generate import Model, generate
 from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
-from moechat.engine.models.first_start import EagerModel
 from moechat.engine.prompt_cache import PromptCache
 from moechat.engine.text.chat_template import ChatTemplateError, plain_template
 from moechat.tuner.baselines import MinBound, cache_bound
@@ -67,7 +66,7 @@ class RealEngine:
         rank 0's own stage; replies, the cache's counters and its settings then reach every stage."""
         self.lm = lm
         self.split = split
-        self.model: Model = split if split is not None else EagerModel(lm.model) if lm.first_start else lm.model
+        self.model: Model = split if split is not None else lm.runner
         self.base = base  # device, link, load mode: what a cache change keeps
         cfg = lm.config
         dev = base.device
@@ -94,7 +93,7 @@ class RealEngine:
         fast = fs.take(wait) if fs is not None else None
         if fast is None:
             return
-        old, self.lm, self.model = self.lm, fast, fast.model
+        old, self.lm, self.model = self.lm, fast, fast.runner
         self.prompts = PromptCache(fast.new_cache, can_roll_back=not self.recurrent)
         if self.asked is not None:
             fast.set_cache(self.asked)

@@ -104,12 +104,8 @@ def run(args: argparse.Namespace) -> int:
             replay_routing(lm, args.bench_replay_routing, args.bench_replay_recall)
         elif args.bench_replay_recall:
             raise ValueError("--bench-replay-recall goes with --bench-replay-routing")
-        if lm.first_start is None:
-            return reply(args, settings, lm, lm.model, lambda: lm.cache.snapshot() if lm.cache is not None else None)
-        from moechat.engine.models.first_start import EagerModel
-
-        code = reply(args, settings, lm, EagerModel(lm.model), lambda: None)
-        if lm.first_start.compiling():
+        code = reply(args, settings, lm, lm.runner, lambda: lm.cache.snapshot() if lm.cache is not None else None)
+        if lm.first_start is not None and lm.first_start.compiling():
             print("first start: the kernels keep compiling in the background for the next start (a minute or two)",
                   file=sys.stderr)  # fmt: skip
         return code

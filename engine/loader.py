@@ -22,7 +22,7 @@ from .kernels.isa import activation_bits
 from .kernels.jit import compile_notes
 from .models import build_model, compile_ahead
 from .models.decoder import MoeDecoder
-from .models.first_start import FirstStart, dequant_budget_mib
+from .models.first_start import EagerModel, FirstStart, dequant_budget_mib
 from .models.gemma3 import Gemma3
 from .models.opening import open_model
 from .nn.eager import eager_only
@@ -51,6 +51,11 @@ class LoadedModel:
     ram_tier: RamTier | None = None  # the experts' RAM tier, where they do not all fit in RAM
     ram_fit: ram_size.RamFit | None = None
     first_start: FirstStart[LoadedModel] | None = None  # the exact path serving a first start while the kernels compile
+
+    @property
+    def runner(self) -> MoeDecoder | Gemma3 | EagerModel:
+        """What generation calls: the model, or on a first start's exact path its forward with torch's ops only."""
+        return EagerModel(self.model) if self.first_start is not None else self.model
 
     def close(self) -> None:
         if self.first_start is not None:
@@ -201,6 +206,20 @@ def check_fit(gguf: GGUFFile, cfg: ModelConfig, model: MoeDecoder | Gemma3, tok:
         raise ValueError(f"{gguf.path}: the output gives {logits.shape[-1]} logits for {tok.n_vocab} tokens")
 
 
+def _answer_first(fs: FirstStart[LoadedModel], load_exact: Callable[[], LoadedModel],
+                  progress: Callable[[str], None] | None) -> LoadedModel:  # fmt: skip
+    """A first start's exact path, loaded with torch's ops only while `fs`'s helper compiles the kernels."""
+    if progress is not None:
+        progress("first start: answering from the exact path while the kernels compile in the background")
+    # The helper keeps a core busy: torch's pool on all of them would take turns with it (kernels.threads);
+    # `fs` gives the core back when the fast model takes over.
+    torch.set_num_threads(max(1, fs.threads - 1))
+    with eager_only():
+        lm = load_exact()
+    lm.first_start = fs
+    return lm
+
+
 def apply_widths(model: MoeDecoder | Gemma3, cpu_kernels: str, settings: CacheSettings | None) -> None:
     """The CPU kernels' activation widths for a model run with these cache settings: the default's
     int8 only where nothing computes in float32 beside it (kernels.isa.activation_bits)."""
@@ -249,28 +268,24 @@ def load_model(
         if (first_start and on_cpu and cpu_kernels != "exact" and own_layers is None and not fit.tier
                 and (cache is None or cache.trace is None) and not compile_ahead.compiled(model_kind)):  # fmt: skip
             budget = dequant_budget_mib(gguf)
-            busy = budget is not None and compile_ahead.compiling_elsewhere(model_kind)  # another start's helper
-            if budget is not None and not busy:
-                helper = compile_ahead.start(gguf.path, n_ctx, cpu_kernels, model_kind, alone=True)
-            if budget is not None and (helper is not None or busy):
-                gguf.close()
+            if budget is not None:
+                busy = compile_ahead.compiling_elsewhere(model_kind)  # another start's helper compiles it
+                helper = None if busy else compile_ahead.start(gguf.path, n_ctx, cpu_kernels, model_kind, alone=True)
+                if helper is not None or busy:
+                    gguf.close()
 
-                def load_fast() -> LoadedModel:
-                    return load_model(path, n_ctx=n_ctx, chat_template=chat_template, cache=cache,
-                                      cpu_dequant_mib=cpu_dequant_mib, cpu_kernels=cpu_kernels,
-                                      ram_cache_mib=ram_cache_mib, emulate_host_mib=emulate_host_mib)  # fmt: skip
+                    def load_fast() -> LoadedModel:
+                        return load_model(path, n_ctx=n_ctx, chat_template=chat_template, cache=cache,
+                                          cpu_dequant_mib=cpu_dequant_mib, cpu_kernels=cpu_kernels,
+                                          ram_cache_mib=ram_cache_mib, emulate_host_mib=emulate_host_mib)  # fmt: skip
 
-                if progress is not None:
-                    progress("first start: answering from the exact path while the kernels compile in the background")
-                # The helper keeps a core busy: torch's pool on all of them would take turns with it (kernels.threads)
-                threads = torch.get_num_threads()
-                torch.set_num_threads(max(1, threads - 1))
-                with eager_only():
-                    lm = load_model(path, n_ctx=n_ctx, chat_template=chat_template, cpu_dequant_mib=budget,
-                                    cpu_kernels="exact", ram_cache_mib=ram_cache_mib,
-                                    emulate_host_mib=emulate_host_mib)  # fmt: skip
-                lm.first_start = FirstStart(helper, model_kind, load_fast, threads)
-                return lm
+                    def load_exact() -> LoadedModel:
+                        return load_model(path, n_ctx=n_ctx, chat_template=chat_template, cpu_dequant_mib=budget,
+                                          cpu_kernels="exact", ram_cache_mib=ram_cache_mib,
+                                          emulate_host_mib=emulate_host_mib)  # fmt: skip
+
+                    return _answer_first(FirstStart(helper, model_kind, load_fast, torch.get_num_threads()),
+                                         load_exact, progress)  # fmt: skip
         if on_cpu and cpu_kernels != "exact":
             helper = compile_ahead.start(gguf.path, n_ctx, cpu_kernels, model_kind)
         # The file's pages mapped ahead of decode (a first touch in decode is a page fault), while the
