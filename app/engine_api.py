@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from moechat.engine.cache.stats import StatsSnapshot
-from moechat.engine.events import Event, SamplingParams
+from moechat.engine.events import BatchStatus, Event, SamplingParams
 from moechat.tuner.baselines import MinBound
 from moechat.tuner.events import ConfirmEvent, SweepDone, SweepEvent
 from moechat.tuner.recommend import TuneReport
@@ -145,6 +145,14 @@ class LocalEngine(ChatEngine, Protocol):
     def confirm(self, stop: threading.Event, current: tuple[float, float],
                 recommended: tuple[float, float]) -> Iterator[ConfirmEvent]:  # fmt: skip
         """The recommended (MiB, share) against the current one, measured alternately (tuner.confirm)."""
+        ...
+
+
+class ServingEngine(LocalEngine, Protocol):
+    """A server's engine: requests on KV slots, decoded together (`moechat serve --parallel N`)."""
+
+    def batch_status(self) -> BatchStatus | None:
+        """What its batcher does now: slots, active and queued requests, the last step's tokens, per-slot t/s."""
         ...
 
 

@@ -21,9 +21,11 @@ a priority again, so every engine starts from one thread kept at the original pr
 from __future__ import annotations
 
 import contextlib
+import itertools
 import logging
 import multiprocessing as mp
 import os
+import queue
 import sys
 import threading
 import traceback
@@ -38,7 +40,7 @@ from moechat.app.cadence import Cadence
 from moechat.app.engine_api import ENGINE_ERRORS, Message, ModelInfo, error_kind
 from moechat.app.settings import Settings, cache_settings, error_line
 from moechat.engine.cache.stats import StatsSnapshot
-from moechat.engine.events import DoneEvent, Event, SamplingParams
+from moechat.engine.events import BatchStatus, DoneEvent, Event, SamplingParams
 from moechat.tuner.baselines import MinBound
 from moechat.tuner.events import Cancelled, ConfirmEvent, SweepDone, SweepEvent
 from moechat.tuner.recommend import TuneReport
@@ -77,6 +79,8 @@ class EngineSpec:
     model: str | None  # None: the built-in demo
     settings: Settings  # resolved in the parent: the child reads the engine's settings from it
     warm_start_dir: str | None = None  # where each model's saved expert use counts live (None: start cold)
+    # A server's engine: requests on this many KV slots, decoded together (0: one reply at a time, the chat app's)
+    slots: int = 0
 
 
 class EngineProcessError(RuntimeError):
@@ -125,7 +129,7 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
             conn.send(("error", error_kind(e), error_line(e)))
         return
     try:
-        _answer(conn, engine, spec, stop)
+        (_answer_many if spec.slots else _answer)(conn, engine, spec, stop)
     finally:
         engine.close()
 
@@ -167,11 +171,74 @@ def _answer(conn: Connection, engine: RealEngine, spec: EngineSpec, stop: Any) -
             conn.send(("error", error_kind(e), error_line(e)))
 
 
+def _answer_many(conn: Connection, engine: RealEngine, spec: EngineSpec, stop: Any) -> None:
+    """A server's engine: requests arrive as ("submit", (id, prompt, params, max_tokens, stops)) and are decoded
+    together on the batcher between other calls; each one's events go back as ("bevent", id, event), its end
+    as ("bdone", id, info) and a failure as ("berror", id, kind, line). ("cancel", (id,)) stops one. Other
+    calls are answered between two steps."""
+    if engine.split is not None and spec.slots > 1:
+        conn.send(("error", "ValueError", "--parallel above 1 needs the model in one process (not split over hosts)"))
+        return
+    conn.send(("ready", engine.info))
+    batcher = engine.batcher(spec.slots)
+    calls: dict[str, Callable[..., Any]] = {
+        "fit_messages": engine.fit_messages, "chat_tokens": engine.chat_tokens, "encode": engine.encode,
+        "snapshot": engine.snapshot, "cache": engine.cache, "set_cache": engine.set_cache,
+        "min_bound": engine.min_bound, "batch_status": engine.batch_status,
+    }  # fmt: skip
+    streams: dict[int, Any] = {}
+
+    def emit_for(rid: int) -> Callable[[Event], None]:
+        def emit(ev: Event) -> None:
+            conn.send(("bevent", rid, ev))
+            if isinstance(ev, DoneEvent):
+                streams.pop(rid, None)
+                conn.send(("bdone", rid, engine.info))
+
+        return emit
+
+    while True:
+        if not batcher.busy:
+            engine.between_requests()
+        # Idle: wait for a call. Busy: take what has come, then step.
+        while not batcher.busy or conn.poll(0):
+            try:
+                name, args = conn.recv()
+            except EOFError:
+                return
+            if name == "close":
+                return
+            try:
+                if name == "submit":
+                    rid, prompt, params, max_tokens, stops = args
+                    try:
+                        streams[rid] = engine.submit(prompt, params, max_tokens, stops, emit_for(rid))
+                    except Exception as e:
+                        conn.send(("berror", rid, error_kind(e), error_line(e)))
+                elif name == "cancel":
+                    if args[0] in streams:
+                        streams[args[0]].cancel()
+                else:
+                    conn.send(("result", calls[name](*args)))
+            except Exception as e:
+                logger.debug("engine call %s failed:\n%s", name, traceback.format_exc())
+                conn.send(("error", error_kind(e), error_line(e)))
+        try:
+            batcher.step()
+        except Exception as e:
+            logger.error("a decode step failed:\n%s", traceback.format_exc())
+            batcher.fail_all(e)
+            for rid in list(streams):
+                conn.send(("berror", rid, error_kind(e), error_line(e)))
+            streams.clear()
+
+
 class ProcessEngine:
     def __init__(self, spec: EngineSpec, progress: Callable[[str], None] = lambda text: None) -> None:
         _starter.submit(self._start, spec).result()  # from the thread that keeps the original priority
         self._lock = threading.Lock()
         self._snap: StatsSnapshot | None = None
+        self.slots = spec.slots
         while True:
             msg = self._recv()
             if msg[0] == "progress":
@@ -179,10 +246,67 @@ class ProcessEngine:
             elif msg[0] == "ready":
                 self.info: ModelInfo = msg[1]
                 _lower_ui_priority()
-                return
+                break
             else:
                 self._proc.join(5)
                 raise ValueError(msg[2])
+        if self.slots:  # a server's engine: one reader sorts the child's messages by request (`_read_many`)
+            self._send_lock = threading.Lock()
+            self._answers: queue.Queue[tuple[Any, ...]] = queue.Queue()
+            self._requests: dict[int, queue.Queue[tuple[Any, ...]]] = {}
+            self._ids = itertools.count()
+            threading.Thread(target=self._read_many, name="moechat-engine-reader", daemon=True).start()
+
+    def _read_many(self) -> None:
+        """A server's engine: the child's messages, each to the request it belongs to or to the one call waiting."""
+        while True:
+            try:
+                msg = self._recv()
+            except EngineProcessError as e:
+                gone = ("error", "EngineProcessError", str(e))
+                self._answers.put(gone)
+                for q in list(self._requests.values()):
+                    q.put(gone)
+                return
+            if msg[0] in ("bevent", "bdone", "berror"):
+                waiting = self._requests.get(msg[1])
+                if waiting is not None:
+                    waiting.put(msg)
+            else:
+                self._answers.put(msg)
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        with self._send_lock:
+            self._conn.send(msg)
+
+    def _reply_many(self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event,
+                    stops: Sequence[str]) -> Iterator[Event]:  # fmt: skip
+        """`reply` on a server's engine: the request decodes beside the others; `stop` cancels it."""
+        rid = next(self._ids)
+        q: queue.Queue[tuple[Any, ...]] = queue.Queue()
+        self._requests[rid] = q
+        cancelled = False
+        try:
+            self._send(("submit", (rid, prompt, params, max_tokens, tuple(stops))))
+            while True:
+                try:
+                    msg = q.get(timeout=STOP_POLL_S)
+                except queue.Empty:
+                    msg = None
+                if stop.is_set() and not cancelled:
+                    self._send(("cancel", (rid,)))
+                    cancelled = True
+                if msg is None:
+                    continue
+                if msg[0] == "bevent":
+                    yield msg[2]
+                elif msg[0] == "bdone":
+                    self.info = msg[2]
+                    return
+                else:
+                    self._raise(msg[-2], msg[-1])
+        finally:
+            self._requests.pop(rid, None)
 
     def _start(self, spec: EngineSpec) -> None:
         # multiprocessing hands its children sys.stderr's descriptor (the engine, and the resource
@@ -219,8 +343,12 @@ class ProcessEngine:
 
     def _exchange(self, name: str, args: tuple[Any, ...]) -> Any:
         """One call and its answer over the pipe; the caller holds the lock."""
-        self._conn.send((name, args))
-        msg = self._recv()
+        if self.slots:
+            self._send((name, args))
+            msg = self._answers.get()
+        else:
+            self._conn.send((name, args))
+            msg = self._recv()
         if msg[0] == "error":
             self._raise(msg[1], msg[2])
         return msg[1]
@@ -261,12 +389,15 @@ class ProcessEngine:
         self, prompt: list[int], params: SamplingParams, max_tokens: int, stop: threading.Event,
         stops: Sequence[str] = (),
     ) -> Iterator[Event]:  # fmt: skip
+        if self.slots:
+            return self._reply_many(prompt, params, max_tokens, stop, stops)
         return self._stream("reply", (prompt, params, max_tokens, tuple(stops)), stop)
 
     def snapshot(self) -> StatsSnapshot | None:
         """The engine's latest; while a stream or another call holds the pipe, the latest a stream carried
-        (never waits for a reply to end: a server's /metrics asks while requests stream)."""
-        if not self._lock.acquire(blocking=False):
+        (never waits for a reply to end: a server's /metrics asks while requests stream). A server's engine
+        answers between two decode steps."""
+        if not self._lock.acquire(blocking=bool(self.slots)):
             return self._snap
         try:
             self._snap = self._exchange("snapshot", ())
@@ -276,6 +407,10 @@ class ProcessEngine:
 
     def cache(self) -> tuple[float, float]:
         return self._call("cache")
+
+    def batch_status(self) -> BatchStatus | None:
+        """A server's engine: what its batcher does now (None: not a server's engine)."""
+        return self._call("batch_status") if self.slots else None
 
     def set_cache(self, mib: float, share: float) -> None:
         self._call("set_cache", mib, share)
@@ -298,7 +433,7 @@ class ProcessEngine:
         if self._proc.is_alive():
             try:
                 with self._lock:
-                    self._conn.send(("close", ()))
+                    (self._send if self.slots else self._conn.send)(("close", ()))
             except OSError:
                 pass
             self._proc.join(10)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from moechat.engine.cache.stats import StatsSnapshot
-from moechat.engine.events import DoneEvent
+from moechat.engine.events import BatchStatus, DoneEvent
 from moechat.tuner.baselines import MinBound
 from moechat.tuner.events import ConfirmEvent, SweepEvent
 from moechat.tuner.recommend import TuneReport
@@ -20,11 +20,12 @@ class StatsUpdate(Message):
     """The latest numbers; a newer one waiting in the queue replaces an older one."""
 
     def __init__(self, snapshot: StatsSnapshot | None, tokens: int, tps: float, upload_mib_per_token: float,
-                 final: bool = False, full: bool = True) -> None:  # fmt: skip
+                 final: bool = False, full: bool = True, batch: BatchStatus | None = None) -> None:  # fmt: skip
         super().__init__()
         self.snapshot, self.tokens, self.tps, self.upload_mib_per_token = snapshot, tokens, tps, upload_mib_per_token
         self.final = final  # the last update of a reply
         self.full = full  # the dashboard's costly views redraw (the publisher's Cadence says when)
+        self.batch = batch  # an attached server's slots and decode steps
 
     def can_replace(self, message: Message) -> bool:
         return isinstance(message, StatsUpdate)

@@ -22,10 +22,13 @@ from moechat.app.stop_strings import StopStrings
 from moechat.app.tuned import file_identity
 from moechat.engine.cache.settings import CacheSettings
 from moechat.engine.cache.stats import StatsSnapshot
-from moechat.engine.events import Event, SamplingParams, TokenEvent
+from moechat.engine.events import BatchStatus, DoneEvent, Event, SamplingParams, TokenEvent
 from moechat.engine.generate import Model, generate
 from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
+from moechat.engine.nn.layers import KVBank
 from moechat.engine.prompt_cache import PromptCache
+from moechat.engine.serving.batcher import Ask, Batcher, Stream
+from moechat.engine.serving.slots import Slots
 from moechat.engine.text.chat_template import ChatTemplateError, plain_template
 from moechat.tuner.baselines import MinBound, cache_bound
 from moechat.tuner.confirm import confirm
@@ -83,6 +86,7 @@ class RealEngine:
         self.recurrent = any(lm.config.is_recurrent(i) for i in range(lm.config.n_layers))
         self.prompts = PromptCache(lm.new_cache, can_roll_back=not self.recurrent)
         self.asked: CacheSettings | None = None  # a cache set during a first start's exact path, for the fast model
+        self._batcher: Batcher | None = None  # serving many requests at once (`batcher`)
         if lm.first_start is not None:
             lm.first_start.begin_upgrade()
 
@@ -166,6 +170,50 @@ class RealEngine:
                     yield ev
         finally:
             self.prompts.record([*prompt, *replied], after[0] if after else None)
+
+    # -- many requests at once (`moechat serve --parallel N`) ----------------------------------------
+
+    def batcher(self, n_slots: int) -> Batcher:
+        """The batcher that serves requests on `n_slots` KV slots of this model, made at the first call."""
+        if self._batcher is None:
+            bank = KVBank(self.lm.config, self.lm.n_ctx, n_slots, device=self.lm.model.device)
+            self._batcher = Batcher(self.model, self.lm.tokenizer, Slots(bank, can_roll_back=not self.recurrent))
+        return self._batcher
+
+    def submit(self, prompt: list[int], params: SamplingParams, max_tokens: int, stops: Sequence[str],
+               emit: Callable[[Event], None]) -> Stream:  # fmt: skip
+        """`reply` on the batcher: the request's events go to `emit` from the stepping thread, its text cut at
+        the first of `stops` as `reply` cuts it."""
+        if self._batcher is None:
+            raise RuntimeError("no batcher: call batcher() first")
+        cutter = StopStrings((*PLAIN_STOPS, *stops) if self.plain else tuple(stops))
+        max_tokens = max(1, min(max_tokens, self.lm.n_ctx - len(prompt)))
+        stream: list[Stream] = []
+
+        def cut(ev: Event) -> None:
+            if isinstance(ev, TokenEvent):
+                text = cutter.push(ev.text)
+                if cutter.hit:
+                    stream[0].cancel()
+                emit(replace(ev, text=text))
+            elif isinstance(ev, DoneEvent):
+                tail = cutter.flush()
+                if tail:
+                    emit(TokenEvent(-1, tail, ev.n_generated))
+                emit(replace(ev, stop_reason="eos") if cutter.hit else ev)
+
+        stream.append(self._batcher.submit(Ask(prompt, params, max_tokens), cut))
+        return stream[0]
+
+    def between_requests(self) -> None:
+        """Nothing is served: a first start's fast model takes over here (the slots start empty)."""
+        before = self.model
+        self._upgrade()
+        if self._batcher is not None and self.model is not before:
+            self._batcher.set_model(self.model)
+
+    def batch_status(self) -> BatchStatus | None:
+        return self._batcher.status() if self._batcher is not None else None
 
     def snapshot(self) -> StatsSnapshot | None:
         if self.split is not None:

@@ -17,7 +17,7 @@ from moechat.app.engine_api import ChatEngine
 from moechat.app.engine_api import Message as ChatMessage
 from moechat.app.messages import ContextTrimmed, ReplyDone, StatsUpdate, TokenText
 from moechat.engine.cache.stats import StatsSnapshot
-from moechat.engine.events import DoneEvent, SamplingParams, TokenEvent, tokens_per_second
+from moechat.engine.events import BatchStatus, DoneEvent, SamplingParams, TokenEvent, tokens_per_second
 from textual.message import Message
 
 FULL_EVERY = 1.0  # seconds: the throughput plot and the heat map redraw at most once a second
@@ -66,7 +66,9 @@ def _stats(engine: ChatEngine, n: int, first: float, full: bool, final: bool = F
     return stats_update(engine.snapshot(), n, tps, full, final)
 
 
-def stats_update(snap: StatsSnapshot | None, n: int, tps: float, full: bool, final: bool = False) -> StatsUpdate:
-    """What the dashboard draws: the snapshot, the reply's tokens and t/s, the MiB uploaded per token."""
+def stats_update(snap: StatsSnapshot | None, n: int, tps: float, full: bool, final: bool = False,
+                 batch: BatchStatus | None = None) -> StatsUpdate:  # fmt: skip
+    """What the dashboard draws: the snapshot, the reply's tokens and t/s, the MiB uploaded per token; an attached
+    server's slots and decode steps (`batch`)."""
     up = snap.total.uploaded_bytes / 2**20 / max(snap.tokens, 1) if snap is not None else 0.0
-    return StatsUpdate(snap, n, tps, up, final, full)
+    return StatsUpdate(snap, n, tps, up, final, full, batch)

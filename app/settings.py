@@ -267,6 +267,18 @@ class Settings:
             metavar="N",
         ),
     )
+    parallel: int = _setting(
+        1,
+        "serve",
+        Spec(
+            int,
+            lambda v: 1 <= v <= 64,
+            "in 1..64",
+            "requests a server decodes together, each on a KV slot of its own (its conversation kept there)",
+            short="-np",
+            metavar="N",
+        ),
+    )
     system: str = _setting("", "app", Spec(str, _any, "text", "system prompt", metavar="TEXT"))
     refresh_ms: int = _setting(
         250,
@@ -296,6 +308,7 @@ def _group(group: str) -> tuple[str, ...]:
 ENGINE = _group("engine")
 SAMPLING = _group("sampling")
 APP = _group("app")
+SERVE = _group("serve")
 
 
 # Half of each demo's routed experts, so hits, uploads and CPU-computed misses all show on the

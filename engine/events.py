@@ -73,3 +73,17 @@ class DoneEvent:
 
 
 Event = TokenEvent | DoneEvent
+
+
+@dataclass(frozen=True)
+class BatchStatus:
+    """What a server's batcher is doing (`engine.serving.batcher`), for a dashboard and /metrics: its slots, how
+    many hold a request (reading its prompt or decoding), how many requests wait for a slot, the tokens of the
+    last decode step, the steps so far and each slot's tokens/s (0: idle, or reading its prompt)."""
+
+    slots: int
+    active: int
+    queued: int
+    last_batch: int
+    steps: int
+    slot_tps: tuple[float, ...] = ()

@@ -23,6 +23,7 @@ ENGINE_LAYERS: dict[str, int] = {
     "moe": 4,
     "cache": 5,
     "models": 6,
+    "serving": 7,  # many requests on one model: beside the runtime it batches
     "distributed": 8,  # a model split over hosts: above the runtime it splits
 }
 RUNTIME = 7  # the engine's top modules (loader, generate, ...) use everything below

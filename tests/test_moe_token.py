@@ -40,6 +40,27 @@ def test_one_call_is_bit_identical_to_routing_then_the_experts(arch: str, kernel
     lm.close()
 
 
+@pytest.mark.parametrize("kernels", ["int16", "int8"])
+def test_a_step_of_tokens_in_one_call_is_each_token_alone(kernels: str, tmp_path: Path) -> None:
+    """Several tokens in one call (a server's decode step: an expert's blocks read once for all the tokens routed to
+    it) give each token the ids, weights and output it gets alone, bit for bit, with the norm and residual inside
+    too: tokens that share all their experts (the same row twice), some, or none."""
+    lm = load_model(tiny_moe(tmp_path / "m.gguf", expert_type=Q.Q4_K, n_expert=4), n_ctx=32, cpu_kernels=kernels)
+    block = lm.model.blocks[0]
+    torch.manual_seed(1)
+    for norm in (None, block.ffn_norm):
+        call = moe_token_call(block.ffn, lm.model.host_experts, norm, block.eps)
+        assert call is not None
+        rows = torch.randn(5, lm.config.n_embd)
+        rows[3] = rows[1]  # the same experts as row 1
+        ids, w, y = call(host_rows(rows))
+        assert len({tuple(r) for r in ids.tolist()}) < 5  # (4 experts, 2 each: some rows share experts)
+        for t in range(5):
+            one_ids, one_w, one_y = call(host_rows(rows[t : t + 1]))
+            assert (ids[t] == one_ids[0]).all() and (w[t] == one_w[0]).all() and (y[t] == one_y[0]).all()
+    lm.close()
+
+
 def test_grouped_routing_takes_the_general_path(tmp_path: Path) -> None:
     """DeepSeek's grouped choice with its choice bias has no compiled routing: the general path."""
     deepseek = load_model(tiny_moe(tmp_path / "ds.gguf", arch="deepseek2", expert_type=Q.Q8_0), n_ctx=32)

@@ -16,6 +16,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
@@ -301,6 +302,92 @@ def test_a_client_that_goes_away_mid_stream_frees_the_engine(tmp_path: Path) -> 
         assert good.status_code == 200 and good.json()["usage"]["completion_tokens"] <= 3
     finally:
         s.stop()
+
+
+@pytest.fixture(scope="module")
+def many(model: Path) -> Iterator[Server]:
+    """A server that decodes two requests together (--parallel 2)."""
+    s = Server(model, "--parallel", "2")
+    yield s
+    s.stop()
+
+
+def _chat(server: Server, content: str, n: int = 12, **extra: object) -> dict[str, Any]:
+    r = httpx.post(server.url + "/v1/chat/completions", timeout=300,
+                   json={"messages": [{"role": "user", "content": content}], "max_tokens": n, "temperature": 0,
+                         **extra})  # fmt: skip
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_clients_served_together_each_get_the_text_they_get_alone(many: Server) -> None:
+    """--parallel 2: four greedy clients at once (two wait for a slot) each get the text the same request gets
+    alone; the decode steps ran two tokens at once, and /metrics and /moechat/stats say what the slots did."""
+    prompts = ["Cats sleep all day.", "Rivers run to the sea.", "Bread needs an oven.", "Stars shine at night."]
+    together: dict[int, str] = {}
+
+    def client(i: int) -> None:
+        together[i] = _chat(many, prompts[i])["choices"][0]["message"]["content"]
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(300)
+    steps = _metric(many, "moechat_decode_steps_total")
+    alone = {i: _chat(many, p)["choices"][0]["message"]["content"] for i, p in enumerate(prompts)}
+    assert together == alone
+    assert _metric(many, "moechat_slots") == 2 and _metric(many, "moechat_slots_active") == 0
+    assert steps < 4 * 12  # (tokens of two requests went through in one step)
+    batch = httpx.get(many.url + "/moechat/stats", timeout=30).json()["batch"]
+    assert batch["slots"] == 2 and len(batch["slot_tps"]) == 2 and batch["steps"] >= steps
+
+
+def test_two_conversations_served_in_turn_each_reuse_their_prefix(many: Server) -> None:
+    """Two agents' growing contexts sent in turn: each finds its conversation on its own slot."""
+    chats = [[{"role": "user", "content": "Name a mountain in the Alps."}],
+             [{"role": "user", "content": "Count to five in French."}]]  # fmt: skip
+    for turn in range(2):
+        for chat in chats:
+            r = httpx.post(many.url + "/v1/chat/completions", timeout=300,
+                           json={"messages": chat, "max_tokens": 6, "temperature": 0}).json()  # fmt: skip
+            if turn:
+                cached = r["usage"]["prompt_tokens_details"]["cached_tokens"]
+                assert cached > len(chat) * 4, r["usage"]  # (the first turn's prompt and reply, at least)
+            chat += [{"role": "assistant", "content": r["choices"][0]["message"]["content"]},
+                     {"role": "user", "content": "And then?"}]  # fmt: skip
+
+
+@pytest.mark.slow
+def test_more_clients_than_slots_are_all_answered_and_memory_stays_flat(many: Server) -> None:
+    """Twelve clients at once on two slots, three rounds: every request is answered (they wait for a slot, none
+    is refused or lost), each with its own seeded text, and the server's memory does not grow round by round."""
+
+    def ask(seed: int) -> tuple[int, str]:
+        r = httpx.post(many.url + "/v1/chat/completions", timeout=600,
+                       json={"messages": [{"role": "user", "content": f"Story {seed}."}], "max_tokens": 8,
+                             "temperature": 0.9, "seed": seed})  # fmt: skip
+        return r.status_code, r.json()["choices"][0]["message"]["content"] if r.status_code == 200 else r.text
+
+    rss = []
+    texts: dict[int, set[str]] = {s: set() for s in range(12)}
+    for _ in range(3):
+        got: dict[int, tuple[int, str]] = {}
+
+        def client(seed: int, into: dict[int, tuple[int, str]] = got) -> None:
+            into[seed] = ask(seed)
+
+        threads = [threading.Thread(target=client, args=(s,)) for s in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(600)
+        assert sorted(got) == list(range(12)) and all(status == 200 for status, _ in got.values()), got
+        for seed, (_, text) in got.items():
+            texts[seed].add(text)
+        rss.append(many.rss_kib())
+    assert all(len(t) == 1 for t in texts.values())  # the same seeded text each round, whoever else was served
+    assert rss[-1] <= 1.05 * rss[0]
 
 
 def _metric(server: Server, name: str) -> float:

@@ -15,6 +15,7 @@ from moechat.app.settings import (
     APP,
     ENGINE,
     SAMPLING,
+    SERVE,
     SPEC,
     Settings,
     env_name,
@@ -34,9 +35,9 @@ OTHER = {
     "cpu_kernels": "exact", "threads": "1",
     "ctx_size": "512", "chat_template": "t.jinja", "n_predict": "7", "temp": "0.2", "top_k": "5", "top_p": "0.5",
     "min_p": "0.1", "repeat_penalty": "1.2", "seed": "11", "system": "Be brief.", "refresh_ms": "500",
-    "theme": "nord",
+    "theme": "nord", "parallel": "4",
 }  # fmt: skip
-COMMANDS = {"chat": CHAT, "run": (*SAMPLING, *ENGINE), "tune": TUNE_SETTINGS}
+COMMANDS = {"chat": CHAT, "run": (*SAMPLING, *ENGINE), "tune": TUNE_SETTINGS, "serve": (*SAMPLING, *ENGINE, *SERVE)}
 
 
 def test_the_declaration_covers_every_setting_and_each_value_differs_from_its_default() -> None:
@@ -151,7 +152,7 @@ def test_the_usage_page_lists_every_setting() -> None:
 
 
 def test_the_groups_hold_every_setting_once() -> None:
-    groups = (*ENGINE, *SAMPLING, *APP)
+    groups = (*ENGINE, *SAMPLING, *APP, *SERVE)
     assert sorted(groups) == sorted(SPEC) and len(set(groups)) == len(groups)
 
 

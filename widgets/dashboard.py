@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from moechat.engine.cache.stats import Recent, StatsSnapshot, TierSnapshot
+from moechat.engine.events import BatchStatus
 from moechat.tuner.baselines import MinBound
 from moechat.widgets.expert_heatmap import ExpertHeatmap, axis, legend
 from moechat.widgets.layer_stats import LayerStats
@@ -24,6 +25,14 @@ def ram_rows(r: TierSnapshot) -> list[str]:
     ]
 
 
+def batch_rows(b: BatchStatus) -> list[str]:
+    """An attached server's slots: how many are busy and queued, the last decode step, each slot's t/s."""
+    return [
+        f"server {b.active}/{b.slots} slots  |  {b.queued} queued  |  step {b.last_batch}",
+        "slot t/s " + " ".join(f"{v:.1f}" for v in b.slot_tps),
+    ]
+
+
 class Dashboard(VerticalScroll):
     DEFAULT_CSS = """
     Dashboard { width: 46; border-left: solid $primary; padding: 0 1; }
@@ -37,6 +46,7 @@ class Dashboard(VerticalScroll):
         self._totals: tuple[float, float, Recent | None] = (0.0, 0.0, None)  # t/s, MiB/token, recent window
         self._snap: StatsSnapshot | None = None  # the latest, to fold again on a resize
         self.off_note = ""  # why there is no cache (auto's words), shown where the cache's numbers would be
+        self.server_rows: list[str] = []  # an attached server's slots (`batch_rows`), above the cache's numbers
         # What a miss's copy into a slot is: an upload over the link to a GPU; on the CPU device a copy
         # within RAM ("copied": the same bookkeeping, no link), which "uploaded" would misname.
         self.copied = "uploaded"
@@ -70,11 +80,12 @@ class Dashboard(VerticalScroll):
     def _show_totals(self) -> None:
         snap, (tps, uploaded_per_token_mib, recent) = self._snap, self._totals
         totals = self.query_one("#totals", RowsView)
+        server = [[(line, "")] for line in self.server_rows]
         if snap is None or (not snap.groups and snap.ram is not None):
             rows = [[(f"no expert cache  |  {tps:.1f} t/s", "")]]
             if snap is not None and snap.ram is not None:  # the experts in a RAM tier, read from the file
                 rows += [[(line, "")] for line in ram_rows(snap.ram)]
-            totals.set_rows(rows + ([[(self.off_note, "")]] if self.off_note else []))
+            totals.set_rows(server + rows + ([[(self.off_note, "")]] if self.off_note else []))
             return
         t = snap.total
         if recent is None:
@@ -90,6 +101,7 @@ class Dashboard(VerticalScroll):
             [(f"last {b.tokens} tok {100 * b.hit_rate:.1f}% (MIN {100 * b.rate:.1f}%)", "")]]  # fmt: skip
         # Short lines that fit the panel's 43 columns: rows are cropped, never wrapped.
         totals.set_rows([
+            *server,
             [(f"hit rate {100 * t.hit_rate:.1f}%" + bound + f"  |  {tps:.1f} t/s", "")],
             [(last, "")],
             *window,

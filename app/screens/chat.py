@@ -21,7 +21,7 @@ from moechat.app.screens.wizard import TuneWizard
 from moechat.app.settings import sampling_params
 from moechat.engine.events import SamplingParams
 from moechat.widgets.chat_log import ChatInput, EarlierMarker, Turn, turn_for
-from moechat.widgets.dashboard import Dashboard
+from moechat.widgets.dashboard import Dashboard, batch_rows
 from textual import on, work
 from textual.app import ComposeResult
 from textual.binding import Binding, BindingType
@@ -134,7 +134,7 @@ class ChatScreen(Screen[None]):
             logger.warning("%s", e, exc_info=True)
             return
         live = getattr(engine, "live_tokens", 0), getattr(engine, "live_tps", 0.0)
-        self.post_message(stats_update(snap, live[0], live[1], full=True))
+        self.post_message(stats_update(snap, live[0], live[1], full=True, batch=getattr(engine, "live_batch", None)))
 
     def show_loading(self, text: str) -> None:
         """What the engine's load is doing (the demo's build, the kernels a first start compiles)."""
@@ -237,6 +237,8 @@ class ChatScreen(Screen[None]):
         self.stats_updates += 1
         recent = self.moechat.session.add(msg.snapshot, msg.tokens, msg.tps)  # the window is computed once, there
         dash = self.query_one(Dashboard)
+        if msg.batch is not None:
+            dash.server_rows = batch_rows(msg.batch)
         dash.show_scope(bool(self.moechat.session.periods))
         dash.show(msg.snapshot, msg.tokens, msg.tps, msg.upload_mib_per_token, msg.full, recent)
         if self.generating and msg.tps:

@@ -11,7 +11,7 @@ import threading
 from typing import Any
 
 from moechat.app.run_cmd import add_config_flag
-from moechat.app.settings import APP, ENGINE, MODEL_HELP, SAMPLING, add_flags
+from moechat.app.settings import APP, ENGINE, MODEL_HELP, SAMPLING, SERVE, add_flags
 
 API_KEY_ENV = "MOECHAT_API_KEY"
 
@@ -23,7 +23,7 @@ def add_serve_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--api-key", default=os.environ.get(API_KEY_ENV), metavar="KEY",
                    help=f"every endpoint but /health then needs 'Authorization: Bearer KEY' (env {API_KEY_ENV}, "
                         "which keeps the key out of the process list)")  # fmt: skip
-    add_flags(p, (*SAMPLING, *ENGINE))
+    add_flags(p, (*SAMPLING, *ENGINE, *SERVE))
     add_config_flag(p)
 
 
@@ -43,7 +43,7 @@ def run_serve(args: argparse.Namespace) -> int:
         raise ValueError(f"--port must be in 0..65535, got {args.port}")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("--api-key is empty")
-    settings, warnings, _ = from_args(args, (*SAMPLING, *ENGINE))
+    settings, warnings, _ = from_args(args, (*SAMPLING, *ENGINE, *SERVE))
     print_warnings(warnings)
     defaults = sampling_params(settings)  # bad values fail before the engine loads
     check_model_file(args.model)
@@ -72,10 +72,11 @@ def run_serve(args: argparse.Namespace) -> int:
         try:
             status = StatusLine()
             # The model runs in the engine's own process: this one (HTTP) loads neither torch nor the UI.
-            engine = ProcessEngine(EngineSpec(args.model, settings, str(app_paths().data / "warm")), status)
+            engine = ProcessEngine(EngineSpec(args.model, settings, str(app_paths().data / "warm"),
+                                              slots=settings.parallel), status)  # fmt: skip
             loaded.append(engine)
             status.done()
-            gate.open(build_app(engine, defaults, api_key=args.api_key))
+            gate.open(build_app(engine, defaults, api_key=args.api_key, parallel=settings.parallel))
             print(f"moechat: serving {engine.info.name} on http://{host}:{port}/v1 (Ctrl+C stops)",
                   file=sys.stderr, flush=True)  # fmt: skip
         except BaseException as e:  # the reason is said once the server has stopped

@@ -1,9 +1,10 @@
-"""Requests on the engine one at a time, in arrival order, from a bounded queue.
+"""Requests on the engine, up to `parallel` at once (its KV slots, decoded together), in arrival order, from a
+bounded queue.
 
-The engine runs one generation at a time (batching comes later). Each request becomes a job on one
-worker thread; the job streams its pieces to the request's asyncio queue. Beyond `max_waiting`
-queued requests a new one is refused at once (429 with Retry-After), never left to hang. A stop
-event per job ends its generation between two tokens: a streaming client that goes away sets it.
+Each request becomes a job on a worker thread (one per slot); the job streams its pieces to the request's
+asyncio queue. Beyond `max_waiting` queued requests a new one is refused at once (429 with Retry-After),
+never left to hang. A stop event per job ends its generation between two tokens: a streaming client that
+goes away sets it, and its slot serves the next request at once.
 """
 
 from __future__ import annotations
@@ -38,11 +39,12 @@ class Finished:
 
 
 class Jobs:
-    def __init__(self, engine: LocalEngine, n_ctx: int, max_waiting: int) -> None:
+    def __init__(self, engine: LocalEngine, n_ctx: int, max_waiting: int, parallel: int = 1) -> None:
         self.engine = engine
         self.n_ctx = n_ctx
         self.max_waiting = max_waiting
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="moechat-serve-engine")
+        self.parallel = parallel
+        self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="moechat-serve-engine")
         self._lock = threading.Lock()
         self.waiting = 0  # accepted, not yet on the engine
         self.running = 0

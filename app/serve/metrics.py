@@ -11,6 +11,7 @@ from collections.abc import Callable, Iterator
 
 from moechat.app.serve.jobs import Jobs
 from moechat.engine.cache.stats import CountersSnapshot, StatsSnapshot, TierSnapshot
+from moechat.engine.events import BatchStatus
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
@@ -25,9 +26,9 @@ def group_totals(snap: StatsSnapshot) -> dict[int, CountersSnapshot]:
 
 
 class ServerCollector(Collector):
-    def __init__(self, jobs: Jobs, requests: Counter[tuple[str, int]],
-                 snapshot: Callable[[], StatsSnapshot | None]) -> None:  # fmt: skip
-        self.jobs, self.requests, self.snapshot = jobs, requests, snapshot
+    def __init__(self, jobs: Jobs, requests: Counter[tuple[str, int]], snapshot: Callable[[], StatsSnapshot | None],
+                 batch: Callable[[], BatchStatus | None] = lambda: None) -> None:  # fmt: skip
+        self.jobs, self.requests, self.snapshot, self.batch = jobs, requests, snapshot, batch
 
     def collect(self) -> Iterator[Metric]:
         req = CounterMetricFamily("moechat_requests", "HTTP requests answered", labels=["endpoint", "code"])
@@ -41,6 +42,9 @@ class ServerCollector(Collector):
                                   value=self.jobs.cancelled)  # fmt: skip
         yield GaugeMetricFamily("moechat_queue_depth", "requests waiting for the engine", value=self.jobs.waiting)
         yield GaugeMetricFamily("moechat_requests_running", "requests on the engine now", value=self.jobs.running)
+        batch = self.batch()
+        if batch is not None:
+            yield from batch_metrics(batch)
         snap = self.snapshot()
         if snap is None:
             return
@@ -89,6 +93,20 @@ class ServerCollector(Collector):
         yield slots
         yield GaugeMetricFamily("moechat_cache_tokens", "tokens through the MoE layers since the cache's start",
                                 value=snap.tokens)  # fmt: skip
+
+
+def batch_metrics(b: BatchStatus) -> Iterator[Metric]:
+    """The engine's KV slots and decode steps (`--parallel`): busy slots, requests waiting for one, the last step."""
+    yield GaugeMetricFamily("moechat_slots", "KV slots: requests decoded together at most", value=b.slots)
+    yield GaugeMetricFamily("moechat_slots_active", "slots holding a request (reading its prompt or decoding)",
+                            value=b.active)  # fmt: skip
+    yield GaugeMetricFamily("moechat_slots_queued", "requests the engine holds until a slot is free", value=b.queued)
+    yield GaugeMetricFamily("moechat_batch_size", "tokens in the last decode step", value=b.last_batch)
+    yield CounterMetricFamily("moechat_decode_steps", "decode steps run", value=b.steps)
+    tps = GaugeMetricFamily("moechat_slot_tokens_per_second", "each busy slot's decode speed now", labels=["slot"])
+    for i, v in enumerate(b.slot_tps):
+        tps.add_metric([str(i)], v)
+    yield tps
 
 
 def ram_tier_metrics(r: TierSnapshot) -> Iterator[Metric]:

@@ -12,12 +12,13 @@ import json
 import threading
 import time
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from typing import Any
 
 import httpx
 from moechat.app.engine_api import Message, ModelInfo
 from moechat.engine.cache.stats import StatsSnapshot, snapshot_from_dict
-from moechat.engine.events import DoneEvent, Event, SamplingParams, TokenEvent
+from moechat.engine.events import BatchStatus, DoneEvent, Event, SamplingParams, TokenEvent
 from moechat.tuner.baselines import MinBound
 
 
@@ -31,6 +32,7 @@ class RemoteEngine:
         self._cache = (float(d["cache"][0]), float(d["cache"][1]))
         self._messages: list[Message] = []
         self.live_tokens, self.live_tps = 0, 0.0  # the server's reply now or last (anyone's)
+        self.live_batch: BatchStatus | None = None  # its slots and decode steps now
 
     def _get(self, path: str) -> dict[str, Any]:
         try:
@@ -86,6 +88,8 @@ class RemoteEngine:
     def snapshot(self) -> StatsSnapshot | None:
         d = self._get("/moechat/stats")
         self.live_tokens, self.live_tps = int(d.get("tokens", 0)), float(d.get("tps", 0.0))
+        b = d.get("batch")
+        self.live_batch = replace(BatchStatus(**b), slot_tps=tuple(b["slot_tps"])) if b else None
         return snapshot_from_dict(d["snapshot"]) if d.get("snapshot") else None
 
     def cache(self) -> tuple[float, float]:

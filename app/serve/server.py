@@ -20,7 +20,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import asdict
 from typing import Any
 
-from moechat.app.engine_api import LocalEngine
+from moechat.app.engine_api import ServingEngine
 from moechat.app.serve import wire
 from moechat.app.serve.jobs import Finished, Jobs, Piece
 from moechat.app.serve.metrics import ServerCollector, metrics_text
@@ -34,17 +34,19 @@ from starlette.routing import Route
 logger = logging.getLogger(__name__)
 
 MAX_BODY = 8 * 2**20  # bytes: far above any prompt a context holds, far below what hurts the server
-MAX_WAITING = 8  # requests queued behind the running one before a new one is refused (429)
+MAX_WAITING = 8  # requests queued per slot behind the running ones before a new one is refused (429)
 RETRY_AFTER_S = 2
 
 
-def build_app(engine: LocalEngine, defaults: SamplingParams, api_key: str | None = None,
-              max_waiting: int = MAX_WAITING) -> Starlette:  # fmt: skip
+def build_app(engine: ServingEngine, defaults: SamplingParams, api_key: str | None = None,
+              max_waiting: int | None = None, parallel: int = 1) -> Starlette:  # fmt: skip
+    """The routes over `engine`, which serves `parallel` requests at once (a server's engine process, `slots`);
+    beyond `max_waiting` waiting requests (MAX_WAITING per slot) a new one is refused."""
     n_ctx = engine.info.n_ctx
     model_id = engine.info.name
-    jobs = Jobs(engine, n_ctx, max_waiting)
+    jobs = Jobs(engine, n_ctx, MAX_WAITING * parallel if max_waiting is None else max_waiting, parallel)
     requests: Counter[tuple[str, int]] = Counter()
-    collector = ServerCollector(jobs, requests, engine.snapshot)
+    collector = ServerCollector(jobs, requests, engine.snapshot, engine.batch_status)
     created = int(time.time())
     cache_setting = engine.cache()  # asked once: a streaming reply holds the engine's pipe
 
@@ -135,9 +137,12 @@ def build_app(engine: LocalEngine, defaults: SamplingParams, api_key: str | None
         return Response(text, media_type="text/plain; version=0.0.4; charset=utf-8")
 
     async def stats(request: Request) -> Response:
-        snap = await asyncio.get_running_loop().run_in_executor(None, engine.snapshot)
+        loop = asyncio.get_running_loop()
+        snap = await loop.run_in_executor(None, engine.snapshot)
+        batch = await loop.run_in_executor(None, engine.batch_status)
         return JSONResponse({"snapshot": asdict(snap) if snap is not None else None, "queue_depth": jobs.waiting,
-                             "running": jobs.running, "tokens": jobs.live_tokens, "tps": jobs.live_tps})  # fmt: skip
+                             "running": jobs.running, "tokens": jobs.live_tokens, "tps": jobs.live_tps,
+                             "batch": asdict(batch) if batch is not None else None})  # fmt: skip
 
     async def info(request: Request) -> Response:
         return JSONResponse({"model": asdict(engine.info), "cache": list(cache_setting)})

@@ -26,9 +26,9 @@ from llvmlite import ir
 
 from .attention_core import LANES, fits, key_scores, row_scores, rows_fit, weighted_values
 from .codes import GATING_SELECT, GATING_SIGMOID, GATING_SOFTMAX, GATING_SOFTMAX_SELECTED
-from .cpu import ROWS, act
+from .cpu import ROWS, act, dots
 from .jit import intrinsic, njit, prange, types
-from .qblocks import dot_row, quantize_rows, sum_squares
+from .qblocks import quantize_rows, sum_squares
 
 FEW_ROWS = 8  # up to this many rows (decode), RMS norm and routing run as compiled calls
 
@@ -44,15 +44,6 @@ def _rotate(x: np.ndarray, cis: np.ndarray, pos: int, neox: bool) -> None:
             a, b = x[h, j], x[h, k]
             x[h, j] = a * c - b * s
             x[h, k] = a * s + b * c
-
-
-@njit(inline="always")
-def _project(code: int, w: np.ndarray, q: Any, k: int, one: np.ndarray, r0: int, y: np.ndarray) -> None:
-    """y[r] = row r of w times the one quantized activation row q of k values, for the ROWS rows from r0 (a
-    work item)."""
-    xq, dx, bs = q
-    for r in range(r0, min(w.shape[0], r0 + ROWS)):
-        y[r] = dot_row(code, w, r * w.strides[0], k, xq, dx, bs, one[0])
 
 
 @njit(inline="always")
@@ -225,68 +216,84 @@ def decode_attention(
     return out
 
 
+@njit(inline="always")
+def _project_rows(code: int, w: np.ndarray, q: Any, k: int, n: int, r0: int, y: np.ndarray) -> None:
+    """y[t, r] = row r of w times quantized activation row t of q (k values), for the n rows t and the ROWS
+    rows r from r0 (a work item): a row of w is read once for all n, its chunks unpacked once for four tokens
+    (`cpu.dots`). Each y[t, r] is the product row t gets alone (`qblocks.dot_row`): the same bits whatever n is."""
+    tokens = np.arange(n)
+    acc = np.empty(n, np.float32)
+    for r in range(r0, min(w.shape[0], r0 + ROWS)):
+        dots(code, w, r * w.strides[0], k, q, tokens, 0, n, acc)
+        for t in range(n):
+            y[t, r] = acc[t]
+
+
 @functools.cache
 def _block_kernel(tq: Q, tk: Q, tv: Q, to: Q, bits: int) -> Any:
     cq, ck, cv, co = int(tq), int(tk), int(tv), int(to)
 
     @njit(parallel=True, fastmath=False)
     def block(x, norm, eps, wq, wk, wv, wo, bq, bk, bv, bo, q_norm, k_norm, post_norm, n_head, n_kv, head_dim,
-              cis, neox, k_cache, v_cache, pos, start, scale, sinks, out):  # fmt: skip
-        e = x.shape[1]
-        one = np.zeros(1, np.int64)
-        h = np.empty((1, e), np.float32)
+              cis, neox, k_bank, v_bank, slots, pos, start, scale, sinks, out):  # fmt: skip
+        n, e = x.shape
+        h = np.empty((n, e), np.float32)
         _rms(x, norm, eps, h)
-        qa = quantize_rows(h, one, bits)
+        qa = quantize_rows(h, np.arange(n), bits)
         nq, nk, nv = wq.shape[0], wk.shape[0], wv.shape[0]
         tiles_q, tiles_k = (nq + ROWS - 1) // ROWS, (nk + ROWS - 1) // ROWS
-        yq, yk, yv = np.empty(nq, np.float32), np.empty(nk, np.float32), np.empty(nv, np.float32)
+        yq, yk, yv = np.empty((n, nq), np.float32), np.empty((n, nk), np.float32), np.empty((n, nv), np.float32)
         for job in prange(tiles_q + tiles_k + (nv + ROWS - 1) // ROWS):
             if job < tiles_q:
-                _project(cq, wq, qa, e, one, job * ROWS, yq)
+                _project_rows(cq, wq, qa, e, n, job * ROWS, yq)
             elif job < tiles_q + tiles_k:
-                _project(ck, wk, qa, e, one, (job - tiles_q) * ROWS, yk)
+                _project_rows(ck, wk, qa, e, n, (job - tiles_q) * ROWS, yk)
             else:
-                _project(cv, wv, qa, e, one, (job - tiles_q - tiles_k) * ROWS, yv)
-        if bq.size:
-            yq += bq
-            yk += bk
-            yv += bv
-        q = yq.reshape(n_head, head_dim)
-        k = yk.reshape(n_kv, head_dim)
-        if q_norm.size:
-            _rms(q.copy(), q_norm, eps, q)
-        if k_norm.size:
-            _rms(k.copy(), k_norm, eps, k)
-        a = np.empty((n_head, v_cache.shape[2]), np.float32)
-        _decode_attention(q, k, yv.reshape(n_kv, v_cache.shape[2]), cis, neox, k_cache, v_cache, pos, start, scale,
-                          sinks, a)  # fmt: skip
-        a2 = a.reshape(1, -1)
-        qo = quantize_rows(a2, one, bits)
-        y = np.empty((1, e), np.float32)
+                _project_rows(cv, wv, qa, e, n, (job - tiles_q - tiles_k) * ROWS, yv)
+        dim_v = v_bank.shape[3]
+        a = np.empty((n, n_head * dim_v), np.float32)
+        for t in range(n):  # each row over its own sequence's cache, at its own position
+            if bq.size:
+                yq[t] += bq
+                yk[t] += bk
+                yv[t] += bv
+            q = yq[t].reshape(n_head, head_dim)
+            k = yk[t].reshape(n_kv, head_dim)
+            if q_norm.size:
+                _rms(q.copy(), q_norm, eps, q)
+            if k_norm.size:
+                _rms(k.copy(), k_norm, eps, k)
+            s = slots[t]
+            _decode_attention(q, k, yv[t].reshape(n_kv, dim_v), cis, neox, k_bank[s], v_bank[s], pos[t], start[t],
+                              scale, sinks, a[t].reshape(n_head, dim_v))  # fmt: skip
+        qo = quantize_rows(a, np.arange(n), bits)
+        y = np.empty((n, e), np.float32)
         for job in prange((e + ROWS - 1) // ROWS):
-            _project(co, wo, qo, a2.shape[1], one, job * ROWS, y[0])
+            _project_rows(co, wo, qo, a.shape[1], n, job * ROWS, y)
         if bo.size:
-            y[0] += bo
+            for t in range(n):
+                y[t] += bo
         if post_norm.size:
             _rms(y.copy(), post_norm, eps, y)
-        for r in range(e):
-            out[0, r] = x[0, r] + y[0, r]
+        for t in range(n):
+            for r in range(e):
+                out[t, r] = x[t, r] + y[t, r]
 
     return block
 
 
-_NONE = np.zeros(0, np.float32)
-
-
 class AttentionBlockCall:
-    """A layer's attention block for one token, everything but the token and its KV cache bound once.
+    """A layer's attention block for a decode step's tokens, everything but the tokens and their KV caches bound
+    once.
 
     norm, eps: the pre-attention RMS norm; ws: (raw bytes, type) of q, k, v and output; biases: of
     q, k, v, output (None: none; q, k and v have them all or none); q_norm/k_norm: per-head weights
     [head_dim]; post_norm: the norm after the output projection; shape: (heads, KV heads,
     head_dim); cis and neox: as for decode_attention; window: 0, or the sliding window's length;
     bits: the activations' integers in the products (8 or 16); sinks: as for decode_attention.
-    Called with (x [1, E], k_cache, v_cache, pos) -> x + the attention of its normed self at pos.
+    Called with (x [1, E], k_cache, v_cache, pos) -> x + the attention of its normed self at pos; `rows` takes
+    n tokens of as many sequences, each over its slot of a bank of caches. A token computes the same bits
+    alone and among others: one kernel serves both, its rows apart in every step.
     """
 
     def __init__(
@@ -305,29 +312,50 @@ class AttentionBlockCall:
         self.tail = (np.float32(scale), _NONE if sinks is None else sinks)
 
     def __call__(self, x: np.ndarray, k_cache: np.ndarray, v_cache: np.ndarray, pos: int) -> np.ndarray:
-        _check_position(pos, k_cache)
-        start = max(0, pos - self.window + 1) if self.window else 0
+        """One token x [1, E] over the layer's cache k_cache/v_cache [Hkv, n_ctx, D] at `pos`."""
+        return self.rows(x, k_cache[None], v_cache[None], _ZERO, np.array([pos], np.int64))
+
+    def rows(self, x: np.ndarray, k_bank: np.ndarray, v_bank: np.ndarray, slots: np.ndarray,
+             pos: np.ndarray) -> np.ndarray:  # fmt: skip
+        """n tokens x [n, E] of n sequences: token t over slot slots[t] of the bank k_bank/v_bank [S, Hkv, n_ctx,
+        D] at position pos[t] (int64 arrays [n]) -> [n, E]."""
+        _check_positions(pos, k_bank.shape[2])
+        start = np.maximum(0, pos - self.window + 1) if self.window else np.zeros_like(pos)
         out = np.empty_like(x)
-        self.kernel(x, *self.head, k_cache, v_cache, pos, start, *self.tail, out)
+        self.kernel(x, *self.head, k_bank, v_bank, slots, pos, start, *self.tail, out)
         return out
+
+
+_ZERO = np.zeros(1, np.int64)
+
+
+def _check_positions(pos: np.ndarray, n_ctx: int) -> None:
+    # Compiled code does not check bounds: a position past the cache would write outside it.
+    if pos.size and not (int(pos.min()) >= 0 and int(pos.max()) < n_ctx):
+        raise IndexError(f"position {int(pos.max())} is outside the KV cache of {n_ctx} positions")
+
+
+_NONE = np.zeros(0, np.float32)
 
 
 @njit(inline="always")
 def _ffn(cg, cu, cd, bits, h, gate, up, down, code, y):
-    """y [1, E] = down @ act(gate @ h, up @ h) for one token h [1, E]: two parallel regions."""
-    e, f = h.shape[1], gate.shape[0]
-    one = np.zeros(1, np.int64)
-    qh = quantize_rows(h, one, bits)
-    g = np.empty((1, f), np.float32)
-    xq, dx, bs = qh
+    """y [n, E] = down @ act(gate @ h, up @ h) for n tokens h [n, E]: two parallel regions, each row of the
+    matrices read once for all n tokens (each token's products the same bits as alone)."""
+    n, e, f = h.shape[0], h.shape[1], gate.shape[0]
+    rows = np.arange(n)
+    qh = quantize_rows(h, rows, bits)
+    g = np.empty((n, f), np.float32)
     for job in prange((f + ROWS - 1) // ROWS):
+        gv, uv = np.empty(n, np.float32), np.empty(n, np.float32)
         for r in range(job * ROWS, min(f, job * ROWS + ROWS)):
-            gv = dot_row(cg, gate, r * gate.strides[0], e, xq, dx, bs, one[0])
-            uv = dot_row(cu, up, r * up.strides[0], e, xq, dx, bs, one[0])
-            g[0, r] = act(code, gv, uv)
-    qg = quantize_rows(g, one, bits)
+            dots(cg, gate, r * gate.strides[0], e, qh, rows, 0, n, gv)
+            dots(cu, up, r * up.strides[0], e, qh, rows, 0, n, uv)
+            for t in range(n):
+                g[t, r] = act(code, gv[t], uv[t])
+    qg = quantize_rows(g, rows, bits)
     for job in prange((e + ROWS - 1) // ROWS):
-        _project(cd, down, qg, f, one, job * ROWS, y[0])
+        _project_rows(cd, down, qg, f, n, job * ROWS, y)
 
 
 @functools.cache
@@ -345,16 +373,18 @@ def _ffn_kernel(tg: Q, tu: Q, td: Q, bits: int) -> Any:
         _ffn(cg, cu, cd, bits, h, gate, up, down, code, y)
         if post_norm.size:
             _rms(y.copy(), post_norm, eps, y)
-        for r in range(x.shape[1]):
-            out[0, r] = y[0, r] + (x[0, r] if residual else np.float32(0))
+        for t in range(x.shape[0]):
+            for r in range(x.shape[1]):
+                out[t, r] = y[t, r] + (x[t, r] if residual else np.float32(0))
 
     return block
 
 
 class FfnBlockCall:
-    """A dense FFN block for one token, everything but the token bound once: x [1, E] -> x (+ if residual)
-    post_norm(down @ act(gate @ h, up @ h)), h = rms_norm(x) (x itself if norm is None). ws: (raw bytes,
-    type) of gate, up and down; code: `cpu_kernels.ACT_*`; bits: as for AttentionBlockCall."""
+    """A dense FFN block for a decode step's tokens, everything but the tokens bound once: x [n, E] -> x (+ if
+    residual) post_norm(down @ act(gate @ h, up @ h)), h = rms_norm(x) (x itself if norm is None), each row the
+    same bits as alone. ws: (raw bytes, type) of gate, up and down; code: `cpu_kernels.ACT_*`; bits: as for
+    AttentionBlockCall."""
 
     def __init__(
         self, norm: np.ndarray | None, eps: float, ws: tuple[tuple[np.ndarray, Q], ...], code: int,
@@ -470,11 +500,16 @@ def select_compiled(logits, gating, k, weights_norm, scale, choice_bias, n_group
 
 
 def route_rows(h: np.ndarray, router: np.ndarray, router_bias: np.ndarray | None, gating: int, k: int,
-               weights_norm: bool, scale: float) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
-    """A few tokens' routing in one compiled call, as `moe.route(h @ router.T + bias, cfg)` computes
-    it: ids int64 [T, k] by descending score, weights float32 [T, k]."""
+               weights_norm: bool, scale: float, choice_bias: np.ndarray | None = None, n_groups: int = 1,
+               groups_used: int = 1) -> tuple[np.ndarray, np.ndarray]:  # fmt: skip
+    """A few tokens' routing in compiled calls, as `moe.route(h @ router.T + bias, cfg, choice_bias)` computes
+    it: ids int64 [T, k] by descending score, weights float32 [T, k]. Each row is routed on its own (the same
+    bits alone and among others)."""
     bias = _NONE if router_bias is None else router_bias
-    return route_compiled(h, router, bias, gating, k, weights_norm, np.float32(scale))
+    if choice_bias is None and n_groups == 1:
+        return route_compiled(h, router, bias, gating, k, weights_norm, np.float32(scale))
+    return select_compiled(router_logits(h, router, bias), gating, k, weights_norm, np.float32(scale),
+                           _NONE if choice_bias is None else choice_bias, n_groups, groups_used)  # fmt: skip
 
 
 @njit(parallel=True)

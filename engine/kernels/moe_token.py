@@ -24,13 +24,27 @@ from typing import Any
 import numpy as np
 from gguf import GGMLQuantizationType as Q
 
-from .cpu import ROWS, act
+from .cpu import ROWS, act, dots
 from .jit import njit, prange
 from .layer_halves import rms_compiled, route_compiled
 from .qblocks import dot_row, quantize_rows
 
 _NO_BIAS = np.zeros((0, 0), np.float32)
 _NONE = np.zeros(0, np.float32)  # an absent vector: no router bias, no norm
+
+
+@njit(inline="always")
+def _by_expert(ids):
+    """The (token, choice) pairs of ids [n, k] grouped by expert: `pairs` (flat indices t * k + j, an expert's
+    together, ascending token within one) and `bounds` (expert u's pairs are pairs[bounds[u]:bounds[u + 1]])."""
+    flat = ids.ravel()
+    pairs = np.argsort(flat, kind="mergesort")
+    starts = [0]
+    for i in range(1, pairs.size):
+        if flat[pairs[i]] != flat[pairs[i - 1]]:
+            starts.append(i)
+    starts.append(pairs.size)
+    return pairs, np.array(starts, np.int64)
 
 
 @functools.cache
@@ -42,50 +56,64 @@ def _moe_kernel(tg: Q, tu: Q, td: Q, bits: int) -> Any:
             bias_d, act_code, ids_out, w_out, y):  # fmt: skip
         # h: x, or its RMS norm by the compiled function rms_rows calls (its own float flags: the same bits)
         h = rms_compiled(x, norm, eps) if norm.size else x
-        ids, w = route_compiled(h, router, router_bias, gating, k, weights_norm, scale)  # [1, k] each
+        ids, w = route_compiled(h, router, router_bias, gating, k, weights_norm, scale)  # [n, k] each
         ids_out[:] = ids
         w_out[:] = w
-        n_embd, n_ff = h.shape[1], gate.shape[1]
-        xq, dx, bs = quantize_rows(h, np.zeros(1, np.int64), bits)
-        g = np.empty((k, n_ff), np.float32)  # [k, F]: act(gate, up) of each selected expert
+        n, n_embd, n_ff = h.shape[0], h.shape[1], gate.shape[1]
+        xq, dx, bs = quantize_rows(h, np.arange(n), bits)
+        pairs, bounds = _by_expert(ids)  # each expert's blocks read once for every token routed to it
+        flat, tok = ids.ravel(), pairs // k
+        n_used = bounds.size - 1
+        g = np.empty((n * k, n_ff), np.float32)  # [n*k, F]: act(gate, up) of each token's selected experts
         tiles = (n_ff + ROWS - 1) // ROWS
-        for job in prange(k * tiles):
-            j, r0 = job // tiles, job % tiles * ROWS
-            e = ids[0, j]
+        for job in prange(n_used * tiles):
+            u, r0 = job // tiles, job % tiles * ROWS
+            lo, m = bounds[u], bounds[u + 1] - bounds[u]
+            e = flat[pairs[lo]]
+            gv, uv = np.empty(m, np.float32), np.empty(m, np.float32)
             for r in range(r0, min(n_ff, r0 + ROWS)):
-                gv = dot_row(cg, gate, e * gate.strides[0] + r * gate.strides[1], n_embd, xq, dx, bs, 0)
-                uv = dot_row(cu, up, e * up.strides[0] + r * up.strides[1], n_embd, xq, dx, bs, 0)
-                if bias_g.shape[0]:
-                    gv += bias_g[e, r]
-                    uv += bias_u[e, r]
-                g[j, r] = act(act_code, gv, uv)
-        gq, gd, gs = quantize_rows(g, np.arange(k), bits)
-        contrib = np.empty((k, n_embd), np.float32)  # [k, E]: each expert's weighted output
+                # the expert's row, its chunks unpacked once for four of its tokens (cpu.dots: each the bits alone)
+                dots(cg, gate, e * gate.strides[0] + r * gate.strides[1], n_embd, (xq, dx, bs), tok, lo, m, gv)
+                dots(cu, up, e * up.strides[0] + r * up.strides[1], n_embd, (xq, dx, bs), tok, lo, m, uv)
+                for i in range(m):
+                    a, b = gv[i], uv[i]
+                    if bias_g.shape[0]:
+                        a += bias_g[e, r]
+                        b += bias_u[e, r]
+                    g[pairs[lo + i], r] = act(act_code, a, b)
+        gq, gd, gs = quantize_rows(g, np.arange(n * k), bits)
+        contrib = np.empty((n * k, n_embd), np.float32)  # [n*k, E]: each selected expert's weighted output
         tiles = (n_embd + ROWS - 1) // ROWS
-        for job in prange(k * tiles):
-            j, r0 = job // tiles, job % tiles * ROWS
-            e = ids[0, j]
+        for job in prange(n_used * tiles):
+            u, r0 = job // tiles, job % tiles * ROWS
+            lo, m = bounds[u], bounds[u + 1] - bounds[u]
+            e = flat[pairs[lo]]
+            dv = np.empty(m, np.float32)
             for r in range(r0, min(n_embd, r0 + ROWS)):
-                v = dot_row(cd, down, e * down.strides[0] + r * down.strides[1], n_ff, gq, gd, gs, j)
-                if bias_d.shape[0]:
-                    v += bias_d[e, r]
-                contrib[j, r] = v * w[0, j]
-        y[0, :] = 0
-        for j in np.argsort(ids[0], kind="mergesort"):
-            y[0, :] += contrib[j]
-        if residual:
-            for r in range(n_embd):
-                y[0, r] = x[0, r] + y[0, r]
+                dots(cd, down, e * down.strides[0] + r * down.strides[1], n_ff, (gq, gd, gs), pairs, lo, m, dv)
+                for i in range(m):
+                    p, v = pairs[lo + i], dv[i]
+                    if bias_d.shape[0]:
+                        v += bias_d[e, r]
+                    contrib[p, r] = v * w[p // k, p % k]
+        for t in range(n):
+            y[t, :] = 0
+            for j in np.argsort(ids[t], kind="mergesort"):
+                y[t, :] += contrib[t * k + j]
+            if residual:
+                for r in range(n_embd):
+                    y[t, r] = x[t, r] + y[t, r]
 
     return moe
 
 
 class MoeTokenCall:
-    """A MoE layer's routing and routed experts for one token, everything but the token bound once.
+    """A MoE layer's routing and routed experts for a decode step's tokens, everything but the tokens bound once.
 
-    Called on x [1, E] (float32): (ids int64 [1, k], weights float32 [1, k], y [1, E]) with y the
-    experts' weighted sum, or with `norm` x + that sum of rms_norm(x) (a decode layer's FFN half).
-    mats: the layer's stacked (gate, up, down) [n_expert, rows, row_bytes]; biases: per expert
+    Called on x [n, E] (float32): (ids int64 [n, k], weights float32 [n, k], y [n, E]) with y the
+    experts' weighted sums, or with `norm` x + those sums of rms_norm(x) (a decode layer's FFN half).
+    An expert's blocks are read once for every token routed to it, and each token's sum is the bits it gets
+    alone. mats: the layer's stacked (gate, up, down) [n_expert, rows, row_bytes]; biases: per expert
     [n_expert, rows] or None; act_code: `codes.ACT_*`; bits: the activations'.
     """
 
@@ -105,7 +133,8 @@ class MoeTokenCall:
     def __call__(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         # Every output is the caller's array: the kernel returns nothing. Arrays returned from it were once
         # boxed with a NULL dtype after other variants of it had run in the process (NRT_adapt_ndarray_to_python).
-        ids, w, y = np.empty((1, self.k), np.int64), np.empty((1, self.k), np.float32), np.empty_like(x)
+        n = x.shape[0]
+        ids, w, y = np.empty((n, self.k), np.int64), np.empty((n, self.k), np.float32), np.empty_like(x)
         self.kernel(x, *self.head, *self.tail, ids, w, y)
         return ids, w, y
 

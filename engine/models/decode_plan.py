@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -66,6 +66,7 @@ class LayerPlan:
     # returns (ids, weights, x'), a dense one x'.
     calls: tuple[AttentionBlockCall, MoeTokenCall | FfnBlockCall] | None = None
     moe: MoeFFN | None = None
+    attend: AttentionBlockCall | None = None  # the attention half's compiled call, where it is one (a step's rows)
     predict: Predict | None = None  # the next layer's experts from this layer's FFN input (look-ahead)
 
 
@@ -73,12 +74,22 @@ class AheadCell:
     """The look-ahead made at the layer a token is at, which its token-call FFN half tells the executor with its
     ids: the next MoE layer's experts predicted from this layer's FFN input (None: none), and when."""
 
-    __slots__ = ("active", "at", "predicted")
+    __slots__ = ("active", "at", "owed", "predicted")
 
     def __init__(self) -> None:
         self.active = False
         self.predicted: np.ndarray | None = None
         self.at = 0.0
+        # In a step of several tokens (`DecodePlan.run_rows`): the token-call halves' (layer, ids [n, k]), told
+        # the executor per token after the step.
+        self.owed: list[tuple[int, np.ndarray]] | None = None
+
+    def tell(self, experts: ExpertExecutor, layer: int, ids: np.ndarray) -> None:
+        """A token-call half's lookups: told the executor now (one token), or after the step (several)."""
+        if self.owed is not None:
+            self.owed.append((layer, ids))
+        else:
+            experts.account((layer,), (ids,), self.told())
 
     def told(self) -> TokenAhead | None:
         return TokenAhead((self.predicted,), (self.at,)) if self.active else None
@@ -121,7 +132,7 @@ class DecodePlan:
             calls = (attn_call, ffn_call) if attn_call is not None and ffn_call is not None else None
             kinds = ("skipped" if not attention else "compiled" if attn_call else "module", ffn_kind)
             moe = block.ffn if isinstance(block.ffn, MoeFFN) else None
-            layers.append(LayerPlan(attn, ffn, kinds, calls, moe))
+            layers.append(LayerPlan(attn, ffn, kinds, calls, moe, attn_call))
         for i, p in enumerate(layers[:-1]):
             # A token-call half tells its executor the prediction for the next layer with its ids (AheadCell);
             # elsewhere the decoder hands its own to the executor before the FFN half (`prefetch_next`).
@@ -142,7 +153,7 @@ class DecodePlan:
     def run(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
         """One token x [1, E] at position pos0 through layers first..end-1 -> [1, E]; appends to `cache`."""
         if self._loose[end] == self._loose[first]:
-            return self._run_calls(x, pos0, cache, first, end)
+            return self._run_calls(x, (cache,), np.array([pos0], np.int64), first, end)
         model, layers = self.model, self.layers
         if not self.prefetch:
             for i in range(first, end):
@@ -160,16 +171,49 @@ class DecodePlan:
             x = p.ffn(x)
         return x
 
-    def _run_calls(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor:
-        """Every layer's two compiled calls back to back on host rows; then the routing, told once. With
-        look-ahead, before each MoE layer's call the next MoE layer's experts are predicted, and told with it."""
+    def run_rows(self, x: torch.Tensor, caches: Sequence[KVCache], first: int, end: int) -> torch.Tensor:
+        """n tokens x [n, E] of n sequences, token t at position caches[t].pos over caches[t], through layers
+        first..end-1 -> [n, E]. Each token computes the bits it computes alone (`run`): a layer's compiled calls
+        take all n rows (each matrix read once for them, each expert once for the tokens routed to it), a
+        module's attention half runs token by token, a module's FFN half on all n. The executor hears the
+        tokens' lookups one token after another, after the step; no look-ahead."""
+        pos = np.array([c.pos for c in caches], np.int64)
+        if len(caches) == 1:
+            return self.run(x, int(pos[0]), caches[0], first, end)
+        if self._loose[end] == self._loose[first] and all(c.bank is caches[0].bank for c in caches):
+            return self._run_calls(x, caches, pos, first, end)
+        told = self.cell.owed = []  # the FFN halves' lookups, told per token after the step
+        bank = caches[0].bank if all(c.bank is caches[0].bank for c in caches) else None
+        slots = np.array([c.slot for c in caches], np.int64)
+        try:
+            for i in range(first, end):
+                p = self.layers[i]
+                if p.attend is not None and bank is not None:
+                    x = torch.from_numpy(p.attend.rows(host_rows(x), *bank.host(i), slots, pos))
+                else:
+                    x = torch.cat([p.attention(x[t : t + 1], int(pos[t]), c.layers[i]) for t, c in enumerate(caches)])
+                x = p.ffn(x)
+        finally:
+            self.cell.owed = None
+        if told:
+            layers = [layer for layer, _ in told]
+            for t in range(len(caches)):
+                self.model.experts.account(layers, [ids[t : t + 1] for _, ids in told])
+        return x
+
+    def _run_calls(self, x: torch.Tensor, caches: Sequence[KVCache], pos: np.ndarray, first: int,
+                   end: int) -> torch.Tensor:  # fmt: skip
+        """Every layer's two compiled calls back to back on host rows (one per sequence, each over its slot of one
+        bank of caches); then the routing, told once per token. With look-ahead (one token), before each MoE
+        layer's call the next MoE layer's experts are predicted, and told with it."""
         h, chosen, moes = host_rows(x), [], []
-        ahead, predicted, at = self.prefetch, [], []
-        kv, now = cache.layers, time.perf_counter
+        ahead, predicted, at = self.prefetch and len(caches) == 1, [], []
+        bank, now = caches[0].bank, time.perf_counter
+        slots = np.array([c.slot for c in caches], np.int64)
         for i in range(first, end):
             p = self.layers[i]
             attend, ffn = p.calls  # type: ignore[misc]  # (run checked: every layer has them)
-            h = attend(h, *host_heads(kv[i]), pos0)
+            h = attend.rows(h, *bank.host(i), slots, pos)
             if p.moe is None:
                 h = ffn(h)  # type: ignore[assignment]
                 continue
@@ -180,7 +224,12 @@ class DecodePlan:
             chosen.append(ids)
             moes.append(p.moe)
         if moes:
-            self.model.experts.account([m.i for m in moes], chosen, TokenAhead(predicted, at) if ahead else None)
+            experts, layers = self.model.experts, [m.i for m in moes]
+            if len(caches) == 1:
+                experts.account(layers, chosen, TokenAhead(predicted, at) if ahead else None)
+            else:
+                for t in range(len(caches)):
+                    experts.account(layers, [ids[t : t + 1] for ids in chosen])
             for moe, ids in zip(moes, chosen, strict=True):
                 moe.remember(torch.from_numpy(ids))
         return torch.from_numpy(h)
@@ -320,11 +369,11 @@ def _compiled_dense(call: FfnBlockCall) -> FfnHalf:
 
 def _compiled_moe(model: DecoderBase, ffn: MoeFFN, call: MoeTokenCall, cell: AheadCell) -> FfnHalf:
     """x + the routed experts of norm(x), in one call; the executor is told the token's ids (and look-ahead)."""
-    layer, experts = (ffn.i,), model.experts
+    layer, experts = ffn.i, model.experts
 
     def half(x: torch.Tensor) -> torch.Tensor:
         ids, _, y = call(host_rows(x))
-        experts.account(layer, (ids,), cell.told())
+        cell.tell(experts, layer, ids)
         ffn.remember(torch.from_numpy(ids))
         return torch.from_numpy(y)
 
@@ -333,12 +382,12 @@ def _compiled_moe(model: DecoderBase, ffn: MoeFFN, call: MoeTokenCall, cell: Ahe
 
 def _routed_call(model: DecoderBase, block: Block, ffn: MoeFFN, call: MoeTokenCall, cell: AheadCell) -> FfnHalf:
     """The routing and routed experts of norm(x) in one call; the shared expert and post norm as the module has them."""
-    layer, experts = (ffn.i,), model.experts
+    layer, experts = ffn.i, model.experts
 
     def half(x: torch.Tensor) -> torch.Tensor:
         h = rms_norm(x, block.ffn_norm, block.eps)
         ids, _, routed = call(host_rows(h))
-        experts.account(layer, (ids,), cell.told())
+        cell.tell(experts, layer, ids)
         ffn.remember(torch.from_numpy(ids))
         return block.ffn_out(x, ffn.with_shared(h, torch.from_numpy(routed)))
 

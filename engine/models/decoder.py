@@ -21,14 +21,18 @@ from ..moe.host_experts import ExpertExecutor, HostExperts
 from ..moe.routing import select
 from ..nn.activations import Activation, swiglu
 from ..nn.layers import KVCache, LayerCache, QuantRows, Rope, move_tensors, rms_norm, rope_attention
-from ..nn.qlinear import Weight, ffn, linear, linears, set_activation_bits
+from ..nn.qlinear import Weight, ffn, linear, linear_rows, linears, set_activation_bits
 from ..nn.weights import DENSE, LINEAR, ROWS, linear_form, maybe, want
 
 
 class Plan(Protocol):
-    """How one token runs through blocks first..end-1 (`decode_plan.DecodePlan`)."""
+    """How one token (or one of each of several sequences) runs through blocks first..end-1 (`DecodePlan`)."""
 
     def run(self, x: torch.Tensor, pos0: int, cache: KVCache, first: int, end: int) -> torch.Tensor: ...
+
+    def run_rows(self, x: torch.Tensor, caches: Sequence[KVCache], first: int, end: int) -> torch.Tensor:
+        """n tokens of n sequences, each at its cache's position, each the bits it gets alone (`run`)."""
+        ...
 
     def describe(self) -> str: ...
 
@@ -202,6 +206,18 @@ class DecoderBase(nn.Module):
         """Final hidden states [T, E] -> logits [T, V]."""
         return linear(rms_norm(x, self.norm, self.cfg.norm_eps), self.output)
 
+    def step(self, tokens: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor:
+        """One decode step of n sequences: token t at position caches[t].pos over caches[t] (slots of one bank,
+        `KVBank`, for the compiled calls to take them together) -> logits [n, V]. Each row is what `forward`
+        gives that token alone, bit for bit, whatever else runs beside it."""
+        if not caches or len(tokens) != len(caches):
+            raise ValueError(f"a step of {len(tokens)} tokens over {len(caches)} caches")
+        x = self.embed_tokens(torch.tensor(list(tokens)))  # [n, E]
+        x = self.decode_plan(caches[0]).run_rows(x, caches, 0, len(self.blocks))
+        for c in caches:
+            c.pos += 1
+        return linear_rows(rms_norm(x, self.norm, self.cfg.norm_eps), self.output)  # [n, V]
+
     def embed_tokens(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens [T] -> hidden states [T, E]."""
         return self.embed[tokens.to(self.embed.device)]
@@ -276,7 +292,7 @@ class MoeFFN(Routed):
             return None
         out = ffn(h, self.sh_gate, self.sh_up, self.sh_down, self.act)
         if self.sh_gate_inp is not None:
-            out = out * torch.sigmoid(h @ self.sh_gate_inp.reshape(-1, 1))
+            out = out * torch.sigmoid(linear_rows(h, self.sh_gate_inp.reshape(1, -1)))
         return out
 
     def forward(self, h: torch.Tensor, experts: ExpertExecutor) -> torch.Tensor:

@@ -17,13 +17,14 @@ def select(
     choice_bias: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """Normalised hidden states [T, E] -> the experts they route to (ids [T, k], weights [T, k]): the router's
-    logits, then `route`. A few float32 rows on the CPU take one compiled call for both (`route_rows`, the
-    same rule; it takes no choice bias or expert groups)."""
-    if (choice_bias is None and cfg.expert_groups == 1 and h.shape[0] <= FEW_ROWS and h.device.type == "cpu"
-            and h.dtype == torch.float32 and compiled_ok()):  # fmt: skip
+    logits, then `route`. A few float32 rows on the CPU take the compiled rule (`route_rows`, the same rule, each
+    row routed on its own: the same bits alone and among others)."""
+    if h.shape[0] <= FEW_ROWS and h.device.type == "cpu" and h.dtype == torch.float32 and compiled_ok():
         bias = None if router_bias is None else router_bias.numpy()
         i, w = route_rows(host_rows(h), router.numpy(), bias, cfg.expert_gating, cfg.n_expert_used,
-                          cfg.expert_weights_norm, cfg.expert_weights_scale)  # fmt: skip
+                          cfg.expert_weights_norm, cfg.expert_weights_scale,
+                          None if choice_bias is None else choice_bias.numpy(), cfg.expert_groups,
+                          cfg.expert_groups_used)  # fmt: skip
         return torch.from_numpy(i), torch.from_numpy(w)
     return route(F.linear(h, router, router_bias), cfg, choice_bias)
 

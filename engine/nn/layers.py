@@ -181,17 +181,58 @@ def recurrent_state_bytes(cfg: ModelConfig, itemsize: int = 4) -> int:
     return sum(layer_state_bytes(cfg, i, 0, itemsize) for i in range(cfg.n_layers) if cfg.is_recurrent(i))
 
 
-def _layer_cache(cfg: ModelConfig, i: int, n_ctx: int, dtype: torch.dtype, device: str | torch.device) -> LayerCache:
-    if cfg.is_recurrent(i):
-        none = torch.zeros(0, 1, 1, dtype=dtype, device=device)
-        conv = torch.zeros(cfg.ssm_conv_kernel - 1, _conv_channels(cfg), dtype=dtype, device=device)
-        head_v = cfg.ssm_inner // cfg.ssm_v_heads
-        state = torch.zeros(cfg.ssm_v_heads, cfg.ssm_state, head_v, dtype=dtype, device=device)
-        return LayerCache(none, none, conv, state)
-    k = head_major(n_ctx, cfg.n_head_kv[i], cfg.head_dim, dtype, device)
-    if cfg.kv_lora_rank:  # MLA: the value is the latent, the key's first kv_lora_rank numbers
-        return LayerCache(k, k[..., : cfg.kv_lora_rank])
-    return LayerCache(k, head_major(n_ctx, cfg.n_head_kv[i], cfg.head_dim_v, dtype, device))
+class KVBank:
+    """Keys and values of `n_slots` sequences for positions 0..n_ctx-1, one block per layer: k [S, Hkv, n_ctx, D]
+    (each slot's KV heads head-major, `head_major`), v likewise. A decode step over several sequences reads
+    each one's slot from the same arrays (`kernels.layer_halves.AttentionBlockCall.rows`). Recurrent layers
+    keep their state per slot. The zeros are the allocator's untouched pages: a slot takes memory as its
+    positions are written."""
+
+    def __init__(self, cfg: ModelConfig, n_ctx: int, n_slots: int = 1, dtype: torch.dtype = torch.float32,
+                 device: str | torch.device = "cpu") -> None:  # fmt: skip
+        self.cfg, self.n_ctx, self.n_slots, self.dtype = cfg, n_ctx, n_slots, dtype
+        self.device = torch.device(device)
+        self.k: list[torch.Tensor | None] = []
+        self.v: list[torch.Tensor | None] = []
+        for i in range(cfg.n_layers):
+            if cfg.is_recurrent(i):
+                self.k.append(None)
+                self.v.append(None)
+                continue
+            k = torch.zeros(n_slots, cfg.n_head_kv[i], n_ctx, cfg.head_dim, dtype=dtype, device=device)
+            self.k.append(k)
+            # MLA: the value is the latent, the key's first kv_lora_rank numbers
+            self.v.append(
+                k[..., : cfg.kv_lora_rank]
+                if cfg.kv_lora_rank
+                else torch.zeros(n_slots, cfg.n_head_kv[i], n_ctx, cfg.head_dim_v, dtype=dtype, device=device)
+            )
+        self._host: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+
+    def host(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """Layer i's keys and values as the compiled attention reads them (a CPU bank): [S, Hkv, n_ctx, D] each."""
+        held = self._host.get(i)
+        if held is None:
+            k, v = self.k[i], self.v[i]
+            if k is None or v is None:
+                raise ValueError(f"layer {i} keeps no keys and values")
+            held = self._host[i] = (k.numpy(), v.numpy())
+        return held
+
+    def layer(self, i: int, slot: int) -> LayerCache:
+        """Slot `slot`'s cache of layer i: views of the bank ([n_ctx, Hkv, D]), or a recurrent layer's own state."""
+        cfg, k, v = self.cfg, self.k[i], self.v[i]
+        if k is None or v is None:
+            none = torch.zeros(0, 1, 1, dtype=self.dtype, device=self.device)
+            conv = torch.zeros(cfg.ssm_conv_kernel - 1, _conv_channels(cfg), dtype=self.dtype, device=self.device)
+            head_v = cfg.ssm_inner // cfg.ssm_v_heads
+            state = torch.zeros(cfg.ssm_v_heads, cfg.ssm_state, head_v, dtype=self.dtype, device=self.device)
+            return LayerCache(none, none, conv, state)
+        return LayerCache(k[slot].transpose(0, 1), v[slot].transpose(0, 1))
+
+    def caches(self) -> list[KVCache]:
+        """One KVCache per slot."""
+        return [KVCache(self.cfg, self.n_ctx, self.dtype, self.device, bank=self, slot=s) for s in range(self.n_slots)]
 
 
 def head_major(n_ctx: int, n_kv: int, dim: int, dtype: torch.dtype = torch.float32,
@@ -214,14 +255,18 @@ def host_heads(layer: LayerCache) -> tuple[np.ndarray, np.ndarray]:
 
 
 class KVCache:
-    """Keys and values of every layer for positions 0..n_ctx-1."""
+    """Keys and values of every layer for positions 0..n_ctx-1: one sequence's, a slot of a bank (`KVBank`; a
+    bank of its own by default)."""
 
     def __init__(
-        self, cfg: ModelConfig, n_ctx: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"
-    ) -> None:
+        self, cfg: ModelConfig, n_ctx: int, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+        *, bank: KVBank | None = None, slot: int = 0,
+    ) -> None:  # fmt: skip
         self.n_ctx = n_ctx
         self.device = torch.device(device)
-        self.layers = [_layer_cache(cfg, i, n_ctx, dtype, device) for i in range(cfg.n_layers)]
+        self.bank = bank if bank is not None else KVBank(cfg, n_ctx, 1, dtype, device)
+        self.slot = slot
+        self.layers = [self.bank.layer(i, slot) for i in range(cfg.n_layers)]
         self.pos = 0  # tokens stored
 
 

@@ -23,7 +23,8 @@ from ..gguf.quant_types import CPU, supports
 from ..kernels import cpu as cpu_kernels
 from ..kernels import device as device_kernels
 from ..kernels.codes import GEMM_TOKENS
-from ..kernels.layer_halves import FfnBlockCall
+from ..kernels.layer_halves import FEW_ROWS, FfnBlockCall
+from ..kernels.qtiles import TILE_TOKENS
 from .activations import activation_code
 from .layers import host_rows
 
@@ -109,6 +110,22 @@ def linear(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.T
     return y if b is None else y + b
 
 
+def linear_rows(x: torch.Tensor, w: Weight, b: torch.Tensor | None = None) -> torch.Tensor:
+    """`linear` on a decode step's rows (up to FEW_ROWS tokens of as many sequences), each the bits it gets alone: a
+    float matrix one row at a time (torch's product takes another path for one row than for several), a
+    quantized one in groups below the int8 tiles (VNNI's tiles sum in another order than a token alone); the
+    kernels' other few-token products are the same bits for one token as among others."""
+    if isinstance(w, torch.Tensor):
+        group = 1
+    elif isinstance(w, QLinear) and w.bits == 8 and cpu_kernels.tiles_read(w.qtype, w.shape[1], 8):
+        group = TILE_TOKENS - 1
+    else:
+        return linear(x, w, b)
+    if x.shape[0] <= group or x.shape[0] > FEW_ROWS:  # (a prompt's rows: one product)
+        return linear(x, w, b)
+    return torch.cat([linear(x[t : t + group], w, b) for t in range(0, x.shape[0], group)])
+
+
 def linears(x: torch.Tensor, ws: tuple[Weight, ...], bs: tuple[torch.Tensor | None, ...]) -> list[torch.Tensor]:
     """x @ w.T + b for each of several matrices of one input (a layer's q, k and v): in one kernel
     call when they are all quantized with one type and few tokens run, else one at a time."""
@@ -155,8 +172,9 @@ def ffn_call(
 
 
 def ffn(x: torch.Tensor, gate: Weight, up: Weight, down: Weight, act: Act) -> torch.Tensor:
-    """down @ act(gate @ x, up @ x) for x [T, E]: one compiled call for one token where it can be."""
-    call = ffn_call(gate, up, down, act) if x.shape[0] == 1 else None
+    """down @ act(gate @ x, up @ x) for x [T, E]: one compiled call for a few tokens where it can be (each the
+    bits it gets alone)."""
+    call = ffn_call(gate, up, down, act) if x.shape[0] <= FEW_ROWS else None
     if call is not None:
         return torch.from_numpy(call(host_rows(x)))
     return linear(gated(x, gate, up, act), down)

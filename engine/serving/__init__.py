@@ -1,0 +1,1 @@
+"""Serving many requests on one model: KV slots kept per conversation, decode steps over every active sequence."""
