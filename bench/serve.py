@@ -39,6 +39,14 @@ def prompt_of(round_: int, n_tokens: int) -> str:
     return f"Round {round_}. " + TEXT * max(1, n_tokens * 4 // len(TEXT))
 
 
+def bench_model(folder: Path) -> str:
+    """The small MoE the benches serve without --model or --demo (written by the test kit)."""
+    from testkit.ggufgen import tiny_moe
+
+    return str(tiny_moe(folder / "bench.gguf", n_layers=8, n_embd=512, n_expert=32, n_expert_used=4, n_ff_exp=512,
+                        n_vocab=4096))  # fmt: skip
+
+
 def start_server(model: str | None, flags: list[str]) -> tuple[subprocess.Popen[str], str]:
     cmd = [*MOECHAT, "serve", *([model] if model else []), "--port", "0", *flags]
     proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
@@ -93,12 +101,7 @@ def main() -> None:
     ap.add_argument("--prompt-tokens", type=int, default=500)
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if not args.demo and model is None:
-            from testkit.ggufgen import tiny_moe
-
-            model = str(tiny_moe(Path(tmp) / "bench.gguf", n_layers=8, n_embd=512, n_expert=32, n_expert_used=4,
-                                 n_ff_exp=512, n_vocab=4096))  # fmt: skip
+        model = args.model if args.demo or args.model else bench_model(Path(tmp))
         flags = ["--temp", "0", "-c", "2048"]
         proc, url = start_server(model, flags)
         rows = []

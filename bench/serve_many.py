@@ -26,7 +26,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from serve import start_server  # (bench/serve.py: the same server start)
+from serve import bench_model, start_server  # (bench/serve.py: the same model and server start)
 
 TOPICS = ("the sea and its tides", "a mountain village in winter", "how bread is baked", "the planets of the sun",
           "a train journey at night", "the life of bees", "an old lighthouse", "a market in spring")  # fmt: skip
@@ -100,12 +100,7 @@ def main() -> None:
     ap.add_argument("flags", nargs="*", help="more flags for the server (after --)")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
-        model = args.model
-        if not args.demo and model is None:
-            from testkit.ggufgen import tiny_moe
-
-            model = str(tiny_moe(Path(tmp) / "bench.gguf", n_layers=8, n_embd=512, n_expert=32, n_expert_used=4,
-                                 n_ff_exp=512, n_vocab=4096))  # fmt: skip
+        model = args.model if args.demo or args.model else bench_model(Path(tmp))
         flags = ["--temp", "0", "-c", "2048", "--parallel", str(args.parallel), *args.flags]
         proc, url = start_server(model, flags)
         rows = []

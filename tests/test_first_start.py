@@ -20,9 +20,15 @@ from moechat.engine.models.first_start import EagerModel
 from moechat.engine.models.opening import open_model
 from moechat.engine.moe import routing
 from moechat.engine.nn import layers
-from testkit.ggufgen import tiny_moe
+from testkit.ggufgen import Q, tiny_moe
 
 pytestmark = pytest.mark.skipif((os.cpu_count() or 1) < 2, reason="the helper compiles on a second core")
+
+
+def first_model(folder: Path) -> Path:
+    """A small MoE of a kind no other test loads: any load stamps its kind compiled (`loader.load_model`), and the
+    suite's workers load models beside these tests."""
+    return tiny_moe(folder / "m.gguf", expert_type=Q.Q5_1)
 
 
 def never_compiled(path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -35,8 +41,11 @@ def never_compiled(path: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     finally:
         gguf.close()
     stamp = compile_ahead._stamp(kind)
-    if stamp is not None:
-        stamp.unlink(missing_ok=True)
+    # A helper an earlier test started outlives it (as it outlives a short run) and stamps the kind when through:
+    # wait for it, or its stamp would land after this one is removed.
+    with compile_ahead.compiling_lock(kind, wait=True):
+        if stamp is not None:
+            stamp.unlink(missing_ok=True)
     return kind
 
 
@@ -57,7 +66,7 @@ def no_compiled_calls(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_a_first_start_answers_from_the_exact_path_then_hands_over(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    path = tiny_moe(tmp_path / "m.gguf")
+    path = first_model(tmp_path)
     kind = never_compiled(path, monkeypatch)
     lm = load_model(path, n_ctx=64, first_start=True)
     fs = lm.first_start
@@ -87,7 +96,7 @@ def test_a_second_start_beside_a_compiling_helper_starts_no_other(
 ) -> None:
     """Another start's helper holds the kind's lock: this start serves from the exact path too, starts no
     helper of its own, and loads the fast model once the lock is free."""
-    path = tiny_moe(tmp_path / "m.gguf")
+    path = first_model(tmp_path)
     kind = never_compiled(path, monkeypatch)
     with compile_ahead.compiling_lock(kind, wait=False) as taken:
         assert taken
@@ -108,7 +117,7 @@ def test_the_chat_engine_swaps_in_the_fast_model_between_replies(
 ) -> None:
     """A reply before the kernels are compiled runs on the exact path; the reply after takes the fast model,
     with the cache the user set meanwhile, and the conversation goes on."""
-    path = tiny_moe(tmp_path / "m.gguf")
+    path = first_model(tmp_path)
     never_compiled(path, monkeypatch)
     threads = torch.get_num_threads()
     engine = RealEngine(load_model(path, n_ctx=128, first_start=True), CacheSettings())
@@ -147,7 +156,7 @@ def test_the_app_shows_the_fast_kernels_taking_over(tmp_path: Path, monkeypatch:
     from moechat.app.tui import MoechatApp, real_engine_factory
     from testkit.pilot import ready, say, until
 
-    path = tiny_moe(tmp_path / "m.gguf")
+    path = first_model(tmp_path)
     kind = never_compiled(path, monkeypatch)  # the engine process inherits the environment
     settings = Settings(n_predict=4, temp=0.0, ctx_size=256, device="cpu", moe_cache_mib=1.5, threads=1)
     paths = AppPaths(tmp_path / "config", tmp_path / "data", tmp_path / "cache", tmp_path / "log")

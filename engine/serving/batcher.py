@@ -27,6 +27,7 @@ import torch
 
 from ..events import BatchStatus, DoneEvent, Event, SamplingParams, TokenEvent, tokens_per_second
 from ..generate import UBATCH, ContextFull, decode_one, one_torch_thread, prefill
+from ..kernels import threads
 from ..kernels.layer_halves import FEW_ROWS
 from ..nn.layers import KVCache
 from ..sampling import sample
@@ -230,6 +231,7 @@ class Batcher:
         tokens = [s.replied[-1] for s in group]
         with one_torch_thread(True):
             if len(group) > 1 and isinstance(self.model, Stepper):
+                threads.pace()  # as decode_one: the default thread count gives way to other processes' work
                 logits = self.model.step(tokens, caches)
                 for s, row in zip(group, logits, strict=True):
                     s.logits = row
