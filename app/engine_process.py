@@ -134,14 +134,19 @@ def _serve(conn: Connection, spec: EngineSpec, stop: Any) -> None:
         engine.close()
 
 
+def _calls(engine: RealEngine) -> dict[str, Callable[..., Any]]:
+    """The engine's calls answered at once with one result (the streaming ones are each loop's own)."""
+    return {
+        "fit_messages": engine.fit_messages, "chat_tokens": engine.chat_tokens, "encode": engine.encode,
+        "snapshot": engine.snapshot, "cache": engine.cache, "set_cache": engine.set_cache,
+        "recommend": engine.recommend, "min_bound": engine.min_bound, "batch_status": engine.batch_status,
+    }  # fmt: skip
+
+
 def _answer(conn: Connection, engine: RealEngine, spec: EngineSpec, stop: Any) -> None:
     """Say the engine is ready, then answer the parent's calls until "close" or the pipe closes."""
     conn.send(("ready", engine.info))
-    calls: dict[str, Callable[..., Any]] = {
-        "fit_messages": engine.fit_messages, "chat_tokens": engine.chat_tokens, "encode": engine.encode,
-        "snapshot": engine.snapshot, "cache": engine.cache,
-        "set_cache": engine.set_cache, "recommend": engine.recommend, "min_bound": engine.min_bound,
-    }  # fmt: skip
+    calls = _calls(engine)
     while True:
         try:
             name, args = conn.recv()
@@ -181,11 +186,7 @@ def _answer_many(conn: Connection, engine: RealEngine, spec: EngineSpec, stop: A
         return
     conn.send(("ready", engine.info))
     batcher = engine.batcher(spec.slots)
-    calls: dict[str, Callable[..., Any]] = {
-        "fit_messages": engine.fit_messages, "chat_tokens": engine.chat_tokens, "encode": engine.encode,
-        "snapshot": engine.snapshot, "cache": engine.cache, "set_cache": engine.set_cache,
-        "min_bound": engine.min_bound, "batch_status": engine.batch_status,
-    }  # fmt: skip
+    calls = _calls(engine)
     streams: dict[int, Any] = {}
 
     def emit_for(rid: int) -> Callable[[Event], None]:
@@ -227,7 +228,7 @@ def _answer_many(conn: Connection, engine: RealEngine, spec: EngineSpec, stop: A
             batcher.step()
         except Exception as e:
             logger.error("a decode step failed:\n%s", traceback.format_exc())
-            batcher.fail_all(e)
+            batcher.fail_all()
             for rid in list(streams):
                 conn.send(("berror", rid, error_kind(e), error_line(e)))
             streams.clear()

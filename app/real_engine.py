@@ -22,7 +22,7 @@ from moechat.app.stop_strings import StopStrings
 from moechat.app.tuned import file_identity
 from moechat.engine.cache.settings import CacheSettings
 from moechat.engine.cache.stats import StatsSnapshot
-from moechat.engine.events import BatchStatus, DoneEvent, Event, SamplingParams, TokenEvent
+from moechat.engine.events import BatchStatus, Event, SamplingParams, TokenEvent
 from moechat.engine.generate import Model, generate
 from moechat.engine.loader import ContextTooLarge, LoadedModel, load_model, set_threads
 from moechat.engine.nn.layers import KVBank
@@ -145,7 +145,7 @@ class RealEngine:
         DoneEvent's `n_prompt` counts the tokens read now. The text ends at the first of `stops` (and of the
         plain format's own), cut here and nowhere else; a reply that met one ends as "eos"."""
         self._upgrade()
-        cutter = StopStrings((*PLAIN_STOPS, *stops) if self.plain else tuple(stops))
+        cutter = self._stop_strings(stops)
         max_tokens = max(1, min(max_tokens, self.lm.n_ctx - len(prompt)))
         kv, held, kept = self.prompts.resume(prompt)
         replied: list[int] = []
@@ -154,20 +154,9 @@ class RealEngine:
             for ev in generate(self.model, self.lm.tokenizer, prompt[held:], kv, max_tokens=max_tokens,
                                params=params, stop=stop, before=prompt[:held], logits=kept,
                                on_prompt=lambda logits: after.append((len(prompt), logits))):  # fmt: skip
-                if isinstance(ev, TokenEvent):
-                    if ev.token >= 0:
-                        replied.append(ev.token)
-                    text = cutter.push(ev.text)
-                    if cutter.hit:
-                        stop.set()
-                    yield replace(ev, text=text)
-                else:
-                    tail = cutter.flush()
-                    if tail:
-                        yield TokenEvent(-1, tail, ev.n_generated)
-                    if cutter.hit:  # (a stop string in the last token allowed ends it too)
-                        ev = replace(ev, stop_reason="eos")
-                    yield ev
+                if isinstance(ev, TokenEvent) and ev.token >= 0:
+                    replied.append(ev.token)
+                yield from _cut(cutter, ev, stop.set)
         finally:
             self.prompts.record([*prompt, *replied], after[0] if after else None)
 
@@ -186,24 +175,20 @@ class RealEngine:
         the first of `stops` as `reply` cuts it."""
         if self._batcher is None:
             raise RuntimeError("no batcher: call batcher() first")
-        cutter = StopStrings((*PLAIN_STOPS, *stops) if self.plain else tuple(stops))
+        cutter = self._stop_strings(stops)
         max_tokens = max(1, min(max_tokens, self.lm.n_ctx - len(prompt)))
         stream: list[Stream] = []
 
         def cut(ev: Event) -> None:
-            if isinstance(ev, TokenEvent):
-                text = cutter.push(ev.text)
-                if cutter.hit:
-                    stream[0].cancel()
-                emit(replace(ev, text=text))
-            elif isinstance(ev, DoneEvent):
-                tail = cutter.flush()
-                if tail:
-                    emit(TokenEvent(-1, tail, ev.n_generated))
-                emit(replace(ev, stop_reason="eos") if cutter.hit else ev)
+            for out in _cut(cutter, ev, stream[0].cancel):
+                emit(out)
 
         stream.append(self._batcher.submit(Ask(prompt, params, max_tokens), cut))
         return stream[0]
+
+    def _stop_strings(self, stops: Sequence[str]) -> StopStrings:
+        """A reply's stop strings: the request's, and the plain format's own where it is in use."""
+        return StopStrings((*PLAIN_STOPS, *stops) if self.plain else tuple(stops))
 
     def between_requests(self) -> None:
         """Nothing is served: a first start's fast model takes over here (the slots start empty)."""
@@ -289,6 +274,20 @@ class RealEngine:
     def close(self) -> None:
         if self.split is None:  # a split's stage is closed where it was loaded (run_split), after the join
             self.lm.close()
+
+
+def _cut(cutter: StopStrings, ev: Event, stop: Callable[[], None]) -> list[Event]:
+    """A reply's event with its text cut at the first stop string, cut here and nowhere else: a token's text that
+    is safe to show (once one is found, `stop` ends the reply), the end after the text held back, as "eos" where a
+    stop string ended the reply (one in the last token allowed too)."""
+    if isinstance(ev, TokenEvent):
+        text = cutter.push(ev.text)
+        if cutter.hit:
+            stop()
+        return [replace(ev, text=text)]
+    tail = cutter.flush()
+    done = replace(ev, stop_reason="eos") if cutter.hit else ev
+    return [TokenEvent(-1, tail, ev.n_generated), done] if tail else [done]
 
 
 def auto_words(lm: LoadedModel) -> str:

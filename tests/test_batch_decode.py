@@ -4,6 +4,7 @@ request's slot on at once."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +78,32 @@ def test_a_step_behind_the_expert_cache_is_each_token_alone_and_counts_every_tok
             assert all(torch.equal(logits[t], alone[t][step]) for t in range(3))
             tokens = [int(row.argmax()) for row in logits]
     assert lm.cache.tokens == before + 6
+    lm.close()
+
+
+def _rss_bytes() -> int:
+    return int(re.search(r"VmRSS:\s+(\d+)", Path("/proc/self/status").read_text())[1]) * 1024  # type: ignore[index]
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").exists(), reason="reads /proc/self/status")
+def test_a_bank_takes_memory_as_its_slots_are_written(tmp_path: Path) -> None:
+    """Four slots of a long context cost next to nothing until written: a server's --parallel does not take every
+    slot's whole context at start. Written positions read back (the pages are real)."""
+    lm = load_model(tiny_moe(tmp_path / "m.gguf"), n_ctx=64)
+    with torch.inference_mode():
+        prefill(lm.model, PROMPTS[0], lm.new_cache())  # (a prompt's own buffers and kernels, once)
+    before = _rss_bytes()
+    bank = KVBank(lm.config, 1 << 15, 4)
+    size = sum(t.numel() * t.element_size() for t in [*bank.k, *bank.v] if t is not None)
+    assert size >= 128 << 20
+    assert _rss_bytes() - before < size // 16
+    caches = bank.caches()
+    with torch.inference_mode():
+        prefill(lm.model, PROMPTS[0], caches[2])
+    # A written position takes its page (2 MiB where the kernel backs memory with huge pages) in each layer's
+    # KV heads: far below the bank.
+    assert _rss_bytes() - before < size // 4
+    assert float(caches[2].layers[0].k[: len(PROMPTS[0])].abs().sum()) > 0 and float(bank.k[0][1].abs().sum()) == 0
     lm.close()
 
 

@@ -43,7 +43,6 @@ class Jobs:
         self.engine = engine
         self.n_ctx = n_ctx
         self.max_waiting = max_waiting
-        self.parallel = parallel
         self._pool = ThreadPoolExecutor(max_workers=parallel, thread_name_prefix="moechat-serve-engine")
         self._lock = threading.Lock()
         self.waiting = 0  # accepted, not yet on the engine

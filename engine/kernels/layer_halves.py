@@ -69,10 +69,11 @@ def rms_rows(x: np.ndarray, w: np.ndarray, eps: float) -> np.ndarray:
     return rms_compiled(x, w, np.float32(eps))
 
 
-def _check_position(pos: int, k_cache: np.ndarray) -> None:
-    # Compiled code does not check bounds: a position past the cache would write outside it.
-    if not 0 <= pos < k_cache.shape[1]:
-        raise IndexError(f"position {pos} is outside the KV cache of {k_cache.shape[1]} positions")
+def _check_positions(lowest: int, highest: int, n_ctx: int) -> None:
+    """Positions lowest..highest inside a cache of n_ctx: compiled code does not check bounds, and a position past
+    the cache would write outside it."""
+    if not 0 <= lowest <= highest < n_ctx:
+        raise IndexError(f"position {lowest if lowest < 0 else highest} is outside the KV cache of {n_ctx} positions")
 
 
 def _f32_from_bits_typing(typingctx: Any, bits: Any) -> Any:
@@ -208,7 +209,7 @@ def decode_attention(
     layer's cache (`nn.layers.host_heads`), written at `pos`; window: 0, or the sliding window's length;
     sinks [H]: the heads' attention sinks (gpt-oss), or None.
     """
-    _check_position(pos, k_cache)
+    _check_positions(pos, pos, k_cache.shape[1])
     start = max(0, pos - window + 1) if window else 0
     out = np.empty((q.shape[0], v.shape[1]), np.float32)
     _decode_attention(q, k, v, cis, neox, k_cache, v_cache, pos, start, np.float32(scale),
@@ -319,7 +320,7 @@ class AttentionBlockCall:
              pos: np.ndarray) -> np.ndarray:  # fmt: skip
         """n tokens x [n, E] of n sequences: token t over slot slots[t] of the bank k_bank/v_bank [S, Hkv, n_ctx,
         D] at position pos[t] (int64 arrays [n]) -> [n, E]."""
-        _check_positions(pos, k_bank.shape[2])
+        _check_positions(int(pos.min()), int(pos.max()), k_bank.shape[2])
         start = np.maximum(0, pos - self.window + 1) if self.window else np.zeros_like(pos)
         out = np.empty_like(x)
         self.kernel(x, *self.head, k_bank, v_bank, slots, pos, start, *self.tail, out)
@@ -327,14 +328,6 @@ class AttentionBlockCall:
 
 
 _ZERO = np.zeros(1, np.int64)
-
-
-def _check_positions(pos: np.ndarray, n_ctx: int) -> None:
-    # Compiled code does not check bounds: a position past the cache would write outside it.
-    if pos.size and not (int(pos.min()) >= 0 and int(pos.max()) < n_ctx):
-        raise IndexError(f"position {int(pos.max())} is outside the KV cache of {n_ctx} positions")
-
-
 _NONE = np.zeros(0, np.float32)
 
 

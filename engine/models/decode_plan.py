@@ -180,10 +180,10 @@ class DecodePlan:
         pos = np.array([c.pos for c in caches], np.int64)
         if len(caches) == 1:
             return self.run(x, int(pos[0]), caches[0], first, end)
-        if self._loose[end] == self._loose[first] and all(c.bank is caches[0].bank for c in caches):
+        bank = caches[0].bank if all(c.bank is caches[0].bank for c in caches) else None
+        if self._loose[end] == self._loose[first] and bank is not None:
             return self._run_calls(x, caches, pos, first, end)
         told = self.cell.owed = []  # the FFN halves' lookups, told per token after the step
-        bank = caches[0].bank if all(c.bank is caches[0].bank for c in caches) else None
         slots = np.array([c.slot for c in caches], np.int64)
         try:
             for i in range(first, end):
@@ -196,9 +196,7 @@ class DecodePlan:
         finally:
             self.cell.owed = None
         if told:
-            layers = [layer for layer, _ in told]
-            for t in range(len(caches)):
-                self.model.experts.account(layers, [ids[t : t + 1] for _, ids in told])
+            _tell_each(self.model.experts, [layer for layer, _ in told], [ids for _, ids in told])
         return x
 
     def _run_calls(self, x: torch.Tensor, caches: Sequence[KVCache], pos: np.ndarray, first: int,
@@ -228,11 +226,16 @@ class DecodePlan:
             if len(caches) == 1:
                 experts.account(layers, chosen, TokenAhead(predicted, at) if ahead else None)
             else:
-                for t in range(len(caches)):
-                    experts.account(layers, [ids[t : t + 1] for ids in chosen])
+                _tell_each(experts, layers, chosen)
             for moe, ids in zip(moes, chosen, strict=True):
                 moe.remember(torch.from_numpy(ids))
         return torch.from_numpy(h)
+
+
+def _tell_each(experts: ExpertExecutor, layers: list[int], chosen: list[np.ndarray]) -> None:
+    """A step's lookups (each layer's ids [n, k]) told the executor as n tokens, one after another."""
+    for t in range(chosen[0].shape[0]):
+        experts.account(layers, [ids[t : t + 1] for ids in chosen])
 
 
 def _predictor(nxt: Block) -> Predict | None:

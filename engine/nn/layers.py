@@ -181,6 +181,14 @@ def recurrent_state_bytes(cfg: ModelConfig, itemsize: int = 4) -> int:
     return sum(layer_state_bytes(cfg, i, 0, itemsize) for i in range(cfg.n_layers) if cfg.is_recurrent(i))
 
 
+def _untouched_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """Zeros whose pages the OS hands out as they are first written (numpy's calloc), on the CPU where numpy has
+    the dtype: torch.zeros writes every byte, and a bank of slots would take all of its memory at once."""
+    if device.type == "cpu" and dtype in (torch.float32, torch.float16):
+        return torch.from_numpy(np.zeros(shape, np.float32 if dtype == torch.float32 else np.float16))
+    return torch.zeros(shape, dtype=dtype, device=device)
+
+
 class KVBank:
     """Keys and values of `n_slots` sequences for positions 0..n_ctx-1, one block per layer: k [S, Hkv, n_ctx, D]
     (each slot's KV heads head-major, `head_major`), v likewise. A decode step over several sequences reads
@@ -199,13 +207,13 @@ class KVBank:
                 self.k.append(None)
                 self.v.append(None)
                 continue
-            k = torch.zeros(n_slots, cfg.n_head_kv[i], n_ctx, cfg.head_dim, dtype=dtype, device=device)
+            k = _untouched_zeros((n_slots, cfg.n_head_kv[i], n_ctx, cfg.head_dim), dtype, self.device)
             self.k.append(k)
             # MLA: the value is the latent, the key's first kv_lora_rank numbers
             self.v.append(
                 k[..., : cfg.kv_lora_rank]
                 if cfg.kv_lora_rank
-                else torch.zeros(n_slots, cfg.n_head_kv[i], n_ctx, cfg.head_dim_v, dtype=dtype, device=device)
+                else _untouched_zeros((n_slots, cfg.n_head_kv[i], n_ctx, cfg.head_dim_v), dtype, self.device)
             )
         self._host: dict[int, tuple[np.ndarray, np.ndarray]] = {}
 

@@ -26,12 +26,12 @@ from typing import Protocol, runtime_checkable
 import torch
 
 from ..events import BatchStatus, DoneEvent, Event, SamplingParams, TokenEvent, tokens_per_second
-from ..generate import UBATCH, ContextFull, decode_one, one_torch_thread, prefill
+from ..generate import UBATCH, ContextFull, Model, decode_one, one_torch_thread, prefill
 from ..kernels import threads
 from ..kernels.layer_halves import FEW_ROWS
 from ..nn.layers import KVCache
 from ..sampling import sample
-from ..text.tokenizer import Tokenizer
+from ..text.tokenizer import StreamDecoder, Tokenizer
 from .slots import Slots
 
 logger = logging.getLogger(__name__)
@@ -44,10 +44,6 @@ class Stepper(Protocol):
     """A model that runs one token of each of several sequences in one step (`DecoderBase.step`)."""
 
     def step(self, tokens: Sequence[int], caches: Sequence[KVCache]) -> torch.Tensor: ...
-
-
-class Model(Protocol):
-    def __call__(self, tokens: torch.Tensor, pos0: int, cache: KVCache, last_only: bool = False) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True)
@@ -66,6 +62,7 @@ class Stream:
 
     ask: Ask
     emit: Callable[[Event], None]
+    decoder: StreamDecoder  # the reply's text, token by token
     stop: threading.Event = field(default_factory=threading.Event)
     slot: int = -1
     cache: KVCache | None = None
@@ -75,7 +72,6 @@ class Stream:
     history: list[int] = field(default_factory=list)
     replied: list[int] = field(default_factory=list)
     gen: torch.Generator | None = None
-    decoder: object = None
     t0: float = 0.0
     t1: float = 0.0
     first: float = 0.0
@@ -109,7 +105,7 @@ class Batcher:
             raise ValueError("empty prompt")
         if len(ask.prompt) >= self.slots.n_ctx:
             raise ContextFull(f"the prompt needs {len(ask.prompt)} positions; the context holds {self.slots.n_ctx}")
-        stream = Stream(ask, emit)
+        stream = Stream(ask, emit, self.tokenizer.stream_decoder())
         with self._lock:
             self._queue.append(stream)
         return stream
@@ -188,7 +184,6 @@ class Batcher:
         s.history = list(prompt)
         seed = s.ask.params.seed if s.ask.params.seed is not None else int(time.time_ns() % 2**63)
         s.gen = torch.Generator("cpu").manual_seed(seed)
-        s.decoder = self.tokenizer.stream_decoder()
         if kept is not None:
             s.t1 = s.last = time.perf_counter()
 
@@ -218,7 +213,7 @@ class Batcher:
         now = time.perf_counter()
         if n == 0:
             s.first = now
-        s.emit(TokenEvent(tok, s.decoder.push(tok), n, now - s.last))  # type: ignore[attr-defined]
+        s.emit(TokenEvent(tok, s.decoder.push(tok), n, now - s.last))
         s.last = now
         if n + 1 >= ask.max_tokens:
             return self._finish(s, "length")
@@ -240,7 +235,7 @@ class Batcher:
             s.logits = decode_one(self.model, tok, cache)
 
     def _finish(self, s: Stream, reason: str) -> bool:
-        tail = s.decoder.flush()  # type: ignore[attr-defined]
+        tail = s.decoder.flush()
         n = len(s.replied)
         if tail:
             s.emit(TokenEvent(-1, tail, n))
@@ -265,12 +260,11 @@ class Batcher:
         for s in ended:
             self.slots.give_back(s.slot, [*s.ask.prompt, *s.replied])
 
-    def fail_all(self, error: BaseException) -> list[Stream]:
-        """After a step raised: every stream ends; their slots start empty. Returns them (their callers hear why)."""
+    def fail_all(self) -> None:
+        """After a step raised: every stream ends (its caller says why); the slots start empty."""
         with self._lock:
             streams = [*self._active, *self._queue]
             self._active, self._queue = [], deque()
         for s in streams:
             s.done = True
         self.slots.clear()
-        return streams
